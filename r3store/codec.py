@@ -1,0 +1,249 @@
+"""The storage encoding of one trajectory's routes.
+
+Chosen by measurement (see `bench/bench_codec.py` and docs/format.md): sorted ids in
+layer-major order compress best with zstd, because each layer's expert popularity
+differs and consecutive tokens of one layer repeat sets. Three streams, each a zstd
+frame:
+
+- ``ids``: `[L, T, K]` of the id dtype (uint8 when E <= 256, else little-endian uint16),
+  each token-layer's chosen experts ascending, then zeros in empty slots. With transform
+  ``DELTA`` slot k > 0 holds `(x[k] - x[k-1] - 1) mod 2**bits` instead of `x[k]`;
+  uniform routes compress better as gaps, skewed ones as plain ids, and the encoder
+  picks per trajectory by compressing a sample both ways.
+- ``counts``: `[L, T]` uint8, how many slots are chosen (0: no recorded route); absent
+  when every token-layer has K experts.
+- ``order`` (ordered specs only): for K <= 8, `[L, T]` uint16 Lehmer ranks of the
+  producer's slot order (log2(K!) bits of information in 16); for K > 8, `[L, T, K]`
+  uint8 where slot i of the producer's order holds sorted slot `order[i]`.
+
+All of it is pure: bytes in, arrays out, no I/O.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+import threading
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import zstandard
+
+from r3store.errors import CorruptShard
+from r3store.routes import SENTINEL, Routes, sort_planes
+from r3store.spec import RouteSpec
+
+LEHMER_MAX_K = 8
+SAMPLE_BYTES = 64 * 1024
+DEFAULT_LEVEL = 3
+
+
+class Transform(IntEnum):
+    SORTED = 0
+    DELTA = 1
+
+
+@dataclass(frozen=True)
+class EncodedRoutes:
+    """The stored streams of one trajectory and a digest of its canonical content."""
+
+    ids: bytes
+    counts: bytes | None
+    order: bytes | None
+    transform: Transform
+    digest: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.ids) + len(self.counts or b"") + len(self.order or b"")
+
+
+_local = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    cache: dict[int, zstandard.ZstdCompressor] = _local.__dict__.setdefault("compressors", {})
+    if level not in cache:
+        cache[level] = zstandard.ZstdCompressor(level=level)
+    return cache[level]
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    if not hasattr(_local, "decompressor"):
+        _local.decompressor = zstandard.ZstdDecompressor()
+    return _local.decompressor  # type: ignore[no-any-return]
+
+
+@functools.lru_cache(maxsize=LEHMER_MAX_K)
+def lehmer_table(k: int) -> npt.NDArray[np.uint8]:
+    """`[k!, k]`: row r is the permutation whose Lehmer rank is r (slot i <- sorted p[i])."""
+    table = np.empty((math.factorial(k), k), dtype=np.uint8)
+    for rank in range(table.shape[0]):
+        remaining = list(range(k))
+        rest = rank
+        for i in range(k):
+            digit, rest = divmod(rest, math.factorial(k - 1 - i))
+            table[rank, i] = remaining.pop(digit)
+    return table
+
+
+def _lehmer_rank(planes: list[npt.NDArray[Any]]) -> npt.NDArray[np.uint16]:
+    """Rank of each token-layer's slot order: digit i counts later slots holding less."""
+    k = len(planes)
+    rank = np.zeros(planes[0].shape, dtype=np.uint16)
+    for i in range(k - 1):
+        digit = np.zeros(planes[0].shape, dtype=np.uint8)
+        for j in range(i + 1, k):
+            np.add(digit, planes[j] < planes[i], out=digit, casting="unsafe")
+        rank += digit.astype(np.uint16) * np.uint16(math.factorial(k - 1 - i))
+    return rank
+
+
+def encode(
+    routes: Routes, spec: RouteSpec, level: int = DEFAULT_LEVEL, salt: bytes = b""
+) -> EncodedRoutes:
+    """Encode canonical routes (as `r3store.routes` makes them) into storage streams.
+
+    The digest covers the canonical content (not the compressed bytes) and `salt`,
+    which callers use for the trajectory's metadata.
+    """
+    layers = np.ascontiguousarray(routes.layers, dtype=spec.id_dtype)
+    counts = routes.layer_counts
+    order_raw = None
+    if spec.ordered:
+        planes = [layers[..., i].astype(np.uint16) for i in range(spec.top_k)]
+        if counts is not None:
+            for i, plane in enumerate(planes):
+                plane[counts <= i] = SENTINEL
+        ranked = sort_planes(planes)
+        if spec.top_k <= LEHMER_MAX_K:
+            order_raw = _lehmer_rank(planes).tobytes()
+        else:
+            work = np.stack(planes, axis=-1)
+            position = np.argsort(np.argsort(work, axis=-1, kind="stable"), axis=-1)
+            order_raw = position.astype(np.uint8).tobytes()
+        layers = np.stack(ranked, axis=-1)
+        if counts is not None:
+            layers[layers == SENTINEL] = 0
+        layers = layers.astype(spec.id_dtype)
+    raw = layers.reshape(-1)
+    counts_raw = b"" if counts is None else np.ascontiguousarray(counts, np.uint8).tobytes()
+    digest = hashlib.sha256()
+    digest.update(spec.id_dtype.str.encode() + np.array(layers.shape, np.int64).tobytes())
+    for part in (raw.data, counts_raw, order_raw or b"", salt):
+        digest.update(len(part).to_bytes(8, "little"))
+        digest.update(part)
+
+    compressor = _compressor(level)
+    delta = _delta(raw, spec.top_k) if spec.top_k > 1 else raw
+    sample = SAMPLE_BYTES // raw.itemsize
+    if raw.size <= 2 * sample:
+        plain_z, delta_z = compressor.compress(raw.data), compressor.compress(delta.data)
+        transform = Transform.DELTA if len(delta_z) < len(plain_z) else Transform.SORTED
+        ids_z = delta_z if transform is Transform.DELTA else plain_z
+    else:
+        plain_n = len(compressor.compress(raw[:sample].data))
+        delta_n = len(compressor.compress(delta[:sample].data))
+        transform = Transform.DELTA if delta_n < plain_n else Transform.SORTED
+        ids_z = compressor.compress((delta if transform is Transform.DELTA else raw).data)
+    return EncodedRoutes(
+        ids=ids_z,
+        counts=None if counts is None else compressor.compress(counts_raw),
+        order=None if order_raw is None else compressor.compress(order_raw),
+        transform=transform,
+        digest=digest.digest()[:16],
+    )
+
+
+def _delta(flat: npt.NDArray[Any], k: int) -> npt.NDArray[Any]:
+    """Per token-layer gaps: slot j > 0 becomes `x[j] - x[j-1] - 1` (mod 2**bits)."""
+    out = np.empty_like(flat)
+    with np.errstate(over="ignore"):
+        np.subtract(flat[1:], flat[:-1], out=out[1:])
+        out -= out.dtype.type(1)
+    out[::k] = flat[::k]
+    return out
+
+
+@functools.lru_cache(maxsize=32)
+def _slot_pattern(k: int, step: int, itemsize: int, size: int) -> npt.NDArray[Any]:
+    """`size` values, 1 where the slot index within its token-layer is >= step, else 0."""
+    dtype = np.dtype(f"u{itemsize}")
+    return np.tile((np.arange(k) >= step).astype(dtype), size // k)
+
+
+_PATTERN_TOKENS = 1 << 15
+
+
+def _undelta(flat: npt.NDArray[Any], k: int) -> None:
+    """Invert `_delta` in place: a prefix sum within each token-layer (Hillis-Steele)."""
+    chunk = k * _PATTERN_TOKENS
+    with np.errstate(over="ignore"):
+        for start in range(0, flat.size, chunk):
+            part = flat[start : start + chunk]
+            n = part.size
+            part += _slot_pattern(k, 1, flat.itemsize, chunk)[:n]
+            step = 1
+            while step < k:
+                carry = part[:-step] * _slot_pattern(k, step, flat.itemsize, chunk)[step:n]
+                part[step:] += carry
+                step *= 2
+
+
+def _unzstd(blob: bytes, expected: int, what: str) -> bytes:
+    try:
+        data = _decompressor().decompress(blob, max_output_size=expected)
+    except zstandard.ZstdError as exc:
+        raise CorruptShard(f"cannot decompress the {what} stream: {exc}") from exc
+    if len(data) != expected:
+        raise CorruptShard(f"the {what} stream holds {len(data)} bytes, expected {expected}")
+    return data
+
+
+def decode(
+    encoded: EncodedRoutes | tuple[bytes, bytes | None, bytes | None, int],
+    spec: RouteSpec,
+    num_tokens: int,
+) -> Routes:
+    """Decode storage streams back into canonical `Routes` (ids as a layer-major view)."""
+    if isinstance(encoded, EncodedRoutes):
+        ids_z, counts_z, order_z, transform = (
+            encoded.ids,
+            encoded.counts,
+            encoded.order,
+            int(encoded.transform),
+        )
+    else:
+        ids_z, counts_z, order_z, transform = encoded
+    layers, k = spec.num_layers, spec.top_k
+    shape = (layers, num_tokens, k)
+    n_ids = layers * num_tokens * k
+    raw = _unzstd(ids_z, n_ids * spec.id_dtype.itemsize, "ids")
+    ids = np.frombuffer(raw, dtype=spec.id_dtype).copy()
+    if transform == Transform.DELTA:
+        _undelta(ids, k)
+    elif transform != Transform.SORTED:
+        raise CorruptShard(f"unknown route transform {transform}")
+    counts = None
+    if counts_z is not None:
+        counts_raw = _unzstd(counts_z, layers * num_tokens, "counts")
+        counts = np.frombuffer(counts_raw, dtype=np.uint8).reshape(layers, num_tokens)
+    if spec.ordered:
+        if order_z is None:
+            raise CorruptShard("an ordered spec's row has no order stream")
+        if k <= LEHMER_MAX_K:
+            ranks_raw = _unzstd(order_z, layers * num_tokens * 2, "order")
+            ranks = np.frombuffer(ranks_raw, dtype=np.uint16).reshape(layers, num_tokens)
+            if k > 1 and int(ranks.max(initial=0)) >= math.factorial(k):
+                raise CorruptShard("order stream holds a rank past k!")
+            perm = lehmer_table(k)[ranks]
+        else:
+            perm_raw = _unzstd(order_z, n_ids, "order")
+            perm = np.frombuffer(perm_raw, dtype=np.uint8).reshape(shape)
+        base = np.arange(0, n_ids, k, dtype=np.intp).reshape(layers, num_tokens, 1)
+        ids = ids[perm + base]
+    return Routes(ids.reshape(shape), counts)

@@ -1,0 +1,290 @@
+"""Routes in memory: validation and conversion between the forms engines emit.
+
+Two input forms are accepted, both `[rows, L, ...]` with one row per token:
+
+- top-k ids `[rows, L, K]` of any integer dtype. `-1` marks an empty slot; a
+  token-layer whose slots are all `-1` has no recorded route.
+- bit-packed masks `[rows, L, ceil(E / 8)]` uint8. Expert `e` is bit `e % 8` (least
+  significant bit first) of byte `e // 8`, as `np.packbits(..., bitorder="little")`
+  writes it. Bits past `E` in the last byte must be zero. A token-layer with no bit set
+  has no recorded route. Masks are sets: an ordered namespace refuses them.
+
+`rows` is the trajectory's token count, or one less: engines never feed back the last
+sampled token, so they emit `num_tokens - 1` rows and the last token gets the
+no-route marker.
+
+The canonical form is `Routes`: for each token-layer, the chosen experts first (sorted
+ascending for sets, in the producer's order when the spec keeps it; empty slots are
+moved after the chosen ones), zeros in the empty slots, and a count of chosen slots
+(0: no recorded route). It is held layer-major, `[L, T, K]`, as it is stored and as a
+trainer replays it layer by layer; `Routes.ids` is the `[T, L, K]` view.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from r3store.errors import InvalidRoutes
+from r3store.spec import RouteSpec
+
+EMPTY = -1
+SENTINEL = 0xFFFF  # sorts after every expert id (E <= 65535)
+
+
+@dataclass(frozen=True, eq=False)
+class Routes:
+    """One trajectory's routes in canonical form (see the module docstring).
+
+    `layers` is `[L, T, K]` of the spec's id dtype; `layer_counts` is `[L, T]` uint8,
+    or None when every token-layer chose exactly K experts.
+    """
+
+    layers: npt.NDArray[Any]
+    layer_counts: npt.NDArray[np.uint8] | None = None
+
+    @property
+    def ids(self) -> npt.NDArray[Any]:
+        """`[T, L, K]` view of the ids."""
+        return self.layers.transpose(1, 0, 2)
+
+    @property
+    def counts(self) -> npt.NDArray[np.uint8]:
+        """`[T, L]` chosen slots per token-layer (0: no recorded route)."""
+        if self.layer_counts is None:
+            return np.full(self.layers.shape[1::-1], self.layers.shape[2], dtype=np.uint8)
+        return self.layer_counts.T
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.layers.shape[1])
+
+    @property
+    def num_token_layers(self) -> int:
+        return int(self.layers.shape[0] * self.layers.shape[1])
+
+    def slot_valid(self) -> npt.NDArray[np.bool_]:
+        """`[L, T, K]` bool: which slots hold a chosen expert."""
+        if self.layer_counts is None:
+            return np.ones(self.layers.shape, dtype=bool)
+        k = self.layers.shape[2]
+        return np.arange(k, dtype=np.uint8) < self.layer_counts[:, :, None]
+
+    def to_topk(self, fill: int = EMPTY, dtype: npt.DTypeLike = np.int16) -> npt.NDArray[Any]:
+        """Token-major ids `[T, L, K]` as `dtype`, with `fill` in empty slots."""
+        out = self.layers.astype(dtype)
+        if self.layer_counts is not None:
+            out[~self.slot_valid()] = fill
+        return np.ascontiguousarray(out.transpose(1, 0, 2))
+
+    def equals(self, other: Routes) -> bool:
+        """Same experts in the same slots and the same counts."""
+        return (
+            self.layers.shape == other.layers.shape
+            and bool(np.array_equal(self.counts, other.counts))
+            and bool(np.array_equal(self.to_topk(), other.to_topk()))
+        )
+
+
+def _where(shape: tuple[int, ...], flat: int, names: tuple[str, ...]) -> str:
+    index = np.unravel_index(flat, shape)
+    return ", ".join(f"{n} {int(i)}" for n, i in zip(names, index, strict=True))
+
+
+def _first(bad_lt: npt.NDArray[np.bool_]) -> str:
+    """Token-major position of the first True in a layer-major `[L, T]` array."""
+    return _where(bad_lt.T.shape, int(np.flatnonzero(bad_lt.T)[0]), ("token", "layer"))
+
+
+def _check_rows(rows: int, num_tokens: int) -> None:
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+        raise InvalidRoutes(f"num_tokens must be a positive integer, got {num_tokens!r}")
+    if rows not in (num_tokens, num_tokens - 1):
+        raise InvalidRoutes(
+            f"routes have {rows} rows but the trajectory has {num_tokens} tokens "
+            f"(expected {num_tokens} or {num_tokens - 1} rows)"
+        )
+
+
+@functools.lru_cache(maxsize=64)
+def sorting_network(n: int) -> tuple[tuple[int, int], ...]:
+    """Batcher's odd-even merge sort comparators for `n` inputs (padded to a power of two)."""
+    size = 1
+    while size < n:
+        size *= 2
+    pairs: list[tuple[int, int]] = []
+    p = 1
+    while p < size:
+        k = p
+        while k >= 1:
+            for j in range(k % p, size - k, 2 * k):
+                for i in range(min(k, size - j - k)):
+                    if (i + j) // (2 * p) == (i + j + k) // (2 * p):
+                        pairs.append((i + j, i + j + k))
+            k //= 2
+        p *= 2
+    return tuple((a, b) for a, b in pairs if b < n)
+
+
+def sort_planes(planes: list[npt.NDArray[Any]]) -> list[npt.NDArray[Any]]:
+    """Sort K same-shaped arrays element-wise with a vectorised sorting network.
+
+    Far faster than `np.sort` along a short last axis: each comparator is one
+    `np.minimum`/`np.maximum` over all token-layers at once.
+    """
+    planes = list(planes)
+    for a, b in sorting_network(len(planes)):
+        low = np.minimum(planes[a], planes[b])
+        planes[b] = np.maximum(planes[a], planes[b])
+        planes[a] = low
+    return planes
+
+
+def layer_planes(ids: npt.NDArray[Any], dtype: npt.DTypeLike) -> list[npt.NDArray[Any]]:
+    """`[T, L, K]` -> K contiguous layer-major `[L, T]` arrays of `dtype`."""
+    layer_major = np.ascontiguousarray(ids.astype(dtype, copy=False).transpose(1, 0, 2))
+    return [np.ascontiguousarray(layer_major[..., i]) for i in range(ids.shape[2])]
+
+
+def from_topk(ids: Any, spec: RouteSpec, num_tokens: int) -> Routes:
+    """Validate top-k ids `[rows, L, K]` and return canonical `Routes`.
+
+    Raises `InvalidRoutes` naming the first offending position.
+    """
+    arr = np.asarray(ids)
+    if arr.dtype.kind not in "iu":
+        raise InvalidRoutes(f"top-k ids must be integers, got dtype {arr.dtype}")
+    want = (spec.num_layers, spec.top_k)
+    if arr.ndim != 3 or arr.shape[1:] != want:
+        raise InvalidRoutes(
+            f"top-k ids must have shape [rows, {want[0]}, {want[1]}], got {list(arr.shape)}"
+        )
+    _check_rows(arr.shape[0], num_tokens)
+    counts = None
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= spec.num_experts):
+        wide = arr.astype(np.int32)
+        bad = (wide < EMPTY) | (wide >= spec.num_experts)
+        if bad.any():
+            flat = int(np.flatnonzero(bad)[0])
+            raise InvalidRoutes(
+                f"expert id {int(wide.flat[flat])} out of range [0, {spec.num_experts}) at "
+                + _where(arr.shape, flat, ("token", "layer", "slot"))
+            )
+        empty = wide == EMPTY
+        counts = np.ascontiguousarray((spec.top_k - empty.sum(axis=-1, dtype=np.int32)).T)
+        _check_counts(counts, spec)
+        planes = layer_planes(np.where(empty, SENTINEL, wide), np.uint16)
+    else:
+        planes = layer_planes(arr, spec.id_dtype)
+    ranked = sort_planes(planes)
+    for low, high in itertools.pairwise(ranked):
+        dup = low == high
+        if counts is not None:
+            dup &= high != SENTINEL
+        if dup.any():
+            layer, token = np.unravel_index(int(np.flatnonzero(dup.T)[0]), dup.T.shape)[::-1]
+            raise InvalidRoutes(
+                f"expert {int(high[layer, token])} chosen twice at token {token}, layer {layer}"
+            )
+    chosen = planes if spec.ordered else ranked
+    layers = np.stack(chosen, axis=-1)
+    if counts is not None:
+        if spec.ordered:  # move empty slots after the chosen ones, keeping their order
+            slot_order = np.argsort(layers == SENTINEL, axis=-1, kind="stable")
+            layers = np.take_along_axis(layers, slot_order, axis=-1)
+        layers[layers == SENTINEL] = 0
+    return _pad_last_row(Routes(layers.astype(spec.id_dtype, copy=False), counts), num_tokens)
+
+
+def _check_counts(counts: npt.NDArray[Any], spec: RouteSpec) -> None:
+    if spec.allow_fewer:
+        return
+    bad = (counts != 0) & (counts != spec.top_k)
+    if bad.any():
+        layer, token = np.unravel_index(int(np.flatnonzero(bad.T)[0]), bad.T.shape)[::-1]
+        raise InvalidRoutes(
+            f"token {token}, layer {layer} has {int(counts[layer, token])} experts; "
+            f"the spec wants exactly {spec.top_k} (or none, for an unrecorded route)"
+        )
+
+
+def _pad_last_row(routes: Routes, num_tokens: int) -> Routes:
+    """Append a no-route token when the engine sent `num_tokens - 1` rows."""
+    layers = routes.layers
+    counts = None if routes.layer_counts is None else routes.layer_counts.astype(np.uint8)
+    if layers.shape[1] < num_tokens:
+        pad = np.zeros((layers.shape[0], 1, layers.shape[2]), layers.dtype)
+        layers = np.concatenate([layers, pad], axis=1)
+        if counts is None:
+            counts = np.full(routes.layers.shape[:2], layers.shape[2], dtype=np.uint8)
+        counts = np.concatenate([counts, np.zeros((counts.shape[0], 1), np.uint8)], axis=1)
+    return Routes(layers, counts)
+
+
+def from_mask(mask: Any, spec: RouteSpec, num_tokens: int) -> Routes:
+    """Validate bit-packed masks `[rows, L, ceil(E/8)]` and return canonical `Routes`."""
+    if spec.ordered:
+        raise InvalidRoutes(
+            "this namespace keeps the top-k order; masks cannot carry it, send top-k ids"
+        )
+    arr = np.asarray(mask)
+    if arr.dtype != np.uint8:
+        raise InvalidRoutes(f"masks must be uint8, got dtype {arr.dtype}")
+    want = (spec.num_layers, spec.mask_bytes)
+    if arr.ndim != 3 or arr.shape[1:] != want:
+        raise InvalidRoutes(
+            f"masks must have shape [rows, {want[0]}, {want[1]}], got {list(arr.shape)}"
+        )
+    rows = arr.shape[0]
+    _check_rows(rows, num_tokens)
+    lm = np.ascontiguousarray(arr.transpose(1, 0, 2))  # [L, rows, B]
+    spare = spec.mask_bytes * 8 - spec.num_experts
+    if spare:
+        bad = (lm[..., -1] >> np.uint8(8 - spare)) != 0
+        if bad.any():
+            raise InvalidRoutes(f"bits set past expert {spec.num_experts - 1} at {_first(bad)}")
+    counts = np.bitwise_count(lm).sum(axis=-1, dtype=np.int32)
+    too_many = counts > spec.top_k
+    if too_many.any():
+        layer, token = np.unravel_index(int(np.flatnonzero(too_many.T)[0]), too_many.T.shape)[::-1]
+        raise InvalidRoutes(
+            f"token {token}, layer {layer} has {int(counts[layer, token])} bits set; "
+            f"top_k is {spec.top_k}"
+        )
+    _check_counts(counts, spec)
+    n = spec.num_layers * rows
+    flat_counts = counts.reshape(n)
+    bits = np.unpackbits(lm.reshape(n, spec.mask_bytes), axis=-1, bitorder="little")
+    row, expert = np.nonzero(bits)
+    starts = np.zeros(n, dtype=np.int64)
+    np.cumsum(flat_counts[:-1], out=starts[1:])
+    ids = np.zeros((n, spec.top_k), dtype=spec.id_dtype)
+    ids[row, np.arange(row.size, dtype=np.int64) - starts[row]] = expert
+    full = bool((flat_counts == spec.top_k).all())
+    layers = ids.reshape(spec.num_layers, rows, spec.top_k)
+    layer_counts = None if full else counts.astype(np.uint8)
+    return _pad_last_row(Routes(layers, layer_counts), num_tokens)
+
+
+def to_mask(routes: Routes, spec: RouteSpec) -> npt.NDArray[np.uint8]:
+    """Token-major bit-packed masks `[T, L, ceil(E/8)]` (bit order as in the module docstring)."""
+    layers = routes.layers
+    n_words = (spec.num_experts + 63) // 64
+    words = np.zeros((n_words, *layers.shape[:2]), dtype=np.uint64)
+    valid = None if routes.layer_counts is None else routes.slot_valid()
+    for k in range(layers.shape[2]):
+        ids = layers[..., k].astype(np.uint64)
+        bit = np.left_shift(np.uint64(1), ids & np.uint64(63))
+        if valid is not None:
+            bit *= valid[..., k]
+        word = ids >> np.uint64(6)
+        for w in range(n_words):
+            words[w] |= bit * (word == w) if n_words > 1 else bit
+    packed = words.astype("<u8").transpose(2, 1, 0)  # [T, L, W]
+    as_bytes = np.ascontiguousarray(packed).view(np.uint8)
+    return np.ascontiguousarray(as_bytes[..., : spec.mask_bytes])

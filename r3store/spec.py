@@ -1,0 +1,67 @@
+"""The route spec: the shape of one namespace's routing decisions."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from r3store.errors import InvalidSpec
+
+MAX_EXPERTS = 65535
+MAX_TOP_K = 64
+MAX_LAYERS = 4096
+
+
+@dataclass(frozen=True)
+class RouteSpec:
+    """What a namespace's routes look like.
+
+    `RouteSpec(num_layers=48, num_experts=128, top_k=8)` describes Qwen3-30B-A3B.
+    `ordered=True` keeps the top-k order as the engine emitted it (slime relies on it);
+    otherwise routes are sets and come back sorted by expert id. `allow_fewer=True`
+    accepts token-layers with fewer than `top_k` experts (capacity drops).
+    """
+
+    num_layers: int
+    num_experts: int
+    top_k: int
+    ordered: bool = False
+    allow_fewer: bool = False
+    model: str = ""
+
+    def __post_init__(self) -> None:
+        for name, value, high in (
+            ("num_layers", self.num_layers, MAX_LAYERS),
+            ("num_experts", self.num_experts, MAX_EXPERTS),
+            ("top_k", self.top_k, MAX_TOP_K),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+                raise InvalidSpec(f"{name} must be an integer in [1, {high}], got {value!r}")
+        if self.top_k > self.num_experts:
+            raise InvalidSpec(f"top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
+        if len(self.model) > 200:
+            raise InvalidSpec("model name is longer than 200 characters")
+
+    @property
+    def id_dtype(self) -> np.dtype[Any]:
+        """The smallest unsigned dtype that holds every expert id."""
+        return np.dtype(np.uint8) if self.num_experts <= 256 else np.dtype(np.uint16)
+
+    @property
+    def mask_bytes(self) -> int:
+        """Bytes of one token-layer's bit-packed mask: ceil(E / 8)."""
+        return (self.num_experts + 7) // 8
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RouteSpec:
+        try:
+            data = json.loads(text)
+            return cls(**data)
+        except (ValueError, TypeError) as exc:
+            raise InvalidSpec(f"cannot parse route spec: {exc}") from exc
