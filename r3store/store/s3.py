@@ -1,0 +1,198 @@
+"""An S3 object store over boto3 (AWS S3, MinIO, SeaweedFS)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
+from r3store.errors import ObjectExists, ObjectNotFound, R3StoreError, StoreError
+from r3store.store.base import ByteRange, ObjectInfo, ObjectStore, check_key
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3 import S3Client
+
+_NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
+_EXISTS = {"PreconditionFailed", "412", "ConditionalRequestConflict"}
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class S3Config:
+    """Where and how to reach the bucket.
+
+    `S3Config(bucket="r3store", endpoint_url="http://127.0.0.1:9000",
+    access_key_id="...", secret_access_key="...")`; leave `endpoint_url` empty for AWS.
+    """
+
+    bucket: str
+    endpoint_url: str | None = None
+    region: str = "us-east-1"
+    access_key_id: str | None = None
+    secret_access_key: str | None = None
+    prefix: str = ""
+    max_attempts: int = 5
+    connect_timeout: float = 5.0
+    read_timeout: float = 60.0
+    max_pool_connections: int = 32
+    multipart_threshold: int = 64 * MiB
+    part_size: int = 16 * MiB
+
+
+def translate(exc: Exception, key: str) -> R3StoreError:
+    """The one place where boto errors become the project's."""
+    if isinstance(exc, ClientError):
+        code = str(exc.response.get("Error", {}).get("Code", ""))
+        status = str(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+        if code in _NOT_FOUND or status == "404":
+            return ObjectNotFound(f"no object {key!r}")
+        if code in _EXISTS or status == "412":
+            return ObjectExists(f"object {key!r} already exists")
+        return StoreError(f"S3 {code or status} on {key!r}: {exc}")
+    return StoreError(f"S3 unreachable on {key!r}: {exc}")
+
+
+class S3Store(ObjectStore):
+    """Objects in one bucket, under an optional key prefix.
+
+    boto3's standard retry mode retries throttling and transient errors with
+    exponential backoff. `put_if_absent` sends `If-None-Match: *`, so the server
+    refuses to overwrite; objects over `multipart_threshold` go up in parts and the
+    condition is checked when the upload completes.
+    """
+
+    def __init__(self, config: S3Config) -> None:
+        self.config = config
+        self.bucket = config.bucket
+        self._prefix = config.prefix.strip("/") + "/" if config.prefix.strip("/") else ""
+        self._client: S3Client = boto3.client(
+            "s3",
+            endpoint_url=config.endpoint_url or None,
+            region_name=config.region,
+            aws_access_key_id=config.access_key_id,
+            aws_secret_access_key=config.secret_access_key,
+            config=Config(
+                retries={"max_attempts": config.max_attempts, "mode": "standard"},
+                connect_timeout=config.connect_timeout,
+                read_timeout=config.read_timeout,
+                max_pool_connections=config.max_pool_connections,
+                s3={"addressing_style": "path"},
+            ),
+        )
+
+    @property
+    def description(self) -> str:
+        where = self.config.endpoint_url or "AWS"
+        return f"S3 bucket {self.bucket!r} at {where}"
+
+    def _key(self, key: str) -> str:
+        return self._prefix + check_key(key)
+
+    def get(self, key: str, byte_range: ByteRange | None = None) -> bytes:
+        args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._key(key)}
+        if byte_range is not None:
+            args["Range"] = f"bytes={byte_range.start}-{byte_range.end - 1}"
+        try:
+            body = self._client.get_object(**args)["Body"]
+            try:
+                return body.read()
+            finally:
+                body.close()
+        except (ClientError, BotoCoreError) as exc:
+            raise translate(exc, key) from exc
+
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        self._upload(key, data, conditional=False)
+
+    def put_if_absent(self, key: str, data: bytes | memoryview) -> None:
+        self._upload(key, data, conditional=True)
+
+    def _upload(self, key: str, data: bytes | memoryview, conditional: bool) -> None:
+        full = self._key(key)
+        extra: dict[str, Any] = {"IfNoneMatch": "*"} if conditional else {}
+        try:
+            if len(data) <= self.config.multipart_threshold:
+                self._client.put_object(Bucket=self.bucket, Key=full, Body=bytes(data), **extra)
+            else:
+                self._multipart(full, memoryview(data), extra)
+        except (ClientError, BotoCoreError) as exc:
+            raise translate(exc, key) from exc
+
+    def _multipart(self, full: str, data: memoryview, extra: dict[str, Any]) -> None:
+        upload = self._client.create_multipart_upload(Bucket=self.bucket, Key=full)
+        upload_id = upload["UploadId"]
+        try:
+            parts = []
+            size = self.config.part_size
+            for number, start in enumerate(range(0, len(data), size), start=1):
+                part = self._client.upload_part(
+                    Bucket=self.bucket,
+                    Key=full,
+                    UploadId=upload_id,
+                    PartNumber=number,
+                    Body=bytes(data[start : start + size]),
+                )
+                parts.append({"ETag": part["ETag"], "PartNumber": number})
+            self._client.complete_multipart_upload(
+                Bucket=self.bucket,
+                Key=full,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": parts},  # type: ignore[typeddict-item]
+                **extra,
+            )
+        except BaseException:
+            with contextlib.suppress(ClientError, BotoCoreError):
+                self._client.abort_multipart_upload(
+                    Bucket=self.bucket, Key=full, UploadId=upload_id
+                )
+            raise
+
+    def head(self, key: str) -> ObjectInfo:
+        try:
+            meta = self._client.head_object(Bucket=self.bucket, Key=self._key(key))
+        except (ClientError, BotoCoreError) as exc:
+            raise translate(exc, key) from exc
+        return ObjectInfo(key, int(meta["ContentLength"]), meta["LastModified"].timestamp())
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        paginator = self._client.get_paginator("list_objects_v2")
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=self._prefix + prefix):
+                for item in page.get("Contents", []):
+                    key = item["Key"][len(self._prefix) :]
+                    yield ObjectInfo(key, int(item["Size"]), item["LastModified"].timestamp())
+        except (ClientError, BotoCoreError) as exc:
+            raise translate(exc, prefix) from exc
+
+    def delete(self, key: str) -> None:
+        try:
+            self._client.delete_object(Bucket=self.bucket, Key=self._key(key))
+        except (ClientError, BotoCoreError) as exc:
+            err = translate(exc, key)
+            if not isinstance(err, ObjectNotFound):
+                raise err from exc
+
+    def ping(self) -> None:
+        try:
+            self._client.head_bucket(Bucket=self.bucket)
+        except (ClientError, BotoCoreError) as exc:
+            raise StoreError(f"cannot reach {self.description}: {exc}") from exc
+
+    def create_bucket(self) -> None:
+        """Create the bucket if it does not exist (for tests and first runs)."""
+        try:
+            self._client.create_bucket(Bucket=self.bucket)
+        except ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code", "")
+            if code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                raise translate(exc, self.bucket) from exc
+        except BotoCoreError as exc:
+            raise translate(exc, self.bucket) from exc
+
+    def close(self) -> None:
+        self._client.close()
