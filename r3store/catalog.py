@@ -1,0 +1,271 @@
+"""The catalog: which shard and row holds each trajectory, on SQLAlchemy Core.
+
+SQLite by default (WAL, synchronous FULL: a committed write survives a crash);
+any SQLAlchemy URL works with the same code. The object store is the source of truth:
+`r3store.rebuild` can make the catalog again from the shards alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+
+from r3store.errors import Conflict, NotFound, StoreError
+from r3store.spec import RouteSpec
+
+metadata = sa.MetaData()
+
+namespaces = sa.Table(
+    "namespaces",
+    metadata,
+    sa.Column("name", sa.String(128), primary_key=True),
+    sa.Column("spec", sa.Text, nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("policy_version", sa.BigInteger, nullable=False, default=0),
+)
+
+shards = sa.Table(
+    "shards",
+    metadata,
+    sa.Column("key", sa.String(512), primary_key=True),
+    sa.Column("namespace", sa.String(128), nullable=False, index=True),
+    sa.Column("size", sa.BigInteger, nullable=False),
+    sa.Column("footer_length", sa.Integer, nullable=False),
+    sa.Column("num_rows", sa.Integer, nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+)
+
+trajectories = sa.Table(
+    "trajectories",
+    metadata,
+    sa.Column("namespace", sa.String(128), primary_key=True),
+    sa.Column("trajectory_id", sa.String(256), primary_key=True),
+    sa.Column("group_id", sa.String(256)),
+    sa.Column("policy_version", sa.BigInteger, nullable=False),
+    sa.Column("num_tokens", sa.Integer, nullable=False),
+    sa.Column("prompt_len", sa.Integer, nullable=False),
+    sa.Column("digest", sa.LargeBinary(16), nullable=False),
+    sa.Column("route_bytes", sa.BigInteger, nullable=False),
+    sa.Column("shard_key", sa.String(512), nullable=False, index=True),
+    sa.Column("row_group", sa.Integer, nullable=False),
+    sa.Column("row_index", sa.Integer, nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Index("ix_trajectories_group", "namespace", "group_id"),
+    sa.Index("ix_trajectories_version", "namespace", "policy_version"),
+)
+
+_BATCH = 500  # ids per IN (...) query
+
+
+@dataclass(frozen=True)
+class NamespaceInfo:
+    name: str
+    spec: RouteSpec
+    created_at: float
+    policy_version: int
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    key: str
+    namespace: str
+    size: int
+    footer_length: int
+    num_rows: int
+    created_at: float
+
+
+@dataclass(frozen=True)
+class TrajectoryEntry:
+    """A trajectory's catalog row: its metadata and where its routes lie."""
+
+    namespace: str
+    trajectory_id: str
+    group_id: str | None
+    policy_version: int
+    num_tokens: int
+    prompt_len: int
+    digest: bytes
+    route_bytes: int
+    shard_key: str
+    row_group: int
+    row_index: int
+    created_at: float
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=FULL")
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.close()
+
+
+class Catalog:
+    """Catalog queries. Thread-safe: each call takes its own connection from the pool."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        kwargs: dict[str, Any] = {}
+        if url.startswith("sqlite"):
+            kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
+        self._engine: Engine = sa.create_engine(url, **kwargs)
+        if url.startswith("sqlite"):
+            sa.event.listen(self._engine, "connect", _sqlite_pragmas)
+        try:
+            metadata.create_all(self._engine)
+        except SQLAlchemyError as exc:
+            raise StoreError(f"cannot open the catalog at {url}: {exc}") from exc
+
+    def close(self) -> None:
+        self._engine.dispose()
+
+    def ping(self) -> None:
+        try:
+            with self._engine.connect() as conn:
+                conn.execute(sa.text("SELECT 1"))
+        except SQLAlchemyError as exc:
+            raise StoreError(f"catalog unreachable: {exc}") from exc
+
+    # namespaces
+
+    def create_namespace(
+        self, name: str, spec: RouteSpec, created_at: float | None = None
+    ) -> NamespaceInfo:
+        """Create a namespace; creating it again with the same spec returns it."""
+        try:
+            with self._engine.begin() as conn:
+                conn.execute(
+                    namespaces.insert().values(
+                        name=name,
+                        spec=spec.to_json(),
+                        created_at=time.time() if created_at is None else created_at,
+                        policy_version=0,
+                    )
+                )
+        except IntegrityError:
+            existing = self.namespace(name)
+            if existing.spec != spec:
+                raise Conflict(
+                    f"namespace {name!r} exists with another route spec ({existing.spec})"
+                ) from None
+            return existing
+        return self.namespace(name)
+
+    def namespace(self, name: str) -> NamespaceInfo:
+        with self._engine.connect() as conn:
+            row = conn.execute(sa.select(namespaces).where(namespaces.c.name == name)).first()
+        if row is None:
+            raise NotFound(f"no namespace {name!r}")
+        return NamespaceInfo(
+            row.name, RouteSpec.from_json(row.spec), row.created_at, row.policy_version
+        )
+
+    def list_namespaces(self) -> list[NamespaceInfo]:
+        with self._engine.connect() as conn:
+            rows = conn.execute(sa.select(namespaces).order_by(namespaces.c.name)).all()
+        return [
+            NamespaceInfo(r.name, RouteSpec.from_json(r.spec), r.created_at, r.policy_version)
+            for r in rows
+        ]
+
+    # trajectories
+
+    def _select(self, namespace: str) -> sa.Select[Any]:
+        return sa.select(trajectories).where(trajectories.c.namespace == namespace)
+
+    def lookup(self, namespace: str, ids: Iterable[str]) -> dict[str, TrajectoryEntry]:
+        """Entries of the ids that exist (missing ids are simply absent)."""
+        wanted = list(dict.fromkeys(ids))
+        found: dict[str, TrajectoryEntry] = {}
+        with self._engine.connect() as conn:
+            for start in range(0, len(wanted), _BATCH):
+                part = wanted[start : start + _BATCH]
+                query = self._select(namespace).where(trajectories.c.trajectory_id.in_(part))
+                for row in conn.execute(query):
+                    found[row.trajectory_id] = TrajectoryEntry(**row._mapping)
+        return found
+
+    def by_group(self, namespace: str, group_id: str) -> list[TrajectoryEntry]:
+        query = self._select(namespace).where(trajectories.c.group_id == group_id)
+        return self._entries(query.order_by(trajectories.c.trajectory_id))
+
+    def by_versions(self, namespace: str, low: int, high: int) -> list[TrajectoryEntry]:
+        """Trajectories with `low <= policy_version <= high`, oldest first."""
+        query = self._select(namespace).where(trajectories.c.policy_version.between(low, high))
+        return self._entries(
+            query.order_by(trajectories.c.created_at, trajectories.c.trajectory_id)
+        )
+
+    def _entries(self, query: sa.Select[Any]) -> list[TrajectoryEntry]:
+        with self._engine.connect() as conn:
+            return [TrajectoryEntry(**row._mapping) for row in conn.execute(query)]
+
+    def count(self, namespace: str) -> int:
+        with self._engine.connect() as conn:
+            query = sa.select(sa.func.count()).select_from(trajectories)
+            return int(
+                conn.execute(query.where(trajectories.c.namespace == namespace)).scalar_one()
+            )
+
+    # shards
+
+    def shard(self, key: str) -> ShardInfo:
+        with self._engine.connect() as conn:
+            row = conn.execute(sa.select(shards).where(shards.c.key == key)).first()
+        if row is None:
+            raise NotFound(f"no shard {key!r} in the catalog")
+        return ShardInfo(**row._mapping)
+
+    def shards_of(self, keys: Iterable[str]) -> dict[str, ShardInfo]:
+        wanted = list(dict.fromkeys(keys))
+        out: dict[str, ShardInfo] = {}
+        with self._engine.connect() as conn:
+            for start in range(0, len(wanted), _BATCH):
+                query = sa.select(shards).where(shards.c.key.in_(wanted[start : start + _BATCH]))
+                for row in conn.execute(query):
+                    out[row.key] = ShardInfo(**row._mapping)
+        return out
+
+    def commit_shard(self, shard: ShardInfo, entries: Sequence[TrajectoryEntry]) -> None:
+        """Record a stored shard and its rows in one transaction: all visible, or none."""
+        try:
+            with self._engine.begin() as conn:
+                self._insert(conn, shard, entries)
+        except IntegrityError as exc:
+            raise Conflict(f"trajectory ids already in the catalog: {exc.orig}") from exc
+        except SQLAlchemyError as exc:
+            raise StoreError(f"catalog commit failed: {exc}") from exc
+
+    @staticmethod
+    def _insert(conn: Connection, shard: ShardInfo, entries: Sequence[TrajectoryEntry]) -> None:
+        conn.execute(shards.insert().values(**shard.__dict__))
+        if entries:
+            conn.execute(trajectories.insert(), [e.__dict__ for e in entries])
+
+    def replace_all(
+        self,
+        spaces: Sequence[NamespaceInfo],
+        contents: Iterator[tuple[ShardInfo, list[TrajectoryEntry]]],
+    ) -> None:
+        """Empty the catalog and fill it again, in one transaction (used by rebuilds)."""
+        with self._engine.begin() as conn:
+            for table in (trajectories, shards, namespaces):
+                conn.execute(table.delete())
+            for ns in spaces:
+                conn.execute(
+                    namespaces.insert().values(
+                        name=ns.name,
+                        spec=ns.spec.to_json(),
+                        created_at=ns.created_at,
+                        policy_version=ns.policy_version,
+                    )
+                )
+            for shard, entries in contents:
+                self._insert(conn, shard, entries)

@@ -1,0 +1,124 @@
+"""Rebuild the catalog from the object store alone (the store is the source of truth)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from r3store.catalog import Catalog, NamespaceInfo, ShardInfo, TrajectoryEntry
+from r3store.engine import NAMESPACE_PREFIX
+from r3store.errors import CorruptShard, R3StoreError
+from r3store.shard import META_CREATED, SHARD_PREFIX, places_of, shard_spec
+from r3store.spec import RouteSpec
+from r3store.store.base import ObjectStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RebuildReport:
+    namespaces: int = 0
+    shards: int = 0
+    trajectories: int = 0
+    duplicates: int = 0  # same id and content in more than one shard: kept once
+    conflicts: list[str] = field(default_factory=list)  # same id, other content: first kept
+    skipped: list[str] = field(default_factory=list)  # unreadable objects
+
+
+def _load_shard(
+    store: ObjectStore, key: str, size: int
+) -> tuple[ShardInfo, RouteSpec, list[TrajectoryEntry]]:
+    data = store.get(key)
+    try:
+        pf = pq.ParquetFile(pa.BufferReader(data))
+        table = pf.read()
+    except (pa.ArrowException, OSError) as exc:
+        raise CorruptShard(f"cannot read {key}: {exc}") from exc
+    metadata = pf.metadata
+    namespace, spec = shard_spec(metadata)
+    created = float((metadata.metadata or {}).get(META_CREATED, b"0"))
+    footer_length = int.from_bytes(data[-8:-4], "little")
+    sizes = pc.binary_length(table.column("route_ids")).to_pylist()
+    for name in ("route_counts", "route_order"):
+        extra = pc.fill_null(pc.binary_length(table.column(name)), 0).to_pylist()
+        sizes = [a + b for a, b in zip(sizes, extra, strict=True)]
+    rows = table.select(
+        ["trajectory_id", "group_id", "policy_version", "num_tokens", "prompt_len", "digest"]
+    ).to_pylist()
+    entries = [
+        TrajectoryEntry(
+            namespace=namespace,
+            route_bytes=nbytes,
+            shard_key=key,
+            row_group=place.row_group,
+            row_index=place.row,
+            created_at=created,
+            **row,
+        )
+        for row, place, nbytes in zip(rows, places_of(metadata), sizes, strict=True)
+    ]
+    shard = ShardInfo(key, namespace, size, footer_length, len(entries), created)
+    return shard, spec, entries
+
+
+def rebuild_catalog(
+    store: ObjectStore,
+    catalog: Catalog,
+    progress: Callable[[int, int], None] | None = None,
+) -> RebuildReport:
+    """Replace the catalog's content with what the shards and namespace manifests hold.
+
+    Shards are read oldest first (their keys are time-ordered); a trajectory id found
+    in several shards keeps its first copy. `progress(done, total)` is called per shard.
+    """
+    report = RebuildReport()
+    spaces: dict[str, NamespaceInfo] = {}
+    for info in store.list(NAMESPACE_PREFIX):
+        try:
+            manifest = json.loads(store.get(info.key))
+            spec = RouteSpec(**manifest["spec"])
+            spaces[manifest["name"]] = NamespaceInfo(
+                manifest["name"], spec, float(manifest["created_at"]), 0
+            )
+        except (ValueError, KeyError, TypeError, R3StoreError) as exc:
+            report.skipped.append(f"{info.key}: {exc}")
+    objects = [info for info in store.list(SHARD_PREFIX) if info.key.endswith(".parquet")]
+    loaded: list[tuple[ShardInfo, list[TrajectoryEntry]]] = []
+    seen: dict[tuple[str, str], bytes] = {}
+    for done, info in enumerate(objects, start=1):
+        try:
+            shard, spec, entries = _load_shard(store, info.key, info.size)
+        except R3StoreError as exc:
+            log.warning("skipping %s: %s", info.key, exc)
+            report.skipped.append(f"{info.key}: {exc}")
+            continue
+        if shard.namespace not in spaces:
+            spaces[shard.namespace] = NamespaceInfo(shard.namespace, spec, shard.created_at, 0)
+        kept = []
+        for entry in entries:
+            first = seen.get((entry.namespace, entry.trajectory_id))
+            if first is None:
+                seen[(entry.namespace, entry.trajectory_id)] = entry.digest
+                kept.append(entry)
+            elif first == entry.digest:
+                report.duplicates += 1
+            else:
+                report.conflicts.append(f"{entry.namespace}/{entry.trajectory_id} in {info.key}")
+        loaded.append((shard, kept))
+        report.trajectories += len(kept)
+        if progress is not None:
+            progress(done, len(objects))
+
+    def contents() -> Iterator[tuple[ShardInfo, list[TrajectoryEntry]]]:
+        yield from loaded
+
+    catalog.replace_all(list(spaces.values()), contents())
+    report.namespaces = len(spaces)
+    report.shards = len(loaded)
+    return report

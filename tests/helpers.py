@@ -1,0 +1,35 @@
+"""Deterministic trajectories for tests: the content follows from the id alone."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from r3store.records import TrajectoryWrite
+from r3store.spec import RouteSpec
+from r3store.testing.synthetic import uniform_topk
+
+SPEC = RouteSpec(num_layers=4, num_experts=64, top_k=4)
+
+
+def seed_of(trajectory_id: str) -> int:
+    return int.from_bytes(hashlib.sha256(trajectory_id.encode()).digest()[:8], "little")
+
+
+def make_write(
+    trajectory_id: str, spec: RouteSpec = SPEC, tokens: int | None = None, **meta: object
+) -> TrajectoryWrite:
+    rng = np.random.default_rng(seed_of(trajectory_id))
+    num_tokens = tokens or int(rng.integers(20, 300))
+    ids = uniform_topk(rng, num_tokens - 1, spec.num_layers, spec.num_experts, spec.top_k)
+    return TrajectoryWrite(trajectory_id, num_tokens, topk=ids, **meta)  # type: ignore[arg-type]
+
+
+def expected_ids(write: TrajectoryWrite, spec: RouteSpec = SPEC) -> np.ndarray:
+    """What a read must return: sorted sets (or the order given), the last row empty."""
+    ids = np.asarray(write.topk).astype(np.int16)
+    if not spec.ordered:
+        ids = np.sort(ids, axis=-1)
+    empty = np.full((1, *ids.shape[1:]), -1, dtype=np.int16)
+    return np.concatenate([ids, empty])
