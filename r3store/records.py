@@ -1,0 +1,108 @@
+"""What callers hand the engine and what it hands back."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from r3store.codec import EncodedRoutes
+from r3store.errors import InvalidInput
+from r3store.routes import Routes
+
+_NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+MAX_ID_LENGTH = 256
+
+
+def check_namespace(name: str) -> str:
+    """Namespaces: 1-128 letters, digits, `.`, `_`, `-`, starting with a letter or digit."""
+    if not isinstance(name, str) or not _NAMESPACE.match(name):
+        raise InvalidInput(
+            f"invalid namespace {name!r}: use 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def check_id(value: str, what: str = "trajectory id") -> str:
+    """Ids: 1-256 characters, no control characters."""
+    if (
+        not isinstance(value, str)
+        or not 1 <= len(value) <= MAX_ID_LENGTH
+        or any(ord(c) < 32 or ord(c) == 127 for c in value)
+    ):
+        raise InvalidInput(f"invalid {what} {value!r}: use 1-{MAX_ID_LENGTH} printable characters")
+    return value
+
+
+@dataclass(frozen=True)
+class TrajectoryWrite:
+    """One trajectory to store: routes as top-k ids or as bit-packed masks (one of them).
+
+    `TrajectoryWrite("run1/p7/s3", num_tokens=4096, topk=ids, prompt_len=512,
+    group_id="run1/p7", policy_version=12)`; see `r3store.routes` for the array forms.
+    """
+
+    trajectory_id: str
+    num_tokens: int
+    topk: Any = None
+    mask: Any = None
+    prompt_len: int = 0
+    group_id: str | None = None
+    policy_version: int = 0
+
+    def check(self) -> None:
+        check_id(self.trajectory_id)
+        if self.group_id is not None:
+            check_id(self.group_id, "group id")
+        for name in ("num_tokens", "prompt_len", "policy_version"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidInput(f"{self.trajectory_id}: {name} must be a non-negative integer")
+        if self.num_tokens < 1 or self.num_tokens > 2**31 - 1:
+            raise InvalidInput(f"{self.trajectory_id}: num_tokens must be in [1, 2**31)")
+        if self.prompt_len > self.num_tokens:
+            raise InvalidInput(
+                f"{self.trajectory_id}: prompt_len {self.prompt_len} "
+                f"exceeds num_tokens {self.num_tokens}"
+            )
+        if self.policy_version >= 2**63:
+            raise InvalidInput(f"{self.trajectory_id}: policy_version must be below 2**63")
+        if (self.topk is None) == (self.mask is None):
+            raise InvalidInput(f"{self.trajectory_id}: give exactly one of topk or mask")
+
+
+@dataclass(frozen=True)
+class PutResult:
+    trajectory_id: str
+    created: bool  # False: it was already stored with the same content
+
+
+@dataclass(frozen=True)
+class TrajectoryRead:
+    """One stored trajectory: metadata, and its routes decoded or as stored."""
+
+    trajectory_id: str
+    group_id: str | None
+    policy_version: int
+    num_tokens: int
+    prompt_len: int
+    routes: Routes | None = None
+    encoded: EncodedRoutes | None = None
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A batch read: `items[i]` answers `ids[i]` (None where missing); `missing` names them."""
+
+    ids: list[str]
+    items: list[TrajectoryRead | None]
+    missing: list[str]
+
+    @property
+    def found(self) -> list[TrajectoryRead]:
+        return [item for item in self.items if item is not None]
+
+    @property
+    def lengths(self) -> list[int | None]:
+        return [None if item is None else item.num_tokens for item in self.items]

@@ -1,0 +1,243 @@
+"""Group commit: many callers' trajectories packed into one shard per commit.
+
+Callers validate and encode in their own threads, then `submit` a unit (one `put`
+call's rows) and wait on its future. One committer thread takes the oldest pending
+units of one namespace, up to `shard_bytes`, once that much is pending or the oldest
+unit has waited `commit_interval`; it checks ids against the catalog, writes the shard
+with a create-only put, commits the catalog rows in one transaction, and only then
+resolves the futures. A unit is all-or-nothing. Pending bytes are bounded by
+`buffer_bytes`: a caller waits for room, then gets `Backpressure`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from r3store.catalog import Catalog, ShardInfo, TrajectoryEntry
+from r3store.errors import Backpressure, Conflict, R3StoreError
+from r3store.records import PutResult
+from r3store.shard import BuiltShard, ShardRow, build_shard
+from r3store.spec import RouteSpec
+from r3store.store.base import ObjectStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WriterConfig:
+    """`WriterConfig(shard_bytes=64 << 20, commit_interval=0.05)`."""
+
+    shard_bytes: int = 64 << 20
+    row_group_bytes: int = 1 << 20
+    commit_interval: float = 0.05
+    buffer_bytes: int = 256 << 20
+    put_timeout: float = 30.0
+
+
+@dataclass
+class _Unit:
+    namespace: str
+    spec: RouteSpec
+    rows: list[ShardRow]
+    nbytes: int
+    future: Future[list[PutResult]] = field(default_factory=Future)
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class WriterStats:
+    pending_bytes: int = 0
+    shards_written: int = 0
+    rows_written: int = 0
+    bytes_written: int = 0
+    commit_seconds_total: float = 0.0
+
+
+class GroupCommitter:
+    def __init__(
+        self,
+        store: ObjectStore,
+        catalog: Catalog,
+        config: WriterConfig,
+        on_shard: Callable[[BuiltShard], None] | None = None,
+    ) -> None:
+        self._store = store
+        self._catalog = catalog
+        self.config = config
+        self._on_shard = on_shard
+        self._pending: deque[_Unit] = deque()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._flush_waiters = 0
+        self.stats = WriterStats()
+        self._thread = threading.Thread(target=self._run, name="r3store-committer", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self, namespace: str, spec: RouteSpec, rows: list[ShardRow]
+    ) -> Future[list[PutResult]]:
+        """Queue one all-or-nothing unit; waits up to `put_timeout` for buffer room."""
+        unit = _Unit(namespace, spec, rows, sum(r.routes.nbytes for r in rows))
+        deadline = time.monotonic() + self.config.put_timeout
+        with self._cond:
+            while (
+                self.stats.pending_bytes > 0
+                and self.stats.pending_bytes + unit.nbytes > self.config.buffer_bytes
+            ):
+                if self._closing:
+                    raise R3StoreError("the engine is closing")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Backpressure(
+                        f"write buffer full ({self.stats.pending_bytes} of "
+                        f"{self.config.buffer_bytes} bytes pending)",
+                        retry_after=max(self.config.commit_interval * 4, 0.5),
+                    )
+                self._cond.wait(left)
+            if self._closing:
+                raise R3StoreError("the engine is closing")
+            self._pending.append(unit)
+            self.stats.pending_bytes += unit.nbytes
+            self._cond.notify_all()
+        return unit.future
+
+    def flush(self) -> None:
+        """Commit everything pending now and wait until it is committed."""
+        with self._cond:
+            self._flush_waiters += 1
+            self._cond.notify_all()
+            try:
+                while self._pending or self._busy:
+                    self._cond.wait(0.1)
+            finally:
+                self._flush_waiters -= 1
+
+    _busy = False
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def _take(self) -> list[_Unit] | None:
+        with self._cond:
+            while not self._pending:
+                if self._closing:
+                    return None
+                self._cond.wait()
+            while not (self._closing or self._flush_waiters):
+                if self.stats.pending_bytes >= self.config.shard_bytes:
+                    break
+                left = self._pending[0].enqueued + self.config.commit_interval - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            namespace = self._pending[0].namespace
+            batch: list[_Unit] = []
+            size = 0
+            for unit in list(self._pending):
+                if unit.namespace != namespace:
+                    continue
+                if batch and size + unit.nbytes > self.config.shard_bytes:
+                    break
+                batch.append(unit)
+                size += unit.nbytes
+            for unit in batch:
+                self._pending.remove(unit)
+            self._busy = True
+            return batch
+
+    def _run(self) -> None:
+        while True:
+            batch = self._take()
+            if batch is None:
+                return
+            try:
+                self._commit(batch)
+            except BaseException as exc:
+                log.exception("commit of %d units failed", len(batch))
+                error = (
+                    exc if isinstance(exc, R3StoreError) else R3StoreError(f"commit failed: {exc}")
+                )
+                for unit in batch:
+                    if not unit.future.done():
+                        unit.future.set_exception(error)
+            finally:
+                with self._cond:
+                    self.stats.pending_bytes -= sum(u.nbytes for u in batch)
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _commit(self, batch: list[_Unit]) -> None:
+        started = time.monotonic()
+        namespace, spec = batch[0].namespace, batch[0].spec
+        ids = [row.trajectory_id for unit in batch for row in unit.rows]
+        stored = {tid: e.digest for tid, e in self._catalog.lookup(namespace, ids).items()}
+        to_write: list[ShardRow] = []
+        accepted: list[tuple[_Unit, list[PutResult]]] = []
+        for unit in batch:
+            results: list[PutResult] = []
+            fresh: list[ShardRow] = []
+            clash = []
+            for row in unit.rows:
+                known = stored.get(row.trajectory_id)
+                if known is None:
+                    fresh.append(row)
+                    results.append(PutResult(row.trajectory_id, True))
+                elif known == row.digest:
+                    results.append(PutResult(row.trajectory_id, False))
+                else:
+                    clash.append(row.trajectory_id)
+            if clash:
+                unit.future.set_exception(
+                    Conflict(f"trajectory ids already stored with other content: {clash[:10]}")
+                )
+                continue
+            for row in fresh:
+                stored[row.trajectory_id] = row.digest
+            to_write.extend(fresh)
+            accepted.append((unit, results))
+        if to_write:
+            built = build_shard(namespace, spec, to_write, self.config.row_group_bytes)
+            self._store.put_if_absent(built.key, built.data)
+            shard = ShardInfo(
+                key=built.key,
+                namespace=namespace,
+                size=len(built.data),
+                footer_length=built.footer_length,
+                num_rows=len(to_write),
+                created_at=built.created_at,
+            )
+            entries = [
+                TrajectoryEntry(
+                    namespace=namespace,
+                    trajectory_id=row.trajectory_id,
+                    group_id=row.group_id,
+                    policy_version=row.policy_version,
+                    num_tokens=row.num_tokens,
+                    prompt_len=row.prompt_len,
+                    digest=row.digest,
+                    route_bytes=row.routes.nbytes,
+                    shard_key=built.key,
+                    row_group=place.row_group,
+                    row_index=place.row,
+                    created_at=built.created_at,
+                )
+                for row, place in zip(to_write, built.places, strict=True)
+            ]
+            self._catalog.commit_shard(shard, entries)
+            if self._on_shard is not None:
+                self._on_shard(built)
+            self.stats.shards_written += 1
+            self.stats.rows_written += len(to_write)
+            self.stats.bytes_written += len(built.data)
+        self.stats.commit_seconds_total += time.monotonic() - started
+        for unit, results in accepted:
+            unit.future.set_result(results)

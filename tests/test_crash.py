@@ -1,0 +1,104 @@
+"""SIGKILL a writing process at random moments: nothing acknowledged is lost, nothing is
+half-visible."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from crash_child import UNIT
+from helpers import SPEC, expected_ids, make_write
+
+from r3store.catalog import Catalog
+from r3store.engine import Engine
+from r3store.rebuild import rebuild_catalog
+from r3store.store import LocalStore, ObjectStore
+from r3store.testing.seaweedfs import SeaweedFS
+
+HERE = Path(__file__).parent
+
+
+def run_and_kill(args: list[str], rng: random.Random) -> set[str]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+    }
+    with subprocess.Popen(
+        [sys.executable, str(HERE / "crash_child.py"), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    ) as child:
+        try:
+            assert child.stdout is not None
+            assert child.stdout.readline().strip() == b"READY"
+            time.sleep(rng.uniform(0.3, 2.0))
+            child.send_signal(signal.SIGKILL)
+            output = child.stdout.read().decode()
+        finally:
+            child.kill()
+    return {line.split()[1] for line in output.splitlines() if line.startswith("ACK ")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_sigkill_loses_no_acknowledged_write(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    rng = random.Random(1234)
+    extra: list[str] = []
+
+    def open_store() -> ObjectStore:
+        return LocalStore(tmp_path / "objects")
+
+    if backend == "s3":
+        seaweed: SeaweedFS = request.getfixturevalue("seaweed")
+        first = seaweed.new_store()
+        bucket, prefix = first.bucket, first.config.prefix
+        extra = [
+            seaweed.endpoint_url,
+            bucket,
+            prefix,
+            seaweed.access_key_id,
+            seaweed.secret_access_key,
+        ]
+
+        def open_store() -> ObjectStore:
+            return seaweed.new_store(prefix)
+
+    acked: set[str] = set()
+    for attempt in range(4):
+        acked |= run_and_kill([str(tmp_path), str(attempt * 100_000), *extra], rng)
+        with Engine(open_store(), Catalog(f"sqlite:///{tmp_path / 'catalog.db'}")) as engine:
+            check_units(engine, acked)
+    assert len(acked) > 10, "the child acknowledged writes before it was killed"
+    # the shards alone hold every acknowledged write too
+    store = open_store()
+    rebuilt = Catalog(f"sqlite:///{tmp_path / 'rebuilt.db'}")
+    rebuild_catalog(store, rebuilt)
+    with Engine(store, rebuilt) as engine:
+        check_units(engine, acked)
+
+
+def check_units(engine: Engine, acked: set[str]) -> None:
+    visible: dict[str, int] = {}
+    catalog = engine.catalog
+    for entry in catalog.by_versions("ns", 0, 0):
+        unit = entry.trajectory_id.split("-")[0]
+        visible[unit] = visible.get(unit, 0) + 1
+    half = {u: n for u, n in visible.items() if n != UNIT}
+    assert not half, f"half-visible units: {half}"
+    assert acked <= set(visible), f"lost: {sorted(acked - set(visible))[:5]}"
+    ids = [f"{u}-{i}" for u in sorted(acked) for i in range(UNIT)]
+    batch = engine.get_batch("ns", ids)
+    assert batch.missing == []
+    for tid, item in zip(ids, batch.items, strict=True):
+        assert item is not None
+        assert np.array_equal(item.routes.to_topk(), expected_ids(make_write(tid), SPEC))
