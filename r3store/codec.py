@@ -8,8 +8,11 @@ frame:
 - ``ids``: `[L, T, K]` of the id dtype (uint8 when E <= 256, else little-endian uint16),
   each token-layer's chosen experts ascending, then zeros in empty slots. With transform
   ``DELTA`` slot k > 0 holds `(x[k] - x[k-1] - 1) mod 2**bits` instead of `x[k]`;
-  uniform routes compress better as gaps, skewed ones as plain ids, and the encoder
-  picks per trajectory by compressing a sample both ways.
+  near-uniform routes compress better as gaps, routes whose sets recur as plain ids, and
+  the encoder picks per trajectory by compressing a sample both ways. Gaps
+  are near-random bytes that only the entropy coder shrinks, so they are compressed at
+  level 1 (higher levels gain nothing there, measured); plain ids at `level` (default
+  3), whose longer match search finds the recurring sets.
 - ``counts``: `[L, T]` uint8, how many slots are chosen (0: no recorded route); absent
   when every token-layer has K experts.
 - ``order`` (ordered specs only): for K <= 8, `[L, T]` uint16 Lehmer ranks of the
@@ -138,18 +141,15 @@ def encode(
         digest.update(len(part).to_bytes(8, "little"))
         digest.update(part)
 
-    compressor = _compressor(level)
+    compressor, fast = _compressor(level), _compressor(1)
     delta = _delta(raw, spec.top_k) if spec.top_k > 1 else raw
     sample = SAMPLE_BYTES // raw.itemsize
-    if raw.size <= 2 * sample:
-        plain_z, delta_z = compressor.compress(raw.data), compressor.compress(delta.data)
-        transform = Transform.DELTA if len(delta_z) < len(plain_z) else Transform.SORTED
-        ids_z = delta_z if transform is Transform.DELTA else plain_z
+    plain_n = len(compressor.compress(raw[:sample].data))
+    delta_n = len(fast.compress(delta[:sample].data))
+    if delta_n < plain_n:
+        transform, ids_z = Transform.DELTA, fast.compress(delta.data)
     else:
-        plain_n = len(compressor.compress(raw[:sample].data))
-        delta_n = len(compressor.compress(delta[:sample].data))
-        transform = Transform.DELTA if delta_n < plain_n else Transform.SORTED
-        ids_z = compressor.compress((delta if transform is Transform.DELTA else raw).data)
+        transform, ids_z = Transform.SORTED, compressor.compress(raw.data)
     return EncodedRoutes(
         ids=ids_z,
         counts=None if counts is None else compressor.compress(counts_raw),

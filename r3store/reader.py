@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from r3store import codec
@@ -29,7 +30,7 @@ from r3store.shard import (
     row_routes,
 )
 from r3store.spec import RouteSpec
-from r3store.store.base import ObjectStore
+from r3store.store.base import ByteRange, ObjectStore
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -73,6 +74,7 @@ class ReaderConfig:
     threads: int = 8
     cache_bytes: int = 128 << 20
     footer_cache: int = 4096
+    coalesce_bytes: int = 8 << 20
 
 
 class ShardReader:
@@ -82,6 +84,7 @@ class ShardReader:
         self._footers: _LRU[str, pq.FileMetaData] = _LRU(config.footer_cache)
         self._recent: _LRU[str, bytes] = _LRU(config.cache_bytes)
         self._pool = ThreadPoolExecutor(config.threads, thread_name_prefix="r3store-read")
+        self._coalesce = config.coalesce_bytes
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -100,54 +103,82 @@ class ShardReader:
             self._footers.put(shard.key, metadata)
         return metadata
 
-    def _chunk(self, shard: ShardInfo, metadata: pq.FileMetaData, group: int) -> bytes:
-        span = row_group_range(metadata, group)
+    def _fetch(self, shard: ShardInfo, span: ByteRange) -> bytes:
         data = self._recent.get(shard.key)
         if data is not None:
             return data[span.start : span.end]
         return self._store.get(shard.key, span)
 
+    def _runs(self, metadata: pq.FileMetaData, groups: list[int]) -> list[list[int]]:
+        """Split sorted row-group indexes into runs of neighbours, each at most
+        `coalesce_bytes` (one ranged GET a run: fewer, larger requests)."""
+        runs: list[list[int]] = []
+        for group in groups:
+            if runs and runs[-1][-1] == group - 1:
+                first = row_group_range(metadata, runs[-1][0])
+                if row_group_range(metadata, group).end - first.start <= self._coalesce:
+                    runs[-1].append(group)
+                    continue
+            runs.append([group])
+        return runs
+
     def read(
         self, entries: Iterable[TrajectoryEntry], spec: RouteSpec, decode: bool = True
     ) -> dict[str, TrajectoryRead]:
-        """Read the routes of catalog entries, one task per row group."""
-        groups: dict[tuple[str, int], list[TrajectoryEntry]] = defaultdict(list)
+        """Read the routes of catalog entries: one ranged GET per run of neighbouring
+        row groups, each needed row group fetched once, decoded in the thread pool."""
+        by_group: dict[tuple[str, int], list[TrajectoryEntry]] = defaultdict(list)
         for entry in entries:
-            groups[(entry.shard_key, entry.row_group)].append(entry)
-        shards = self._catalog.shards_of(key for key, _ in groups)
+            by_group[(entry.shard_key, entry.row_group)].append(entry)
+        shards = self._catalog.shards_of(key for key, _ in by_group)
+        # footers first, one fetch per shard, so row-group tasks never race for them
+        footers = dict(zip(shards, self._pool.map(self._footer, shards.values()), strict=True))
+        columns = ["route_transform", "route_ids", "route_counts", "route_order"]
 
-        def task(key: str, group: int, wanted: list[TrajectoryEntry]) -> list[TrajectoryRead]:
-            shard = shards[key]
-            metadata = self._footer(shard)
-            chunk = self._chunk(shard, metadata, group)
-            columns = ["route_transform", "route_ids", "route_counts", "route_order"]
-            table = read_row_group(metadata, shard.size, group, chunk, columns)
+        def task(key: str, run: list[int]) -> list[TrajectoryRead]:
+            shard, metadata = shards[key], footers[key]
+            first = row_group_range(metadata, run[0])
+            span = ByteRange(first.start, row_group_range(metadata, run[-1]).end)
+            data = self._fetch(shard, span)
             out = []
-            for entry in wanted:
-                streams = row_routes(table, entry.row_index)
-                routes = codec.decode(streams, spec, entry.num_tokens) if decode else None
-                encoded = None
-                if not decode:
-                    ids, counts, order, transform = streams
-                    encoded = EncodedRoutes(ids, counts, order, Transform(transform), entry.digest)
-                out.append(
-                    TrajectoryRead(
-                        trajectory_id=entry.trajectory_id,
-                        group_id=entry.group_id,
-                        policy_version=entry.policy_version,
-                        num_tokens=entry.num_tokens,
-                        prompt_len=entry.prompt_len,
-                        routes=routes,
-                        encoded=encoded,
-                    )
-                )
+            for group in run:
+                part = row_group_range(metadata, group)
+                chunk = data[part.start - span.start : part.end - span.start]
+                table = read_row_group(metadata, shard.size, group, chunk, columns)
+                out.extend(self._rows(table, by_group[(key, group)], spec, decode))
             return out
 
-        futures = [
-            self._pool.submit(task, key, group, wanted) for (key, group), wanted in groups.items()
-        ]
+        jobs: list[tuple[str, list[int]]] = []
+        for key in shards:
+            groups = sorted(g for k, g in by_group if k == key)
+            jobs.extend((key, run) for run in self._runs(footers[key], groups))
         found: dict[str, TrajectoryRead] = {}
-        for future in futures:
-            for item in future.result():
+        for items in self._pool.map(lambda job: task(*job), jobs):
+            for item in items:
                 found[item.trajectory_id] = item
         return found
+
+    @staticmethod
+    def _rows(
+        table: pa.Table, wanted: list[TrajectoryEntry], spec: RouteSpec, decode: bool
+    ) -> list[TrajectoryRead]:
+        out = []
+        for entry in wanted:
+            streams = row_routes(table, entry.row_index)
+            routes = codec.decode(streams, spec, entry.num_tokens) if decode else None
+            encoded = None
+            if not decode:
+                ids, counts, order, transform = streams
+                encoded = EncodedRoutes(ids, counts, order, Transform(transform), entry.digest)
+            out.append(
+                TrajectoryRead(
+                    trajectory_id=entry.trajectory_id,
+                    group_id=entry.group_id,
+                    policy_version=entry.policy_version,
+                    num_tokens=entry.num_tokens,
+                    prompt_len=entry.prompt_len,
+                    routes=routes,
+                    encoded=encoded,
+                )
+            )
+        return out

@@ -147,8 +147,7 @@ def sort_planes(planes: list[npt.NDArray[Any]]) -> list[npt.NDArray[Any]]:
 
 def layer_planes(ids: npt.NDArray[Any], dtype: npt.DTypeLike) -> list[npt.NDArray[Any]]:
     """`[T, L, K]` -> K contiguous layer-major `[L, T]` arrays of `dtype`."""
-    layer_major = np.ascontiguousarray(ids.astype(dtype, copy=False).transpose(1, 0, 2))
-    return [np.ascontiguousarray(layer_major[..., i]) for i in range(ids.shape[2])]
+    return list(np.ascontiguousarray(ids.astype(dtype, copy=False).transpose(2, 1, 0)))
 
 
 def from_topk(ids: Any, spec: RouteSpec, num_tokens: int) -> Routes:

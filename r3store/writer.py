@@ -1,12 +1,14 @@
 """Group commit: many callers' trajectories packed into one shard per commit.
 
 Callers validate and encode in their own threads, then `submit` a unit (one `put`
-call's rows) and wait on its future. One committer thread takes the oldest pending
-units of one namespace, up to `shard_bytes`, once that much is pending or the oldest
-unit has waited `commit_interval`; it checks ids against the catalog, writes the shard
-with a create-only put, commits the catalog rows in one transaction, and only then
-resolves the futures. A unit is all-or-nothing. Pending bytes are bounded by
-`buffer_bytes`: a caller waits for room, then gets `Backpressure`.
+call's rows) and wait on its future. Committer threads (`committers`, so that one
+shard's upload overlaps the next one's packing) each take the oldest pending units of
+one namespace, up to `shard_bytes`; each checks ids against the catalog, writes the
+shard with a create-only put, commits the catalog rows in one transaction, and only
+then resolves the futures. A unit whose ids are in another committer's hands waits for
+that commit, so racing puts of one id are settled by the catalog check, never by two
+shards. A unit is all-or-nothing. Pending bytes are bounded by `buffer_bytes`: a caller
+waits for room, then gets `Backpressure`.
 """
 
 from __future__ import annotations
@@ -31,13 +33,20 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class WriterConfig:
-    """`WriterConfig(shard_bytes=64 << 20, commit_interval=0.05)`."""
+    """`WriterConfig(shard_bytes=64 << 20, commit_interval=0.0)`.
+
+    With `commit_interval=0` the committer starts as soon as it is free: one caller
+    alone commits at once, and under load the puts that arrive during a commit share
+    the next shard, so shards grow with the load. A positive interval waits that long
+    for company (bigger shards, more latency).
+    """
 
     shard_bytes: int = 64 << 20
     row_group_bytes: int = 1 << 20
-    commit_interval: float = 0.05
+    commit_interval: float = 0.0
     buffer_bytes: int = 256 << 20
     put_timeout: float = 30.0
+    committers: int = 2
 
 
 @dataclass
@@ -75,9 +84,15 @@ class GroupCommitter:
         self._cond = threading.Condition()
         self._closing = False
         self._flush_waiters = 0
+        self._active = 0
+        self._inflight: set[tuple[str, str]] = set()
         self.stats = WriterStats()
-        self._thread = threading.Thread(target=self._run, name="r3store-committer", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"r3store-committer-{i}", daemon=True)
+            for i in range(max(1, config.committers))
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def submit(
         self, namespace: str, spec: RouteSpec, rows: list[ShardRow]
@@ -113,36 +128,46 @@ class GroupCommitter:
             self._flush_waiters += 1
             self._cond.notify_all()
             try:
-                while self._pending or self._busy:
+                while self._pending or self._active:
                     self._cond.wait(0.1)
             finally:
                 self._flush_waiters -= 1
-
-    _busy = False
 
     def close(self) -> None:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        self._thread.join()
+        for thread in self._threads:
+            thread.join()
+
+    def _ready(self) -> list[_Unit]:
+        """Pending units whose ids no committer holds now (caller holds the lock)."""
+        return [
+            unit
+            for unit in self._pending
+            if not any((unit.namespace, row.trajectory_id) in self._inflight for row in unit.rows)
+        ]
 
     def _take(self) -> list[_Unit] | None:
         with self._cond:
-            while not self._pending:
-                if self._closing:
+            while not self._ready():
+                if self._closing and not self._pending:
                     return None
-                self._cond.wait()
-            while not (self._closing or self._flush_waiters):
+                self._cond.wait(0.5)
+            while self._pending and not (self._closing or self._flush_waiters):
                 if self.stats.pending_bytes >= self.config.shard_bytes:
                     break
                 left = self._pending[0].enqueued + self.config.commit_interval - time.monotonic()
                 if left <= 0:
                     break
                 self._cond.wait(left)
-            namespace = self._pending[0].namespace
+            ready = self._ready()
+            if not ready:
+                return []
+            namespace = ready[0].namespace
             batch: list[_Unit] = []
             size = 0
-            for unit in list(self._pending):
+            for unit in ready:
                 if unit.namespace != namespace:
                     continue
                 if batch and size + unit.nbytes > self.config.shard_bytes:
@@ -151,7 +176,8 @@ class GroupCommitter:
                 size += unit.nbytes
             for unit in batch:
                 self._pending.remove(unit)
-            self._busy = True
+                self._inflight.update((namespace, row.trajectory_id) for row in unit.rows)
+            self._active += 1
             return batch
 
     def _run(self) -> None:
@@ -159,6 +185,8 @@ class GroupCommitter:
             batch = self._take()
             if batch is None:
                 return
+            if not batch:
+                continue
             try:
                 self._commit(batch)
             except BaseException as exc:
@@ -172,7 +200,11 @@ class GroupCommitter:
             finally:
                 with self._cond:
                     self.stats.pending_bytes -= sum(u.nbytes for u in batch)
-                    self._busy = False
+                    for unit in batch:
+                        self._inflight.difference_update(
+                            (unit.namespace, row.trajectory_id) for row in unit.rows
+                        )
+                    self._active -= 1
                     self._cond.notify_all()
 
     def _commit(self, batch: list[_Unit]) -> None:
@@ -235,9 +267,11 @@ class GroupCommitter:
             self._catalog.commit_shard(shard, entries)
             if self._on_shard is not None:
                 self._on_shard(built)
-            self.stats.shards_written += 1
-            self.stats.rows_written += len(to_write)
-            self.stats.bytes_written += len(built.data)
-        self.stats.commit_seconds_total += time.monotonic() - started
+            with self._cond:
+                self.stats.shards_written += 1
+                self.stats.rows_written += len(to_write)
+                self.stats.bytes_written += len(built.data)
+        with self._cond:
+            self.stats.commit_seconds_total += time.monotonic() - started
         for unit, results in accepted:
             unit.future.set_result(results)

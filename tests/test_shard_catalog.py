@@ -80,7 +80,7 @@ def test_duckdb_reads_shards(tmp_path: Path, make_engine) -> None:  # type: igno
     assert [r[:2] for r in rows] == [(0, 8), (1, 8), (2, 8)]
 
 
-def test_one_row_group_per_trajectory_read(tmp_path: Path, make_engine) -> None:  # type: ignore[no-untyped-def]
+def test_each_needed_row_group_is_read_once(tmp_path: Path, make_engine) -> None:  # type: ignore[no-untyped-def]
     class Counting(LocalStore):
         ranges: ClassVar[list[tuple[str, int, int]]] = []
 
@@ -91,23 +91,46 @@ def test_one_row_group_per_trajectory_read(tmp_path: Path, make_engine) -> None:
 
     store = Counting(tmp_path / "objects")
     config = EngineConfig(
-        writer=WriterConfig(row_group_bytes=3_000), reader=ReaderConfig(cache_bytes=0)
+        writer=WriterConfig(row_group_bytes=3_000),
+        reader=ReaderConfig(cache_bytes=0, coalesce_bytes=10_000),
     )
     engine = make_engine(store, config)
     writes = fill(engine)
     entries = engine.catalog.lookup("ns", list(writes))
     groups = {(e.shard_key, e.row_group) for e in entries.values()}
     assert len(groups) > 3
+
+    def row_group_bytes(wanted: set[tuple[str, int]]) -> set[tuple[str, int]]:
+        """Every byte offset of the wanted row groups' column chunks."""
+        out = set()
+        for key, group in wanted:
+            meta = pq.read_metadata(tmp_path / "objects" / key).row_group(group)
+            for i in range(meta.num_columns):
+                col = meta.column(i)
+                first = (
+                    col.dictionary_page_offset if col.has_dictionary_page else col.data_page_offset
+                )
+                out.update((key, b) for b in range(first, first + col.total_compressed_size))
+        return out
+
+    def data_reads() -> list[tuple[str, int, int]]:
+        return [r for r in Counting.ranges if r[2] != store.head(r[0]).size]
+
     Counting.ranges.clear()
     engine.get_batch("ns", ["t0"])
-    data_reads = [r for r in Counting.ranges if r[2] != store.head(r[0]).size]
-    assert len(data_reads) == 1, "one trajectory, one ranged read of its row group"
+    t0 = entries["t0"]
+    [(key, start, end)] = data_reads()
+    assert {(key, b) for b in range(start, end)} == row_group_bytes({(t0.shard_key, t0.row_group)})
+
     Counting.ranges.clear()
-    batch = engine.get_batch("ns", list(writes) * 2)
+    some = [f"t{i}" for i in (1, 2, 3, 9, 10, 17, 23)]
+    batch = engine.get_batch("ns", some * 2)
     assert not batch.missing
-    data_reads = [r for r in Counting.ranges if r[2] != store.head(r[0]).size]
-    assert sorted(data_reads) == sorted(set(data_reads)), "no row group read twice"
-    assert len(data_reads) == len(groups)
+    read = [(key, b) for key, start, end in data_reads() for b in range(start, end)]
+    assert len(read) == len(set(read)), "no byte read twice"
+    wanted = {(entries[t].shard_key, entries[t].row_group) for t in some}
+    assert set(read) == row_group_bytes(wanted), "exactly the needed row groups"
+    assert len(data_reads()) < len(wanted), "neighbouring row groups share a request"
 
 
 def test_catalog_lookups(tmp_path: Path, make_engine) -> None:  # type: ignore[no-untyped-def]

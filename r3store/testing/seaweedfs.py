@@ -66,9 +66,9 @@ class SeaweedFS:
     process: subprocess.Popen[bytes]
     workdir: Path
 
-    def config(self, prefix: str = "", bucket: str = BUCKET, **overrides: object) -> S3Config:
+    def config(self, prefix: str = "", **overrides: object) -> S3Config:
         return S3Config(
-            bucket=bucket,
+            bucket=BUCKET,
             prefix=prefix,
             endpoint_url=self.endpoint_url,
             access_key_id=self.access_key_id,

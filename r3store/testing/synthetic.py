@@ -12,10 +12,18 @@ def uniform_topk(
     rng: np.random.Generator, rows: int, layers: int, experts: int, k: int, dtype: Any = np.int32
 ) -> npt.NDArray[Any]:
     """Each token-layer picks k distinct experts uniformly at random, in random order."""
-    scores = rng.random((rows, layers, experts), dtype=np.float32)
-    top = np.argpartition(scores, experts - k, axis=-1)[..., experts - k :]
-    order = rng.permuted(top, axis=-1)
-    return order.astype(dtype)
+    if 4 * k > experts:
+        scores = rng.random((rows, layers, experts), dtype=np.float32)
+        top = np.argpartition(scores, experts - k, axis=-1)[..., experts - k :]
+        return rng.permuted(top, axis=-1).astype(dtype)
+    # draw k ids per token-layer and redraw the rows that repeat one: far faster
+    ids = rng.integers(0, experts, (rows * layers, k), dtype=np.int32)
+    redo = np.arange(ids.shape[0])
+    while redo.size:
+        ordered = np.sort(ids[redo], axis=-1)
+        redo = redo[(ordered[:, 1:] == ordered[:, :-1]).any(axis=-1)]
+        ids[redo] = rng.integers(0, experts, (redo.size, k), dtype=np.int32)
+    return ids.reshape(rows, layers, k).astype(dtype)
 
 
 def skewed_topk(

@@ -1,0 +1,42 @@
+"""Run the benchmarks: `python -m bench [--quick] [--only codec,engine,memory]`."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from bench import codec_bench, engine_bench, memory_bench
+from bench.figures import Figure, print_table, write_json
+from r3store.testing import seaweedfs
+
+RESULTS = Path(__file__).parent / "results" / "latest.json"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    parser.add_argument("--only", default="codec,engine,memory")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    sections = set(args.only.split(","))
+    started = time.perf_counter()
+    figures: list[Figure] = []
+    if "codec" in sections:
+        print("codec ...", flush=True)
+        figures += codec_bench.run(tokens=1024 if args.quick else 4096)
+    if "engine" in sections:
+        print("engine (starting SeaweedFS) ...", flush=True)
+        with seaweedfs.running() as server:
+            figures += engine_bench.run(server, count=32 if args.quick else 256)
+    if "memory" in sections:
+        print("memory ...", flush=True)
+        figures += memory_bench.run((1 << 28) if args.quick else (4 << 30))
+    print()
+    print_table(figures)
+    write_json(figures, args.out, time.perf_counter() - started)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
