@@ -17,6 +17,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from r3store.errors import Conflict, NotFound, StoreError
+from r3store.shard import RouteSpans, Span
 from r3store.spec import RouteSpec
 
 metadata = sa.MetaData()
@@ -36,7 +37,6 @@ shards = sa.Table(
     sa.Column("key", sa.String(512), primary_key=True),
     sa.Column("namespace", sa.String(128), nullable=False, index=True),
     sa.Column("size", sa.BigInteger, nullable=False),
-    sa.Column("footer_length", sa.Integer, nullable=False),
     sa.Column("num_rows", sa.Integer, nullable=False),
     sa.Column("created_at", sa.Float, nullable=False),
 )
@@ -55,6 +55,13 @@ trajectories = sa.Table(
     sa.Column("shard_key", sa.String(512), nullable=False, index=True),
     sa.Column("row_group", sa.Integer, nullable=False),
     sa.Column("row_index", sa.Integer, nullable=False),
+    sa.Column("transform", sa.SmallInteger, nullable=False),
+    sa.Column("ids_offset", sa.BigInteger, nullable=False),
+    sa.Column("ids_length", sa.BigInteger, nullable=False),
+    sa.Column("counts_offset", sa.BigInteger),
+    sa.Column("counts_length", sa.BigInteger),
+    sa.Column("order_offset", sa.BigInteger),
+    sa.Column("order_length", sa.BigInteger),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Index("ix_trajectories_group", "namespace", "group_id"),
     sa.Index("ix_trajectories_version", "namespace", "policy_version"),
@@ -76,7 +83,6 @@ class ShardInfo:
     key: str
     namespace: str
     size: int
-    footer_length: int
     num_rows: int
     created_at: float
 
@@ -97,6 +103,33 @@ class TrajectoryEntry:
     row_group: int
     row_index: int
     created_at: float
+    spans: RouteSpans
+
+
+_SPAN_COLUMNS = ("ids", "counts", "order")
+
+
+def _to_row(entry: TrajectoryEntry) -> dict[str, Any]:
+    row = {k: v for k, v in entry.__dict__.items() if k != "spans"}
+    row["transform"] = entry.spans.transform
+    for name in _SPAN_COLUMNS:
+        span: Span | None = getattr(entry.spans, name)
+        row[f"{name}_offset"] = None if span is None else span.offset
+        row[f"{name}_length"] = None if span is None else span.length
+    return row
+
+
+def _from_row(row: Any) -> TrajectoryEntry:
+    data = dict(row._mapping)
+    spans = {}
+    for name in _SPAN_COLUMNS:
+        offset, length = data.pop(f"{name}_offset"), data.pop(f"{name}_length")
+        spans[name] = None if offset is None else Span(offset, length)
+    ids = spans["ids"]
+    if ids is None:
+        raise StoreError(f"catalog row of {data['trajectory_id']!r} has no ids span")
+    routes = RouteSpans(ids, spans["counts"], spans["order"], data.pop("transform"))
+    return TrajectoryEntry(**data, spans=routes)
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
@@ -189,7 +222,7 @@ class Catalog:
                 part = wanted[start : start + _BATCH]
                 query = self._select(namespace).where(trajectories.c.trajectory_id.in_(part))
                 for row in conn.execute(query):
-                    found[row.trajectory_id] = TrajectoryEntry(**row._mapping)
+                    found[row.trajectory_id] = _from_row(row)
         return found
 
     def by_group(self, namespace: str, group_id: str) -> list[TrajectoryEntry]:
@@ -205,7 +238,7 @@ class Catalog:
 
     def _entries(self, query: sa.Select[Any]) -> list[TrajectoryEntry]:
         with self._engine.connect() as conn:
-            return [TrajectoryEntry(**row._mapping) for row in conn.execute(query)]
+            return [_from_row(row) for row in conn.execute(query)]
 
     def count(self, namespace: str) -> int:
         with self._engine.connect() as conn:
@@ -223,16 +256,6 @@ class Catalog:
             raise NotFound(f"no shard {key!r} in the catalog")
         return ShardInfo(**row._mapping)
 
-    def shards_of(self, keys: Iterable[str]) -> dict[str, ShardInfo]:
-        wanted = list(dict.fromkeys(keys))
-        out: dict[str, ShardInfo] = {}
-        with self._engine.connect() as conn:
-            for start in range(0, len(wanted), _BATCH):
-                query = sa.select(shards).where(shards.c.key.in_(wanted[start : start + _BATCH]))
-                for row in conn.execute(query):
-                    out[row.key] = ShardInfo(**row._mapping)
-        return out
-
     def commit_shard(self, shard: ShardInfo, entries: Sequence[TrajectoryEntry]) -> None:
         """Record a stored shard and its rows in one transaction: all visible, or none."""
         try:
@@ -247,7 +270,7 @@ class Catalog:
     def _insert(conn: Connection, shard: ShardInfo, entries: Sequence[TrajectoryEntry]) -> None:
         conn.execute(shards.insert().values(**shard.__dict__))
         if entries:
-            conn.execute(trajectories.insert(), [e.__dict__ for e in entries])
+            conn.execute(trajectories.insert(), [_to_row(e) for e in entries])
 
     def replace_all(
         self,

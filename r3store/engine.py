@@ -67,7 +67,7 @@ class Engine:
         self.store = store
         self.catalog = catalog
         self.config = config or EngineConfig()
-        self._reader = ShardReader(store, catalog, self.config.reader)
+        self._reader = ShardReader(store, self.config.reader)
         self._writer = GroupCommitter(
             store, catalog, self.config.writer, on_shard=self._reader.remember
         )

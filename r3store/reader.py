@@ -1,8 +1,11 @@
-"""Batch reads: each needed row group fetched once, decoded in a thread pool.
+"""Batch reads: exactly the bytes of the asked trajectories, in few ranged GETs.
 
-Footers are cached per shard (they are small and shards are immutable); the bytes of
-recently written shards stay in a bounded cache so trainers that read what rollout
-workers just wrote skip the object store.
+The catalog says where each trajectory's route streams lie in its shard. Spans of one
+shard that lie close together are fetched with one ranged GET (at most
+`coalesce_bytes`, skipping gaps of at most `gap_bytes`), every byte at most once; the
+streams are then decoded in a thread pool. The bytes of recently written shards stay
+in a bounded cache, so trainers that read what rollout workers just wrote skip the
+object store.
 """
 
 from __future__ import annotations
@@ -14,21 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from r3store import codec
-from r3store.catalog import Catalog, ShardInfo, TrajectoryEntry
+from r3store.catalog import TrajectoryEntry
 from r3store.codec import EncodedRoutes, Transform
 from r3store.records import TrajectoryRead
-from r3store.shard import (
-    BuiltShard,
-    footer_range,
-    parse_footer,
-    read_row_group,
-    row_group_range,
-    row_routes,
-)
+from r3store.shard import BuiltShard, Span
 from r3store.spec import RouteSpec
 from r3store.store.base import ByteRange, ObjectStore
 
@@ -73,18 +66,51 @@ class ReaderConfig:
 
     threads: int = 8
     cache_bytes: int = 128 << 20
-    footer_cache: int = 4096
     coalesce_bytes: int = 8 << 20
+    gap_bytes: int = 64 << 10
+
+
+def plan_ranges(spans: Iterable[Span], coalesce: int, gap: int) -> list[ByteRange]:
+    """Cover `spans` with few ranges: neighbours closer than `gap` share a range of at
+    most `coalesce` bytes (a single span larger than that gets its own range)."""
+    ranges: list[ByteRange] = []
+    for span in sorted(set(spans), key=lambda s: s.offset):
+        if ranges:
+            last = ranges[-1]
+            if span.end <= last.end:
+                continue
+            if span.offset - last.end <= gap and span.end - last.start <= coalesce:
+                ranges[-1] = ByteRange(last.start, span.end)
+                continue
+        ranges.append(ByteRange(span.offset, span.end))
+    return ranges
+
+
+class _Fetched:
+    """Bytes fetched from one shard, by range; slices out any span they cover."""
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[ByteRange, bytes]] = []
+
+    def add(self, byte_range: ByteRange, data: bytes) -> None:
+        self._parts.append((byte_range, data))
+
+    def slice(self, span: Span | None) -> bytes | None:
+        if span is None:
+            return None
+        for byte_range, data in self._parts:
+            if byte_range.start <= span.offset and span.end <= byte_range.end:
+                start = span.offset - byte_range.start
+                return data[start : start + span.length]
+        raise KeyError(span)
 
 
 class ShardReader:
-    def __init__(self, store: ObjectStore, catalog: Catalog, config: ReaderConfig) -> None:
+    def __init__(self, store: ObjectStore, config: ReaderConfig) -> None:
         self._store = store
-        self._catalog = catalog
-        self._footers: _LRU[str, pq.FileMetaData] = _LRU(config.footer_cache)
+        self.config = config
         self._recent: _LRU[str, bytes] = _LRU(config.cache_bytes)
         self._pool = ThreadPoolExecutor(config.threads, thread_name_prefix="r3store-read")
-        self._coalesce = config.coalesce_bytes
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -93,92 +119,55 @@ class ShardReader:
         """Keep a just-written shard's bytes for reads that follow."""
         self._recent.put(built.key, built.data, len(built.data))
 
-    def _footer(self, shard: ShardInfo) -> pq.FileMetaData:
-        metadata = self._footers.get(shard.key)
-        if metadata is None:
-            data = self._recent.get(shard.key)
-            span = footer_range(shard.size, shard.footer_length)
-            tail = data[span.start :] if data is not None else self._store.get(shard.key, span)
-            metadata = parse_footer(tail)
-            self._footers.put(shard.key, metadata)
-        return metadata
-
-    def _fetch(self, shard: ShardInfo, span: ByteRange) -> bytes:
-        data = self._recent.get(shard.key)
+    def _fetch(self, key: str, byte_range: ByteRange) -> bytes:
+        data = self._recent.get(key)
         if data is not None:
-            return data[span.start : span.end]
-        return self._store.get(shard.key, span)
-
-    def _runs(self, metadata: pq.FileMetaData, groups: list[int]) -> list[list[int]]:
-        """Split sorted row-group indexes into runs of neighbours, each at most
-        `coalesce_bytes` (one ranged GET a run: fewer, larger requests)."""
-        runs: list[list[int]] = []
-        for group in groups:
-            if runs and runs[-1][-1] == group - 1:
-                first = row_group_range(metadata, runs[-1][0])
-                if row_group_range(metadata, group).end - first.start <= self._coalesce:
-                    runs[-1].append(group)
-                    continue
-            runs.append([group])
-        return runs
+            return data[byte_range.start : byte_range.end]
+        return self._store.get(key, byte_range)
 
     def read(
         self, entries: Iterable[TrajectoryEntry], spec: RouteSpec, decode: bool = True
     ) -> dict[str, TrajectoryRead]:
-        """Read the routes of catalog entries: one ranged GET per run of neighbouring
-        row groups, each needed row group fetched once, decoded in the thread pool."""
-        by_group: dict[tuple[str, int], list[TrajectoryEntry]] = defaultdict(list)
-        for entry in entries:
-            by_group[(entry.shard_key, entry.row_group)].append(entry)
-        shards = self._catalog.shards_of(key for key, _ in by_group)
-        # footers first, one fetch per shard, so row-group tasks never race for them
-        footers = dict(zip(shards, self._pool.map(self._footer, shards.values()), strict=True))
-        columns = ["route_transform", "route_ids", "route_counts", "route_order"]
-
-        def task(key: str, run: list[int]) -> list[TrajectoryRead]:
-            shard, metadata = shards[key], footers[key]
-            first = row_group_range(metadata, run[0])
-            span = ByteRange(first.start, row_group_range(metadata, run[-1]).end)
-            data = self._fetch(shard, span)
-            out = []
-            for group in run:
-                part = row_group_range(metadata, group)
-                chunk = data[part.start - span.start : part.end - span.start]
-                table = read_row_group(metadata, shard.size, group, chunk, columns)
-                out.extend(self._rows(table, by_group[(key, group)], spec, decode))
-            return out
-
-        jobs: list[tuple[str, list[int]]] = []
-        for key in shards:
-            groups = sorted(g for k, g in by_group if k == key)
-            jobs.extend((key, run) for run in self._runs(footers[key], groups))
-        found: dict[str, TrajectoryRead] = {}
-        for items in self._pool.map(lambda job: task(*job), jobs):
-            for item in items:
-                found[item.trajectory_id] = item
-        return found
-
-    @staticmethod
-    def _rows(
-        table: pa.Table, wanted: list[TrajectoryEntry], spec: RouteSpec, decode: bool
-    ) -> list[TrajectoryRead]:
-        out = []
+        """Fetch and decode the routes of catalog entries."""
+        wanted = list(entries)
+        by_shard: dict[str, list[TrajectoryEntry]] = defaultdict(list)
         for entry in wanted:
-            streams = row_routes(table, entry.row_index)
-            routes = codec.decode(streams, spec, entry.num_tokens) if decode else None
-            encoded = None
-            if not decode:
-                ids, counts, order, transform = streams
-                encoded = EncodedRoutes(ids, counts, order, Transform(transform), entry.digest)
-            out.append(
-                TrajectoryRead(
-                    trajectory_id=entry.trajectory_id,
-                    group_id=entry.group_id,
-                    policy_version=entry.policy_version,
-                    num_tokens=entry.num_tokens,
-                    prompt_len=entry.prompt_len,
-                    routes=routes,
-                    encoded=encoded,
-                )
+            by_shard[entry.shard_key].append(entry)
+        jobs = [
+            (key, byte_range)
+            for key, items in by_shard.items()
+            for byte_range in plan_ranges(
+                (s for e in items for s in e.spans.spans),
+                self.config.coalesce_bytes,
+                self.config.gap_bytes,
             )
-        return out
+        ]
+        fetched: dict[str, _Fetched] = defaultdict(_Fetched)
+        results = self._pool.map(lambda job: self._fetch(*job), jobs)
+        for (key, byte_range), data in zip(jobs, results, strict=True):
+            fetched[key].add(byte_range, data)
+
+        def finish(entry: TrajectoryEntry) -> TrajectoryRead:
+            parts = fetched[entry.shard_key]
+            spans = entry.spans
+            ids = parts.slice(spans.ids)
+            assert ids is not None
+            encoded = EncodedRoutes(
+                ids,
+                parts.slice(spans.counts),
+                parts.slice(spans.order),
+                Transform(spans.transform),
+                entry.digest,
+            )
+            routes = codec.decode(encoded, spec, entry.num_tokens) if decode else None
+            return TrajectoryRead(
+                trajectory_id=entry.trajectory_id,
+                group_id=entry.group_id,
+                policy_version=entry.policy_version,
+                num_tokens=entry.num_tokens,
+                prompt_len=entry.prompt_len,
+                routes=routes,
+                encoded=None if decode else encoded,
+            )
+
+        return {item.trajectory_id: item for item in self._pool.map(finish, wanted)}

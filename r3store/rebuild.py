@@ -8,13 +8,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from r3store.catalog import Catalog, NamespaceInfo, ShardInfo, TrajectoryEntry
+from r3store.codec import EncodedRoutes, Transform
 from r3store.engine import NAMESPACE_PREFIX
 from r3store.errors import CorruptShard, R3StoreError
-from r3store.shard import META_CREATED, SHARD_PREFIX, places_of, shard_spec
+from r3store.shard import META_CREATED, SHARD_PREFIX, locate_rows, places_of, shard_spec
 from r3store.spec import RouteSpec
 from r3store.store.base import ObjectStore
 
@@ -43,27 +43,34 @@ def _load_shard(
     metadata = pf.metadata
     namespace, spec = shard_spec(metadata)
     created = float((metadata.metadata or {}).get(META_CREATED, b"0"))
-    footer_length = int.from_bytes(data[-8:-4], "little")
-    sizes = pc.binary_length(table.column("route_ids")).to_pylist()
-    for name in ("route_counts", "route_order"):
-        extra = pc.fill_null(pc.binary_length(table.column(name)), 0).to_pylist()
-        sizes = [a + b for a, b in zip(sizes, extra, strict=True)]
+    streams = [
+        EncodedRoutes(ids, counts, order, Transform(transform), b"")
+        for ids, counts, order, transform in zip(
+            table.column("route_ids").to_pylist(),
+            table.column("route_counts").to_pylist(),
+            table.column("route_order").to_pylist(),
+            table.column("route_transform").to_pylist(),
+            strict=True,
+        )
+    ]
+    spans = locate_rows(data, streams)
     rows = table.select(
         ["trajectory_id", "group_id", "policy_version", "num_tokens", "prompt_len", "digest"]
     ).to_pylist()
     entries = [
         TrajectoryEntry(
             namespace=namespace,
-            route_bytes=nbytes,
+            route_bytes=stream.nbytes,
             shard_key=key,
             row_group=place.row_group,
             row_index=place.row,
             created_at=created,
+            spans=span,
             **row,
         )
-        for row, place, nbytes in zip(rows, places_of(metadata), sizes, strict=True)
+        for row, place, stream, span in zip(rows, places_of(metadata), streams, spans, strict=True)
     ]
-    shard = ShardInfo(key, namespace, size, footer_length, len(entries), created)
+    shard = ShardInfo(key, namespace, size, len(entries), created)
     return shard, spec, entries
 
 

@@ -22,7 +22,6 @@ import pyarrow.parquet as pq
 from r3store.codec import EncodedRoutes
 from r3store.errors import CorruptShard
 from r3store.spec import RouteSpec
-from r3store.store.base import ByteRange
 
 FORMAT_VERSION = "1"
 META_FORMAT = b"r3store.format_version"
@@ -72,11 +71,37 @@ class RowPlace:
 
 
 @dataclass(frozen=True)
+class Span:
+    """`length` bytes at `offset` in a shard: one stored value."""
+
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(frozen=True)
+class RouteSpans:
+    """Where one trajectory's route streams lie in its shard."""
+
+    ids: Span
+    counts: Span | None
+    order: Span | None
+    transform: int
+
+    @property
+    def spans(self) -> list[Span]:
+        return [s for s in (self.ids, self.counts, self.order) if s is not None]
+
+
+@dataclass(frozen=True)
 class BuiltShard:
     key: str
     data: bytes
     places: list[RowPlace]  # one per input row, in input order
-    footer_length: int
+    routes: list[RouteSpans]  # one per input row, in input order
     created_at: float
 
 
@@ -145,26 +170,48 @@ def build_shard(
             places.extend(RowPlace(group, i) for i in range(end - start))
             start, group = end, group + 1
     data = sink.getvalue()
-    footer_length = int.from_bytes(data[-8:-4], "little")
-    return BuiltShard(key, data, places, footer_length, created)
+    spans = locate_rows(data, [row.routes for row in rows])
+    return BuiltShard(key, data, places, spans, created)
 
 
-def footer_range(size: int, footer_length: int) -> ByteRange:
-    """Where the Parquet footer (metadata, its length and the magic) lies."""
-    return ByteRange(size - footer_length - 8, size)
+def locate(data: bytes, values: Sequence[bytes | None], start: int = 0) -> list[Span | None]:
+    """Where each value of one binary column lies in the file, in row order.
+
+    Route columns are PLAIN-encoded and uncompressed, so every value is stored verbatim
+    after its 4-byte little-endian length; values of one column appear in row order.
+    Each is found, with its length prefix, searching forward from the previous one. Should
+    an equal byte string lie earlier (two identical tiny frames), the span points at
+    bytes equal to the value, which is all a reader needs.
+    """
+    spans: list[Span | None] = []
+    position = start
+    for value in values:
+        if value is None:
+            spans.append(None)
+            continue
+        needle = len(value).to_bytes(4, "little") + value[:32]
+        while True:
+            at = data.find(needle, position)
+            if at < 0:
+                raise CorruptShard("a route value is not stored verbatim in the shard")
+            if data.startswith(value, at + 4):
+                break
+            position = at + 1
+        spans.append(Span(at + 4, len(value)))
+        position = at + 4 + len(value)
+    return spans
 
 
-def parse_footer(tail: bytes) -> pq.FileMetaData:
-    """Parse the bytes from `footer_range` (or any longer tail of the file)."""
-    if len(tail) < 12 or tail[-4:] != b"PAR1":
-        raise CorruptShard("not a Parquet file: the magic bytes are missing")
-    length = int.from_bytes(tail[-8:-4], "little")
-    if length + 8 > len(tail):
-        raise CorruptShard(f"footer of {length} bytes does not fit in the {len(tail)} bytes read")
-    try:
-        return pq.read_metadata(pa.BufferReader(b"PAR1" + tail[-(length + 8) :]))
-    except (pa.ArrowException, OSError) as exc:
-        raise CorruptShard(f"cannot parse the Parquet footer: {exc}") from exc
+def locate_rows(data: bytes, rows: Sequence[EncodedRoutes]) -> list[RouteSpans]:
+    """The byte spans of every row's route streams (rows in file order)."""
+    ids = locate(data, [r.ids for r in rows], 4)
+    counts = locate(data, [r.counts for r in rows], 4)
+    order = locate(data, [r.order for r in rows], 4)
+    return [
+        RouteSpans(i, c, o, int(r.transform))
+        for i, c, o, r in zip(ids, counts, order, rows, strict=True)
+        if i is not None
+    ]
 
 
 def shard_spec(metadata: pq.FileMetaData) -> tuple[str, RouteSpec]:
@@ -174,83 +221,6 @@ def shard_spec(metadata: pq.FileMetaData) -> tuple[str, RouteSpec]:
     if version != FORMAT_VERSION:
         raise CorruptShard(f"shard format version {version!r}; this build reads {FORMAT_VERSION!r}")
     return kv[META_NAMESPACE].decode(), RouteSpec.from_json(kv[META_SPEC])
-
-
-def row_group_range(metadata: pq.FileMetaData, row_group: int) -> ByteRange:
-    """The bytes of all column chunks of one row group."""
-    rg = metadata.row_group(row_group)
-    starts, ends = [], []
-    for i in range(rg.num_columns):
-        col = rg.column(i)
-        first = col.dictionary_page_offset if col.has_dictionary_page else col.data_page_offset
-        starts.append(first)
-        ends.append(first + col.total_compressed_size)
-    return ByteRange(min(starts), max(ends))
-
-
-class _Prefetched(io.RawIOBase):
-    """A read-only file of `size` bytes of which only one range is present."""
-
-    def __init__(self, size: int, start: int, data: bytes) -> None:
-        self._size, self._start, self._data, self._pos = size, start, data, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._size}[whence]
-        self._pos = base + offset
-        return self._pos
-
-    def read(self, n: int = -1) -> bytes:
-        if n < 0:
-            n = self._size - self._pos
-        lo = self._pos - self._start
-        if lo < 0 or lo + n > len(self._data):
-            raise OSError(f"read of [{self._pos}, {self._pos + n}) outside the fetched range")
-        self._pos += n
-        return self._data[lo : lo + n]
-
-
-def read_row_group(
-    metadata: pq.FileMetaData,
-    size: int,
-    row_group: int,
-    chunk: bytes,
-    columns: list[str] | None = None,
-) -> pa.Table:
-    """Decode one row group from the bytes `row_group_range` fetched."""
-    span = row_group_range(metadata, row_group)
-    source = pa.PythonFile(_Prefetched(size, span.start, chunk), mode="r")
-    try:
-        return pq.ParquetFile(source, metadata=metadata).read_row_group(row_group, columns=columns)
-    except (pa.ArrowException, OSError) as exc:
-        raise CorruptShard(f"cannot read row group {row_group}: {exc}") from exc
-
-
-def row_routes(table: pa.Table, row: int) -> tuple[bytes, bytes | None, bytes | None, int]:
-    """The stored route streams of one row, as `r3store.codec.decode` takes them."""
-    return (
-        table.column("route_ids")[row].as_py(),
-        table.column("route_counts")[row].as_py(),
-        table.column("route_order")[row].as_py(),
-        int(table.column("route_transform")[row].as_py()),
-    )
-
-
-def read_rows_meta(data: bytes) -> tuple[pq.FileMetaData, pa.Table]:
-    """A whole shard's footer and metadata columns (for catalog rebuilds)."""
-    try:
-        pf = pq.ParquetFile(pa.BufferReader(data))
-        return pf.metadata, pf.read(columns=META_COLUMNS)
-    except (pa.ArrowException, OSError) as exc:
-        raise CorruptShard(f"cannot read shard: {exc}") from exc
 
 
 def places_of(metadata: pq.FileMetaData) -> list[RowPlace]:

@@ -243,7 +243,6 @@ class GroupCommitter:
                 key=built.key,
                 namespace=namespace,
                 size=len(built.data),
-                footer_length=built.footer_length,
                 num_rows=len(to_write),
                 created_at=built.created_at,
             )
@@ -261,8 +260,9 @@ class GroupCommitter:
                     row_group=place.row_group,
                     row_index=place.row,
                     created_at=built.created_at,
+                    spans=spans,
                 )
-                for row, place in zip(to_write, built.places, strict=True)
+                for row, place, spans in zip(to_write, built.places, built.routes, strict=True)
             ]
             self._catalog.commit_shard(shard, entries)
             if self._on_shard is not None:

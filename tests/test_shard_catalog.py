@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
-import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import zstandard
@@ -49,7 +49,7 @@ def test_shards_are_plain_parquet(tmp_path: Path, make_engine) -> None:  # type:
     assert pf.metadata.num_row_groups > 1, "rows spread over several row groups"
     table = pf.read()
     assert sorted(table.column("trajectory_id").to_pylist()) == sorted(writes)
-    row = table.filter(pa.compute.equal(table.column("trajectory_id"), "t5")).to_pylist()[0]
+    row = table.filter(pc.equal(table.column("trajectory_id"), "t5")).to_pylist()[0]
     assert (row["group_id"], row["policy_version"], row["prompt_len"]) == ("g1", 0, 5)
     # the documented layout decodes with numpy and zstandard alone
     write = writes["t5"]
@@ -80,7 +80,7 @@ def test_duckdb_reads_shards(tmp_path: Path, make_engine) -> None:  # type: igno
     assert [r[:2] for r in rows] == [(0, 8), (1, 8), (2, 8)]
 
 
-def test_each_needed_row_group_is_read_once(tmp_path: Path, make_engine) -> None:  # type: ignore[no-untyped-def]
+def test_reads_fetch_exactly_the_asked_bytes(tmp_path: Path, make_engine) -> None:  # type: ignore[no-untyped-def]
     class Counting(LocalStore):
         ranges: ClassVar[list[tuple[str, int, int]]] = []
 
@@ -92,45 +92,58 @@ def test_each_needed_row_group_is_read_once(tmp_path: Path, make_engine) -> None
     store = Counting(tmp_path / "objects")
     config = EngineConfig(
         writer=WriterConfig(row_group_bytes=3_000),
-        reader=ReaderConfig(cache_bytes=0, coalesce_bytes=10_000),
+        reader=ReaderConfig(cache_bytes=0, coalesce_bytes=20_000, gap_bytes=64),
     )
     engine = make_engine(store, config)
     writes = fill(engine)
     entries = engine.catalog.lookup("ns", list(writes))
-    groups = {(e.shard_key, e.row_group) for e in entries.values()}
-    assert len(groups) > 3
 
-    def row_group_bytes(wanted: set[tuple[str, int]]) -> set[tuple[str, int]]:
-        """Every byte offset of the wanted row groups' column chunks."""
+    def stream_bytes(ids: list[str]) -> set[tuple[str, int]]:
+        """Every byte offset of these trajectories' stored route values."""
+        data = {}
         out = set()
-        for key, group in wanted:
-            meta = pq.read_metadata(tmp_path / "objects" / key).row_group(group)
-            for i in range(meta.num_columns):
-                col = meta.column(i)
-                first = (
-                    col.dictionary_page_offset if col.has_dictionary_page else col.data_page_offset
-                )
-                out.update((key, b) for b in range(first, first + col.total_compressed_size))
+        for tid in ids:
+            entry = entries[tid]
+            if entry.shard_key not in data:
+                data[entry.shard_key] = (tmp_path / "objects" / entry.shard_key).read_bytes()
+            for span in entry.spans.spans:
+                out.update((entry.shard_key, b) for b in range(span.offset, span.end))
         return out
-
-    def data_reads() -> list[tuple[str, int, int]]:
-        return [r for r in Counting.ranges if r[2] != store.head(r[0]).size]
 
     Counting.ranges.clear()
     engine.get_batch("ns", ["t0"])
-    t0 = entries["t0"]
-    [(key, start, end)] = data_reads()
-    assert {(key, b) for b in range(start, end)} == row_group_bytes({(t0.shard_key, t0.row_group)})
+    read = [(k, b) for k, start, end in Counting.ranges for b in range(start, end)]
+    assert stream_bytes(["t0"]) <= set(read)
+    assert len(set(read) - stream_bytes(["t0"])) <= 64 * len(Counting.ranges)
 
     Counting.ranges.clear()
     some = [f"t{i}" for i in (1, 2, 3, 9, 10, 17, 23)]
     batch = engine.get_batch("ns", some * 2)
     assert not batch.missing
-    read = [(key, b) for key, start, end in data_reads() for b in range(start, end)]
+    read = [(k, b) for k, start, end in Counting.ranges for b in range(start, end)]
     assert len(read) == len(set(read)), "no byte read twice"
-    wanted = {(entries[t].shard_key, entries[t].row_group) for t in some}
-    assert set(read) == row_group_bytes(wanted), "exactly the needed row groups"
-    assert len(data_reads()) < len(wanted), "neighbouring row groups share a request"
+    wanted = stream_bytes(some)
+    assert wanted <= set(read)
+    extra = len(set(read) - wanted)
+    assert extra <= 64 * len(Counting.ranges), "only the small gaps between streams"
+    assert len(Counting.ranges) < sum(len(entries[t].spans.spans) for t in some), (
+        "neighbouring streams share a request"
+    )
+
+
+def test_stored_spans_hold_the_route_values(tmp_path: Path, make_engine) -> None:  # type: ignore[no-untyped-def]
+    engine = make_engine(LocalStore(tmp_path / "objects"), small_row_groups())
+    writes = fill(engine)
+    for tid, entry in engine.catalog.lookup("ns", list(writes)).items():
+        table = pq.read_table(tmp_path / "objects" / entry.shard_key)
+        row = table.filter(pc.equal(table.column("trajectory_id"), tid)).to_pylist()[0]
+        data = (tmp_path / "objects" / entry.shard_key).read_bytes()
+        spans = entry.spans
+        assert data[spans.ids.offset : spans.ids.end] == row["route_ids"]
+        assert spans.counts is not None
+        assert data[spans.counts.offset : spans.counts.end] == row["route_counts"]
+        assert spans.order is None
+        assert row["route_order"] is None
 
 
 def test_catalog_lookups(tmp_path: Path, make_engine) -> None:  # type: ignore[no-untyped-def]
