@@ -12,7 +12,9 @@ from r3store_server.settings import Settings
 
 
 @pytest.mark.parametrize("embedded", [True, False])
-def test_health_and_readiness(tmp_path: Path, embedded: bool, request: pytest.FixtureRequest) -> None:
+def test_health_and_readiness(
+    tmp_path: Path, embedded: bool, request: pytest.FixtureRequest
+) -> None:
     import asyncio
 
     env: dict[str, object] = {"data_dir": tmp_path}
