@@ -11,7 +11,6 @@ import threading
 from pathlib import Path
 
 from helpers import SPEC, make_write
-
 from r3store.catalog import Catalog
 from r3store.engine import Engine, EngineConfig
 from r3store.errors import Conflict

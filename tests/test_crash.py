@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from crash_child import UNIT
 from helpers import SPEC, expected_ids, make_write
-
 from r3store.catalog import Catalog
 from r3store.engine import Engine
 from r3store.rebuild import rebuild_catalog

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import SPEC, expected_ids, make_write
 
+from helpers import SPEC, expected_ids, make_write
 from r3store.catalog import Catalog
 from r3store.engine import Engine, EngineConfig
 from r3store.errors import Backpressure, Conflict, InvalidInput, InvalidRoutes, NotFound, StoreError
@@ -137,10 +137,33 @@ def test_racing_puts_of_one_id_store_it_once(tmp_path: Path, make_engine) -> Non
         assert sorted(map(str, outcomes)) == sorted(["conflict", "conflict", "True"])
 
 
+def _bad_ids(edit):  # type: ignore[no-untyped-def]
+    ids = np.asarray(make_write("good", tokens=11).topk).copy()
+    edit(ids)
+    return ids
+
+
+def _mask(edit):  # type: ignore[no-untyped-def]
+    from r3store.engine import Engine
+
+    routes = Engine.prepare_routes(SPEC, make_write("good", tokens=11))
+    mask = to_mask(routes, SPEC)[:-1].copy()
+    edit(mask)
+    return mask
+
+
 @pytest.mark.parametrize(
     ("change", "error"),
     [
         ({"topk": np.zeros((10, 4, 4), np.int32)}, InvalidRoutes),  # duplicates
+        ({"topk": _bad_ids(lambda a: a.__setitem__((3, 1, 2), 64))}, InvalidRoutes),
+        ({"topk": _bad_ids(lambda a: a.__setitem__((3, 1, 2), -5))}, InvalidRoutes),
+        ({"topk": _bad_ids(lambda a: a.__setitem__((3, 1, 2), -1))}, InvalidRoutes),  # fewer
+        ({"topk": np.zeros((10, 4, 3), np.int32)}, InvalidRoutes),  # shape
+        ({"topk": np.zeros((10, 4, 4), np.float32)}, InvalidRoutes),  # dtype
+        ({"topk": None, "mask": _mask(lambda m: m.__setitem__((2, 0, 0), 0b111))}, InvalidRoutes),
+        ({"topk": None, "mask": _mask(lambda m: m.__setitem__((2, 0, 0), 0))}, InvalidRoutes),
+        ({"topk": None, "mask": np.zeros((10, 4, 7), np.uint8)}, InvalidRoutes),
         ({"num_tokens": 7}, InvalidRoutes),  # rows do not match
         ({"trajectory_id": ""}, InvalidInput),
         ({"trajectory_id": "bad\nid"}, InvalidInput),

@@ -10,8 +10,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import zstandard
-from helpers import SPEC, expected_ids, make_write
 
+from helpers import SPEC, expected_ids, make_write
 from r3store.catalog import Catalog
 from r3store.engine import Engine, EngineConfig
 from r3store.errors import Conflict, NotFound
