@@ -1,13 +1,18 @@
-"""The catalog: which shard and row holds each trajectory, on SQLAlchemy Core.
+"""The catalog: namespaces, shards, and where each trajectory segment lies, on SQLAlchemy Core.
 
-SQLite by default (WAL, synchronous FULL: a committed write survives a crash);
-any SQLAlchemy URL works with the same code. The object store is the source of truth:
-`r3store.rebuild` can make the catalog again from the shards alone.
+SQLite by default (WAL, synchronous FULL: a committed write survives a crash); any
+SQLAlchemy URL works with the same code. The object store is the source of truth:
+`r3store.rebuild` can make the catalog again from the shards alone (policy versions,
+settings and sampling counts live only here).
+
+A trajectory is one or more segments (multi-turn appends), each a row keyed by its
+start token; segment 0 starts at 0 and carries the trajectory's sampling count.
 """
 
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +21,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from r3store.errors import Conflict, NotFound, StoreError
+from r3store.errors import Conflict, InvalidInput, NotFound, StoreError
+from r3store.policy import NamespaceSettings
 from r3store.shard import RouteSpans, Span
 from r3store.spec import RouteSpec
 
@@ -27,8 +33,9 @@ namespaces = sa.Table(
     metadata,
     sa.Column("name", sa.String(128), primary_key=True),
     sa.Column("spec", sa.Text, nullable=False),
+    sa.Column("settings", sa.Text, nullable=False),
     sa.Column("created_at", sa.Float, nullable=False),
-    sa.Column("policy_version", sa.BigInteger, nullable=False, default=0),
+    sa.Column("policy_version", sa.BigInteger, nullable=False),
 )
 
 shards = sa.Table(
@@ -46,6 +53,7 @@ trajectories = sa.Table(
     metadata,
     sa.Column("namespace", sa.String(128), primary_key=True),
     sa.Column("trajectory_id", sa.String(256), primary_key=True),
+    sa.Column("start", sa.BigInteger, primary_key=True),
     sa.Column("group_id", sa.String(256)),
     sa.Column("policy_version", sa.BigInteger, nullable=False),
     sa.Column("num_tokens", sa.Integer, nullable=False),
@@ -63,6 +71,7 @@ trajectories = sa.Table(
     sa.Column("order_offset", sa.BigInteger),
     sa.Column("order_length", sa.BigInteger),
     sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("times_sampled", sa.Integer, nullable=False, default=0),
     sa.Index("ix_trajectories_group", "namespace", "group_id"),
     sa.Index("ix_trajectories_version", "namespace", "policy_version"),
 )
@@ -76,6 +85,7 @@ class NamespaceInfo:
     spec: RouteSpec
     created_at: float
     policy_version: int
+    settings: NamespaceSettings
 
 
 @dataclass(frozen=True)
@@ -89,10 +99,11 @@ class ShardInfo:
 
 @dataclass(frozen=True)
 class TrajectoryEntry:
-    """A trajectory's catalog row: its metadata and where its routes lie."""
+    """One segment's catalog row: its metadata and where its routes lie."""
 
     namespace: str
     trajectory_id: str
+    start: int
     group_id: str | None
     policy_version: int
     num_tokens: int
@@ -104,6 +115,7 @@ class TrajectoryEntry:
     row_index: int
     created_at: float
     spans: RouteSpans
+    times_sampled: int = 0
 
 
 _SPAN_COLUMNS = ("ids", "counts", "order")
@@ -130,6 +142,16 @@ def _from_row(row: Any) -> TrajectoryEntry:
         raise StoreError(f"catalog row of {data['trajectory_id']!r} has no ids span")
     routes = RouteSpans(ids, spans["counts"], spans["order"], data.pop("transform"))
     return TrajectoryEntry(**data, spans=routes)
+
+
+def _namespace(row: Any) -> NamespaceInfo:
+    return NamespaceInfo(
+        row.name,
+        RouteSpec.from_json(row.spec),
+        row.created_at,
+        row.policy_version,
+        NamespaceSettings.model_validate_json(row.settings),
+    )
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
@@ -169,7 +191,11 @@ class Catalog:
     # namespaces
 
     def create_namespace(
-        self, name: str, spec: RouteSpec, created_at: float | None = None
+        self,
+        name: str,
+        spec: RouteSpec,
+        settings: NamespaceSettings | None = None,
+        created_at: float | None = None,
     ) -> NamespaceInfo:
         """Create a namespace; creating it again with the same spec returns it."""
         try:
@@ -178,6 +204,7 @@ class Catalog:
                     namespaces.insert().values(
                         name=name,
                         spec=spec.to_json(),
+                        settings=(settings or NamespaceSettings()).model_dump_json(),
                         created_at=time.time() if created_at is None else created_at,
                         policy_version=0,
                     )
@@ -196,41 +223,77 @@ class Catalog:
             row = conn.execute(sa.select(namespaces).where(namespaces.c.name == name)).first()
         if row is None:
             raise NotFound(f"no namespace {name!r}")
-        return NamespaceInfo(
-            row.name, RouteSpec.from_json(row.spec), row.created_at, row.policy_version
-        )
+        return _namespace(row)
 
     def list_namespaces(self) -> list[NamespaceInfo]:
         with self._engine.connect() as conn:
             rows = conn.execute(sa.select(namespaces).order_by(namespaces.c.name)).all()
-        return [
-            NamespaceInfo(r.name, RouteSpec.from_json(r.spec), r.created_at, r.policy_version)
-            for r in rows
-        ]
+        return [_namespace(r) for r in rows]
+
+    def update_settings(self, name: str, settings: NamespaceSettings) -> NamespaceInfo:
+        with self._engine.begin() as conn:
+            done = conn.execute(
+                namespaces.update()
+                .where(namespaces.c.name == name)
+                .values(settings=settings.model_dump_json())
+            )
+        if done.rowcount == 0:
+            raise NotFound(f"no namespace {name!r}")
+        return self.namespace(name)
+
+    def set_policy_version(self, name: str, version: int) -> NamespaceInfo:
+        """Move the namespace's current policy version forward (never back)."""
+        with self._engine.begin() as conn:
+            row = conn.execute(
+                sa.select(namespaces.c.policy_version).where(namespaces.c.name == name)
+            ).first()
+            if row is None:
+                raise NotFound(f"no namespace {name!r}")
+            if version < row.policy_version:
+                raise InvalidInput(
+                    f"policy version {version} is older than the current {row.policy_version}"
+                )
+            conn.execute(
+                namespaces.update().where(namespaces.c.name == name).values(policy_version=version)
+            )
+        return self.namespace(name)
+
+    def delete_namespace(self, name: str) -> list[str]:
+        """Forget a namespace and its trajectories; returns its shard keys (to delete)."""
+        with self._engine.begin() as conn:
+            keys = list(
+                conn.execute(sa.select(shards.c.key).where(shards.c.namespace == name)).scalars()
+            )
+            conn.execute(trajectories.delete().where(trajectories.c.namespace == name))
+            conn.execute(shards.delete().where(shards.c.namespace == name))
+            done = conn.execute(namespaces.delete().where(namespaces.c.name == name))
+        if done.rowcount == 0:
+            raise NotFound(f"no namespace {name!r}")
+        return keys
 
     # trajectories
 
     def _select(self, namespace: str) -> sa.Select[Any]:
         return sa.select(trajectories).where(trajectories.c.namespace == namespace)
 
-    def lookup(self, namespace: str, ids: Iterable[str]) -> dict[str, TrajectoryEntry]:
-        """Entries of the ids that exist (missing ids are simply absent)."""
+    def lookup(self, namespace: str, ids: Iterable[str]) -> dict[str, list[TrajectoryEntry]]:
+        """Segments of the ids that exist, in start order (missing ids are absent)."""
         wanted = list(dict.fromkeys(ids))
-        found: dict[str, TrajectoryEntry] = {}
+        found: dict[str, list[TrajectoryEntry]] = defaultdict(list)
         with self._engine.connect() as conn:
-            for start in range(0, len(wanted), _BATCH):
-                part = wanted[start : start + _BATCH]
+            for begin in range(0, len(wanted), _BATCH):
+                part = wanted[begin : begin + _BATCH]
                 query = self._select(namespace).where(trajectories.c.trajectory_id.in_(part))
-                for row in conn.execute(query):
-                    found[row.trajectory_id] = _from_row(row)
-        return found
+                for row in conn.execute(query.order_by(trajectories.c.start)):
+                    found[row.trajectory_id].append(_from_row(row))
+        return dict(found)
 
     def by_group(self, namespace: str, group_id: str) -> list[TrajectoryEntry]:
         query = self._select(namespace).where(trajectories.c.group_id == group_id)
-        return self._entries(query.order_by(trajectories.c.trajectory_id))
+        return self._entries(query.order_by(trajectories.c.trajectory_id, trajectories.c.start))
 
     def by_versions(self, namespace: str, low: int, high: int) -> list[TrajectoryEntry]:
-        """Trajectories with `low <= policy_version <= high`, oldest first."""
+        """Segments with `low <= policy_version <= high`, oldest first."""
         query = self._select(namespace).where(trajectories.c.policy_version.between(low, high))
         return self._entries(
             query.order_by(trajectories.c.created_at, trajectories.c.trajectory_id)
@@ -241,11 +304,50 @@ class Catalog:
             return [_from_row(row) for row in conn.execute(query)]
 
     def count(self, namespace: str) -> int:
+        """Trajectories (not segments) in the namespace."""
+        query = sa.select(sa.func.count()).select_from(trajectories)
+        query = query.where(trajectories.c.namespace == namespace, trajectories.c.start == 0)
         with self._engine.connect() as conn:
-            query = sa.select(sa.func.count()).select_from(trajectories)
-            return int(
-                conn.execute(query.where(trajectories.c.namespace == namespace)).scalar_one()
-            )
+            return int(conn.execute(query).scalar_one())
+
+    def sampling_candidates(
+        self, namespace: str, min_version: int | None, max_times: int | None
+    ) -> list[tuple[str, str | None, float]]:
+        """(id, group, created) of trajectories whose every segment is at or above
+        `min_version` and that were sampled fewer than `max_times` times."""
+        t = trajectories
+        oldest = (
+            sa.select(t.c.trajectory_id, sa.func.min(t.c.policy_version).label("oldest"))
+            .where(t.c.namespace == namespace)
+            .group_by(t.c.trajectory_id)
+            .subquery()
+        )
+        query = (
+            sa.select(t.c.trajectory_id, t.c.group_id, t.c.created_at)
+            .join(oldest, oldest.c.trajectory_id == t.c.trajectory_id)
+            .where(t.c.namespace == namespace, t.c.start == 0)
+        )
+        if min_version is not None:
+            query = query.where(oldest.c.oldest >= min_version)
+        if max_times is not None:
+            query = query.where(t.c.times_sampled < max_times)
+        with self._engine.connect() as conn:
+            return [(r.trajectory_id, r.group_id, r.created_at) for r in conn.execute(query)]
+
+    def mark_sampled(self, namespace: str, ids: Sequence[str], max_times: int | None) -> list[str]:
+        """Count one more sampling of each id still under `max_times`; returns those ids."""
+        t = trajectories
+        taken = []
+        with self._engine.begin() as conn:
+            for tid in ids:
+                query = t.update().where(
+                    t.c.namespace == namespace, t.c.trajectory_id == tid, t.c.start == 0
+                )
+                if max_times is not None:
+                    query = query.where(t.c.times_sampled < max_times)
+                if conn.execute(query.values(times_sampled=t.c.times_sampled + 1)).rowcount:
+                    taken.append(tid)
+        return taken
 
     # shards
 
@@ -262,7 +364,7 @@ class Catalog:
             with self._engine.begin() as conn:
                 self._insert(conn, shard, entries)
         except IntegrityError as exc:
-            raise Conflict(f"trajectory ids already in the catalog: {exc.orig}") from exc
+            raise Conflict(f"trajectory segments already in the catalog: {exc.orig}") from exc
         except SQLAlchemyError as exc:
             raise StoreError(f"catalog commit failed: {exc}") from exc
 
@@ -286,6 +388,7 @@ class Catalog:
                     namespaces.insert().values(
                         name=ns.name,
                         spec=ns.spec.to_json(),
+                        settings=ns.settings.model_dump_json(),
                         created_at=ns.created_at,
                         policy_version=ns.policy_version,
                     )

@@ -8,6 +8,7 @@
     │   └── ObjectNotFound       an object store key that does not exist
     ├── Conflict                 the same id with other content, or an existing name
     │   └── ObjectExists         a create-only put whose key already exists
+    ├── StalePolicy              routes older than the namespace's staleness window
     ├── Backpressure             the write buffer is full; retry later
     ├── StoreError               the object store failed (after retries)
     └── CorruptShard             a shard that cannot be read as the format says
@@ -51,6 +52,10 @@ class Conflict(R3StoreError):
 
 class ObjectExists(Conflict):
     code = "object_exists"
+
+
+class StalePolicy(R3StoreError):
+    code = "stale_policy"
 
 
 class Backpressure(R3StoreError):

@@ -20,7 +20,8 @@ from typing import Generic, TypeVar
 from r3store import codec
 from r3store.catalog import TrajectoryEntry
 from r3store.codec import EncodedRoutes, Transform
-from r3store.records import TrajectoryRead
+from r3store.records import SegmentRead, TrajectoryRead
+from r3store.routes import Routes
 from r3store.shard import BuiltShard, Span
 from r3store.spec import RouteSpec
 from r3store.store.base import ByteRange, ObjectStore
@@ -126,13 +127,13 @@ class ShardReader:
         return self._store.get(key, byte_range)
 
     def read(
-        self, entries: Iterable[TrajectoryEntry], spec: RouteSpec, decode: bool = True
+        self, found: dict[str, list[TrajectoryEntry]], spec: RouteSpec, decode: bool = True
     ) -> dict[str, TrajectoryRead]:
-        """Fetch and decode the routes of catalog entries."""
-        wanted = list(entries)
+        """Fetch, and unless `decode` is False decode, the segments of catalog entries."""
         by_shard: dict[str, list[TrajectoryEntry]] = defaultdict(list)
-        for entry in wanted:
-            by_shard[entry.shard_key].append(entry)
+        for segments in found.values():
+            for entry in segments:
+                by_shard[entry.shard_key].append(entry)
         jobs = [
             (key, byte_range)
             for key, items in by_shard.items()
@@ -147,27 +148,40 @@ class ShardReader:
         for (key, byte_range), data in zip(jobs, results, strict=True):
             fetched[key].add(byte_range, data)
 
-        def finish(entry: TrajectoryEntry) -> TrajectoryRead:
+        def stored(entry: TrajectoryEntry) -> EncodedRoutes:
             parts = fetched[entry.shard_key]
             spans = entry.spans
             ids = parts.slice(spans.ids)
             assert ids is not None
-            encoded = EncodedRoutes(
+            return EncodedRoutes(
                 ids,
                 parts.slice(spans.counts),
                 parts.slice(spans.order),
                 Transform(spans.transform),
                 entry.digest,
             )
-            routes = codec.decode(encoded, spec, entry.num_tokens) if decode else None
+
+        def finish(segments: list[TrajectoryEntry]) -> TrajectoryRead:
+            encoded = [stored(e) for e in segments]
+            routes = None
+            if decode:
+                parts = [
+                    codec.decode(s, spec, e.num_tokens)
+                    for s, e in zip(encoded, segments, strict=True)
+                ]
+                routes = Routes.concat(parts)
+            first = segments[0]
             return TrajectoryRead(
-                trajectory_id=entry.trajectory_id,
-                group_id=entry.group_id,
-                policy_version=entry.policy_version,
-                num_tokens=entry.num_tokens,
-                prompt_len=entry.prompt_len,
+                trajectory_id=first.trajectory_id,
+                group_id=first.group_id,
+                policy_version=min(e.policy_version for e in segments),
+                num_tokens=sum(e.num_tokens for e in segments),
+                prompt_len=first.prompt_len,
+                segments=[
+                    SegmentRead(e.start, e.num_tokens, e.policy_version, None if decode else s)
+                    for e, s in zip(segments, encoded, strict=True)
+                ],
                 routes=routes,
-                encoded=None if decode else encoded,
             )
 
-        return {item.trajectory_id: item for item in self._pool.map(finish, wanted)}
+        return {item.trajectory_id: item for item in self._pool.map(finish, found.values())}

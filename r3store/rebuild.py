@@ -14,6 +14,7 @@ from r3store.catalog import Catalog, NamespaceInfo, ShardInfo, TrajectoryEntry
 from r3store.codec import EncodedRoutes, Transform
 from r3store.engine import NAMESPACE_PREFIX
 from r3store.errors import CorruptShard, R3StoreError
+from r3store.policy import NamespaceSettings
 from r3store.shard import META_CREATED, SHARD_PREFIX, locate_rows, places_of, shard_spec
 from r3store.spec import RouteSpec
 from r3store.store.base import ObjectStore
@@ -55,7 +56,15 @@ def _load_shard(
     ]
     spans = locate_rows(data, streams)
     rows = table.select(
-        ["trajectory_id", "group_id", "policy_version", "num_tokens", "prompt_len", "digest"]
+        [
+            "trajectory_id",
+            "start",
+            "group_id",
+            "policy_version",
+            "num_tokens",
+            "prompt_len",
+            "digest",
+        ]
     ).to_pylist()
     entries = [
         TrajectoryEntry(
@@ -81,23 +90,28 @@ def rebuild_catalog(
 ) -> RebuildReport:
     """Replace the catalog's content with what the shards and namespace manifests hold.
 
-    Shards are read oldest first (their keys are time-ordered); a trajectory id found
-    in several shards keeps its first copy. `progress(done, total)` is called per shard.
+    Shards are read oldest first (their keys are time-ordered); a segment found in
+    several shards keeps its first copy. Namespace settings and policy versions come
+    from the manifests; sampling counts start again at zero. `progress(done, total)` is
+    called per shard.
     """
     report = RebuildReport()
     spaces: dict[str, NamespaceInfo] = {}
     for info in store.list(NAMESPACE_PREFIX):
         try:
             manifest = json.loads(store.get(info.key))
-            spec = RouteSpec(**manifest["spec"])
             spaces[manifest["name"]] = NamespaceInfo(
-                manifest["name"], spec, float(manifest["created_at"]), 0
+                manifest["name"],
+                RouteSpec(**manifest["spec"]),
+                float(manifest["created_at"]),
+                int(manifest.get("policy_version", 0)),
+                NamespaceSettings.model_validate(manifest.get("settings", {})),
             )
         except (ValueError, KeyError, TypeError, R3StoreError) as exc:
             report.skipped.append(f"{info.key}: {exc}")
     objects = [info for info in store.list(SHARD_PREFIX) if info.key.endswith(".parquet")]
     loaded: list[tuple[ShardInfo, list[TrajectoryEntry]]] = []
-    seen: dict[tuple[str, str], bytes] = {}
+    seen: dict[tuple[str, str, int], bytes] = {}
     for done, info in enumerate(objects, start=1):
         try:
             shard, spec, entries = _load_shard(store, info.key, info.size)
@@ -106,12 +120,15 @@ def rebuild_catalog(
             report.skipped.append(f"{info.key}: {exc}")
             continue
         if shard.namespace not in spaces:
-            spaces[shard.namespace] = NamespaceInfo(shard.namespace, spec, shard.created_at, 0)
+            spaces[shard.namespace] = NamespaceInfo(
+                shard.namespace, spec, shard.created_at, 0, NamespaceSettings()
+            )
         kept = []
         for entry in entries:
-            first = seen.get((entry.namespace, entry.trajectory_id))
+            key = (entry.namespace, entry.trajectory_id, entry.start)
+            first = seen.get(key)
             if first is None:
-                seen[(entry.namespace, entry.trajectory_id)] = entry.digest
+                seen[key] = entry.digest
                 kept.append(entry)
             elif first == entry.digest:
                 report.duplicates += 1

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from r3store.codec import EncodedRoutes
-from r3store.errors import InvalidInput
+from r3store.errors import Conflict, InvalidInput
 from r3store.routes import Routes
 
 _NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -41,6 +41,11 @@ class TrajectoryWrite:
 
     `TrajectoryWrite("run1/p7/s3", num_tokens=4096, topk=ids, prompt_len=512,
     group_id="run1/p7", policy_version=12)`; see `r3store.routes` for the array forms.
+
+    Multi-turn: `start > 0` appends a segment of `num_tokens` tokens beginning at token
+    `start`, which must be where the trajectory now ends; each segment has its own
+    policy version. `group_id` and `prompt_len` belong to the first segment; an
+    appended one leaves them unset or repeats them.
     """
 
     trajectory_id: str
@@ -50,21 +55,22 @@ class TrajectoryWrite:
     prompt_len: int = 0
     group_id: str | None = None
     policy_version: int = 0
+    start: int = 0
 
     def check(self) -> None:
         check_id(self.trajectory_id)
         if self.group_id is not None:
             check_id(self.group_id, "group id")
-        for name in ("num_tokens", "prompt_len", "policy_version"):
+        for name in ("num_tokens", "prompt_len", "policy_version", "start"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidInput(f"{self.trajectory_id}: {name} must be a non-negative integer")
         if self.num_tokens < 1 or self.num_tokens > 2**31 - 1:
             raise InvalidInput(f"{self.trajectory_id}: num_tokens must be in [1, 2**31)")
-        if self.prompt_len > self.num_tokens:
+        if self.prompt_len > self.start + self.num_tokens:
             raise InvalidInput(
                 f"{self.trajectory_id}: prompt_len {self.prompt_len} "
-                f"exceeds num_tokens {self.num_tokens}"
+                f"exceeds the {self.start + self.num_tokens} tokens"
             )
         if self.policy_version >= 2**63:
             raise InvalidInput(f"{self.trajectory_id}: policy_version must be below 2**63")
@@ -73,31 +79,77 @@ class TrajectoryWrite:
 
 
 @dataclass(frozen=True)
-class PutResult:
-    trajectory_id: str
-    created: bool  # False: it was already stored with the same content
+class Segment:
+    """What the store knows of one stored segment, for settling a new one."""
+
+    start: int
+    num_tokens: int
+    digest: bytes
+    group_id: str | None
+    prompt_len: int
+
+
+def settle(write_id: str, start: int, digest: bytes, stored: list[Segment]) -> bool:
+    """Decide a segment against the trajectory's stored ones (in start order).
+
+    True: new, store it. False: the same segment is stored already (a retry). Raises
+    `Conflict` for the same start with other content, `InvalidInput` for an append
+    that does not begin where the trajectory ends.
+    """
+    for segment in stored:
+        if segment.start == start:
+            if segment.digest == digest:
+                return False
+            raise Conflict(f"{write_id} (from token {start}) is already stored with other content")
+    end = stored[-1].start + stored[-1].num_tokens if stored else 0
+    if start != end:
+        raise InvalidInput(
+            f"{write_id}: a segment must start where the trajectory ends (token {end}), "
+            f"not at token {start}"
+        )
+    return True
 
 
 @dataclass(frozen=True)
-class TrajectoryRead:
-    """One stored trajectory: metadata, and its routes decoded or as stored."""
-
+class PutResult:
     trajectory_id: str
-    group_id: str | None
-    policy_version: int
+    created: bool  # False: it was already stored with the same content
+    start: int = 0
+
+
+@dataclass(frozen=True)
+class SegmentRead:
+    """One stored segment: its tokens, policy version and (when asked) stored streams."""
+
+    start: int
     num_tokens: int
-    prompt_len: int
-    routes: Routes | None = None
+    policy_version: int
     encoded: EncodedRoutes | None = None
 
 
 @dataclass(frozen=True)
+class TrajectoryRead:
+    """One stored trajectory: metadata, its segments, and its routes decoded (all
+    segments joined) unless stored streams were asked for."""
+
+    trajectory_id: str
+    group_id: str | None
+    policy_version: int  # the oldest of its segments'
+    num_tokens: int  # all segments together
+    prompt_len: int
+    segments: list[SegmentRead]
+    routes: Routes | None = None
+
+
+@dataclass(frozen=True)
 class Batch:
-    """A batch read: `items[i]` answers `ids[i]` (None where missing); `missing` names them."""
+    """A batch read: `items[i]` answers `ids[i]` (None where missing or stale);
+    `missing` and `stale` name those ids."""
 
     ids: list[str]
     items: list[TrajectoryRead | None]
     missing: list[str]
+    stale: list[str]
 
     @property
     def found(self) -> list[TrajectoryRead]:

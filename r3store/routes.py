@@ -82,6 +82,23 @@ class Routes:
             out[~self.slot_valid()] = fill
         return np.ascontiguousarray(out.transpose(1, 0, 2))
 
+    @staticmethod
+    def concat(parts: list[Routes]) -> Routes:
+        """The routes of consecutive segments as one trajectory's."""
+        if len(parts) == 1:
+            return parts[0]
+        layers = np.concatenate([p.layers for p in parts], axis=1)
+        if all(p.layer_counts is None for p in parts):
+            return Routes(layers)
+        k = layers.shape[2]
+        counts = [
+            p.layer_counts
+            if p.layer_counts is not None
+            else np.full(p.layers.shape[:2], k, np.uint8)
+            for p in parts
+        ]
+        return Routes(layers, np.concatenate(counts, axis=1))
+
     def equals(self, other: Routes) -> bool:
         """Same experts in the same slots and the same counts."""
         return (

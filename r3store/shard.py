@@ -1,6 +1,7 @@
 """Shards: immutable Parquet objects holding many trajectories' routes and metadata.
 
-One shard belongs to one namespace. Each row is one trajectory; columns are listed in
+One shard belongs to one namespace. Each row is one trajectory segment (a whole
+trajectory, or one turn appended to it); columns are listed in
 `SCHEMA` and docs/format.md. Metadata columns are zstd-compressed by Parquet; the route
 columns already hold zstd frames (see `r3store.codec`) and are stored as they are. Row
 groups hold about `row_group_bytes` of routes, at least one trajectory each, so reading
@@ -34,6 +35,7 @@ SCHEMA = pa.schema(
     [
         pa.field("namespace", pa.string(), nullable=False),
         pa.field("trajectory_id", pa.string(), nullable=False),
+        pa.field("start", pa.int64(), nullable=False),
         pa.field("group_id", pa.string()),
         pa.field("policy_version", pa.int64(), nullable=False),
         pa.field("num_tokens", pa.int32(), nullable=False),
@@ -56,9 +58,10 @@ class ShardRow:
     """One trajectory as it goes into a shard."""
 
     trajectory_id: str
+    start: int  # first token of this segment (0 unless appended)
     group_id: str | None
     policy_version: int
-    num_tokens: int
+    num_tokens: int  # tokens in this segment
     prompt_len: int
     digest: bytes
     routes: EncodedRoutes
@@ -116,6 +119,7 @@ def _table(namespace: str, rows: Sequence[ShardRow]) -> pa.Table:
         {
             "namespace": pa.array([namespace] * len(rows), pa.string()),
             "trajectory_id": [r.trajectory_id for r in rows],
+            "start": pa.array([r.start for r in rows], pa.int64()),
             "group_id": pa.array([r.group_id for r in rows], pa.string()),
             "policy_version": pa.array([r.policy_version for r in rows], pa.int64()),
             "num_tokens": pa.array([r.num_tokens for r in rows], pa.int32()),

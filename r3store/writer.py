@@ -16,14 +16,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from r3store.catalog import Catalog, ShardInfo, TrajectoryEntry
-from r3store.errors import Backpressure, Conflict, R3StoreError
-from r3store.records import PutResult
+from r3store.errors import Backpressure, R3StoreError
+from r3store.records import PutResult, Segment, settle
 from r3store.shard import BuiltShard, ShardRow, build_shard
 from r3store.spec import RouteSpec
 from r3store.store.base import ObjectStore
@@ -47,6 +47,10 @@ class WriterConfig:
     buffer_bytes: int = 256 << 20
     put_timeout: float = 30.0
     committers: int = 2
+
+
+def as_segment(row: ShardRow | TrajectoryEntry) -> Segment:
+    return Segment(row.start, row.num_tokens, row.digest, row.group_id, row.prompt_len)
 
 
 @dataclass
@@ -211,30 +215,30 @@ class GroupCommitter:
         started = time.monotonic()
         namespace, spec = batch[0].namespace, batch[0].spec
         ids = [row.trajectory_id for unit in batch for row in unit.rows]
-        stored = {tid: e.digest for tid, e in self._catalog.lookup(namespace, ids).items()}
+        known = {
+            tid: [as_segment(e) for e in segments]
+            for tid, segments in self._catalog.lookup(namespace, ids).items()
+        }
         to_write: list[ShardRow] = []
         accepted: list[tuple[_Unit, list[PutResult]]] = []
         for unit in batch:
             results: list[PutResult] = []
-            fresh: list[ShardRow] = []
-            clash = []
-            for row in unit.rows:
-                known = stored.get(row.trajectory_id)
-                if known is None:
-                    fresh.append(row)
-                    results.append(PutResult(row.trajectory_id, True))
-                elif known == row.digest:
-                    results.append(PutResult(row.trajectory_id, False))
-                else:
-                    clash.append(row.trajectory_id)
-            if clash:
-                unit.future.set_exception(
-                    Conflict(f"trajectory ids already stored with other content: {clash[:10]}")
-                )
+            staged: dict[str, list[Segment]] = defaultdict(list)
+            try:
+                for row in unit.rows:
+                    tid = row.trajectory_id
+                    segments = known.get(tid, []) + staged[tid]
+                    created = settle(tid, row.start, row.digest, segments)
+                    if created:
+                        staged[tid].append(as_segment(row))
+                    results.append(PutResult(tid, created, row.start))
+            except R3StoreError as exc:  # a conflict or a bad append: this unit only
+                unit.future.set_exception(exc)
                 continue
-            for row in fresh:
-                stored[row.trajectory_id] = row.digest
-            to_write.extend(fresh)
+            for tid, segments in staged.items():
+                known.setdefault(tid, []).extend(segments)
+            fresh = {(tid, s.start) for tid, segments in staged.items() for s in segments}
+            to_write.extend(r for r in unit.rows if (r.trajectory_id, r.start) in fresh)
             accepted.append((unit, results))
         if to_write:
             built = build_shard(namespace, spec, to_write, self.config.row_group_bytes)
@@ -250,6 +254,7 @@ class GroupCommitter:
                 TrajectoryEntry(
                     namespace=namespace,
                     trajectory_id=row.trajectory_id,
+                    start=row.start,
                     group_id=row.group_id,
                     policy_version=row.policy_version,
                     num_tokens=row.num_tokens,

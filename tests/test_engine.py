@@ -80,7 +80,7 @@ def test_reads_keep_order_and_name_missing(tmp_path: Path, make_engine) -> None:
     assert batch.items[0].policy_version == 2
     encoded = engine.get_batch("ns", ["t1"], decode=False).items[0]
     assert encoded.routes is None
-    assert encoded.encoded is not None
+    assert encoded.segments[0].encoded is not None
     with pytest.raises(NotFound):
         engine.get("ns", "ghost")
     with pytest.raises(NotFound):

@@ -96,7 +96,7 @@ def test_reads_fetch_exactly_the_asked_bytes(tmp_path: Path, make_engine) -> Non
     )
     engine = make_engine(store, config)
     writes = fill(engine)
-    entries = engine.catalog.lookup("ns", list(writes))
+    entries = {tid: e[0] for tid, e in engine.catalog.lookup("ns", list(writes)).items()}
 
     def stream_bytes(ids: list[str]) -> set[tuple[str, int]]:
         """Every byte offset of these trajectories' stored route values."""
@@ -134,7 +134,7 @@ def test_reads_fetch_exactly_the_asked_bytes(tmp_path: Path, make_engine) -> Non
 def test_stored_spans_hold_the_route_values(tmp_path: Path, make_engine) -> None:  # type: ignore[no-untyped-def]
     engine = make_engine(LocalStore(tmp_path / "objects"), small_row_groups())
     writes = fill(engine)
-    for tid, entry in engine.catalog.lookup("ns", list(writes)).items():
+    for tid, [entry] in engine.catalog.lookup("ns", list(writes)).items():
         table = pq.read_table(tmp_path / "objects" / entry.shard_key)
         row = table.filter(pc.equal(table.column("trajectory_id"), tid)).to_pylist()[0]
         data = (tmp_path / "objects" / entry.shard_key).read_bytes()
@@ -156,7 +156,7 @@ def test_catalog_lookups(tmp_path: Path, make_engine) -> None:  # type: ignore[n
         f"t{i}" for i in range(8, 24)
     }
     assert catalog.count("ns") == len(writes)
-    entry = catalog.lookup("ns", ["t3"])["t3"]
+    [entry] = catalog.lookup("ns", ["t3"])["t3"]
     assert entry.num_tokens == writes["t3"].num_tokens
     assert entry.prompt_len == 5
     with pytest.raises(NotFound):

@@ -1,0 +1,48 @@
+"""Namespace policies: staleness window, sampling limits and retention settings.
+
+Pure values and rules; the engine applies them, the catalog stores them as JSON.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Retention(BaseModel):
+    """What a namespace keeps. Validated and stored here; enforced by the retention
+    machinery (operations). `Retention(keep_versions=4, ttl_seconds=86400)`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    keep_versions: int | None = Field(None, ge=1, description="keep the last N policy versions")
+    ttl_seconds: float | None = Field(None, gt=0, description="drop trajectories older than this")
+    evict_after_sampled: bool = Field(
+        False, description="drop a trajectory once it was sampled max_times_sampled times"
+    )
+
+
+class NamespaceSettings(BaseModel):
+    """A namespace's policies. `max_policy_lag=2` accepts and serves routes of the
+    current policy version and the two before it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_policy_lag: int | None = Field(
+        None, ge=0, description="routes older than current - lag are stale; None: no limit"
+    )
+    max_times_sampled: int | None = Field(
+        None, ge=1, description="a trajectory is sampled at most this often; None: no limit"
+    )
+    retention: Retention = Field(default_factory=Retention)
+
+
+def staleness_floor(current_version: int, settings: NamespaceSettings) -> int | None:
+    """The oldest policy version still inside the window, or None when all are."""
+    if settings.max_policy_lag is None:
+        return None
+    return current_version - settings.max_policy_lag
+
+
+def is_stale(policy_version: int, current_version: int, settings: NamespaceSettings) -> bool:
+    floor = staleness_floor(current_version, settings)
+    return floor is not None and policy_version < floor
