@@ -70,6 +70,8 @@ trajectories = sa.Table(
     sa.Column("counts_length", sa.BigInteger),
     sa.Column("order_offset", sa.BigInteger),
     sa.Column("order_length", sa.BigInteger),
+    sa.Column("tokens_offset", sa.BigInteger),
+    sa.Column("tokens_length", sa.BigInteger),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("times_sampled", sa.Integer, nullable=False, default=0),
     sa.Index("ix_trajectories_group", "namespace", "group_id"),
@@ -118,7 +120,7 @@ class TrajectoryEntry:
     times_sampled: int = 0
 
 
-_SPAN_COLUMNS = ("ids", "counts", "order")
+_SPAN_COLUMNS = ("ids", "counts", "order", "tokens")
 
 
 def _to_row(entry: TrajectoryEntry) -> dict[str, Any]:
@@ -140,7 +142,8 @@ def _from_row(row: Any) -> TrajectoryEntry:
     ids = spans["ids"]
     if ids is None:
         raise StoreError(f"catalog row of {data['trajectory_id']!r} has no ids span")
-    routes = RouteSpans(ids, spans["counts"], spans["order"], data.pop("transform"))
+    transform = data.pop("transform")
+    routes = RouteSpans(ids, spans["counts"], spans["order"], transform, spans["tokens"])
     return TrajectoryEntry(**data, spans=routes)
 
 

@@ -52,17 +52,21 @@ class Transform(IntEnum):
 
 @dataclass(frozen=True)
 class EncodedRoutes:
-    """The stored streams of one trajectory and a digest of its canonical content."""
+    """The stored streams of one segment and a digest of its canonical content.
+
+    `tokens`, when the producer sent token ids, is a zstd frame of `[T]` int32 LE.
+    """
 
     ids: bytes
     counts: bytes | None
     order: bytes | None
     transform: Transform
     digest: bytes
+    tokens: bytes | None = None
 
     @property
     def nbytes(self) -> int:
-        return len(self.ids) + len(self.counts or b"") + len(self.order or b"")
+        return sum(len(s or b"") for s in (self.ids, self.counts, self.order, self.tokens))
 
 
 _local = threading.local()
@@ -107,7 +111,11 @@ def _lehmer_rank(planes: list[npt.NDArray[Any]]) -> npt.NDArray[np.uint16]:
 
 
 def encode(
-    routes: Routes, spec: RouteSpec, level: int = DEFAULT_LEVEL, salt: bytes = b""
+    routes: Routes,
+    spec: RouteSpec,
+    level: int = DEFAULT_LEVEL,
+    salt: bytes = b"",
+    token_ids: npt.NDArray[np.int32] | None = None,
 ) -> EncodedRoutes:
     """Encode canonical routes (as `r3store.routes` makes them) into storage streams.
 
@@ -137,7 +145,8 @@ def encode(
     counts_raw = b"" if counts is None else np.ascontiguousarray(counts, np.uint8).tobytes()
     digest = hashlib.sha256()
     digest.update(spec.id_dtype.str.encode() + np.array(layers.shape, np.int64).tobytes())
-    for part in (raw.data, counts_raw, order_raw or b"", salt):
+    tokens_raw = b"" if token_ids is None else token_ids.astype("<i4").tobytes()
+    for part in (raw.data, counts_raw, order_raw or b"", tokens_raw, salt):
         digest.update(len(part).to_bytes(8, "little"))
         digest.update(part)
 
@@ -156,7 +165,14 @@ def encode(
         order=None if order_raw is None else compressor.compress(order_raw),
         transform=transform,
         digest=digest.digest()[:16],
+        tokens=None if token_ids is None else fast.compress(tokens_raw),
     )
+
+
+def decode_tokens(blob: bytes, num_tokens: int) -> npt.NDArray[np.int32]:
+    """The `[T]` int32 token ids of a `tokens` stream."""
+    raw = _unzstd(blob, num_tokens * 4, "tokens")
+    return np.frombuffer(raw, dtype="<i4").astype(np.int32)
 
 
 def _delta(flat: npt.NDArray[Any], k: int) -> npt.NDArray[Any]:

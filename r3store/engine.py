@@ -196,7 +196,13 @@ class Engine:
     def prepare(self, spec: RouteSpec, write: TrajectoryWrite) -> ShardRow:
         """Validate and encode one segment (pure CPU work, done in the caller's thread)."""
         routes = self.prepare_routes(spec, write)
-        encoded = codec.encode(routes, spec, self.config.compression_level, salt=_salt(write))
+        encoded = codec.encode(
+            routes,
+            spec,
+            self.config.compression_level,
+            salt=_salt(write),
+            token_ids=write.tokens(),
+        )
         return ShardRow(
             trajectory_id=write.trajectory_id,
             start=write.start,

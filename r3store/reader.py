@@ -17,6 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+import numpy as np
+
 from r3store import codec
 from r3store.catalog import TrajectoryEntry
 from r3store.codec import EncodedRoutes, Transform
@@ -159,6 +161,7 @@ class ShardReader:
                 parts.slice(spans.order),
                 Transform(spans.transform),
                 entry.digest,
+                parts.slice(spans.tokens),
             )
 
         def finish(segments: list[TrajectoryEntry]) -> TrajectoryRead:
@@ -171,6 +174,16 @@ class ShardReader:
                 ]
                 routes = Routes.concat(parts)
             first = segments[0]
+            tokens = None
+            if decode and any(s.tokens is not None for s in encoded):
+                tokens = np.concatenate(
+                    [
+                        np.full(e.num_tokens, -1, np.int32)
+                        if s.tokens is None
+                        else codec.decode_tokens(s.tokens, e.num_tokens)
+                        for s, e in zip(encoded, segments, strict=True)
+                    ]
+                )
             return TrajectoryRead(
                 trajectory_id=first.trajectory_id,
                 group_id=first.group_id,
@@ -182,6 +195,7 @@ class ShardReader:
                     for e, s in zip(segments, encoded, strict=True)
                 ],
                 routes=routes,
+                token_ids=tokens,
             )
 
         return {item.trajectory_id: item for item in self._pool.map(finish, found.values())}

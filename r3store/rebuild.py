@@ -45,12 +45,13 @@ def _load_shard(
     namespace, spec = shard_spec(metadata)
     created = float((metadata.metadata or {}).get(META_CREATED, b"0"))
     streams = [
-        EncodedRoutes(ids, counts, order, Transform(transform), b"")
-        for ids, counts, order, transform in zip(
+        EncodedRoutes(ids, counts, order, Transform(transform), b"", tokens)
+        for ids, counts, order, transform, tokens in zip(
             table.column("route_ids").to_pylist(),
             table.column("route_counts").to_pylist(),
             table.column("route_order").to_pylist(),
             table.column("route_transform").to_pylist(),
+            table.column("token_ids").to_pylist(),
             strict=True,
         )
     ]

@@ -6,6 +6,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from r3store.codec import EncodedRoutes
 from r3store.errors import Conflict, InvalidInput
 from r3store.routes import Routes
@@ -56,6 +59,21 @@ class TrajectoryWrite:
     group_id: str | None = None
     policy_version: int = 0
     start: int = 0
+    token_ids: Any = None
+
+    def tokens(self) -> npt.NDArray[np.int32] | None:
+        """The token ids as `[num_tokens]` int32, checked; None when not given."""
+        if self.token_ids is None:
+            return None
+        arr = np.asarray(self.token_ids)
+        if arr.dtype.kind not in "iu" or arr.shape != (self.num_tokens,):
+            raise InvalidInput(
+                f"{self.trajectory_id}: token_ids must be {self.num_tokens} integers, "
+                f"got {arr.dtype} {list(arr.shape)}"
+            )
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 2**31 - 1):
+            raise InvalidInput(f"{self.trajectory_id}: token ids must be in [0, 2**31)")
+        return arr.astype(np.int32)
 
     def check(self) -> None:
         check_id(self.trajectory_id)
@@ -139,6 +157,7 @@ class TrajectoryRead:
     prompt_len: int
     segments: list[SegmentRead]
     routes: Routes | None = None
+    token_ids: npt.NDArray[np.int32] | None = None  # -1 where a segment came without them
 
 
 @dataclass(frozen=True)

@@ -45,12 +45,13 @@ SCHEMA = pa.schema(
         pa.field("route_ids", pa.binary(), nullable=False),
         pa.field("route_counts", pa.binary()),
         pa.field("route_order", pa.binary()),
+        pa.field("token_ids", pa.binary()),
     ]
 )
 META_COLUMNS = [
     f.name for f in SCHEMA if not f.name.startswith("route_") or f.name == "route_transform"
 ]
-ROUTE_COLUMNS = ["route_ids", "route_counts", "route_order"]
+ROUTE_COLUMNS = ["route_ids", "route_counts", "route_order", "token_ids"]
 
 
 @dataclass(frozen=True)
@@ -93,10 +94,11 @@ class RouteSpans:
     counts: Span | None
     order: Span | None
     transform: int
+    tokens: Span | None = None
 
     @property
     def spans(self) -> list[Span]:
-        return [s for s in (self.ids, self.counts, self.order) if s is not None]
+        return [s for s in (self.ids, self.counts, self.order, self.tokens) if s is not None]
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,7 @@ def _table(namespace: str, rows: Sequence[ShardRow]) -> pa.Table:
             "route_ids": pa.array([r.routes.ids for r in rows], pa.binary()),
             "route_counts": pa.array([r.routes.counts for r in rows], pa.binary()),
             "route_order": pa.array([r.routes.order for r in rows], pa.binary()),
+            "token_ids": pa.array([r.routes.tokens for r in rows], pa.binary()),
         },
         schema=SCHEMA,
     )
@@ -211,9 +214,10 @@ def locate_rows(data: bytes, rows: Sequence[EncodedRoutes]) -> list[RouteSpans]:
     ids = locate(data, [r.ids for r in rows], 4)
     counts = locate(data, [r.counts for r in rows], 4)
     order = locate(data, [r.order for r in rows], 4)
+    tokens = locate(data, [r.tokens for r in rows], 4)
     return [
-        RouteSpans(i, c, o, int(r.transform))
-        for i, c, o, r in zip(ids, counts, order, rows, strict=True)
+        RouteSpans(i, c, o, int(r.transform), t)
+        for i, c, o, t, r in zip(ids, counts, order, tokens, rows, strict=True)
         if i is not None
     ]
 

@@ -141,3 +141,21 @@ def test_namespace_settings_and_delete(engine: Engine, tmp_path: Path) -> None:
         engine.get_batch("ns", ["x"])
     engine.create_namespace("ns", SPEC)
     assert engine.get_batch("ns", ["x"]).missing == ["x"]
+
+
+def test_token_ids_round_trip(engine: Engine) -> None:
+    base = make_write("tok", tokens=40)
+    tokens = np.arange(1000, 1040)
+    engine.put("ns", [TrajectoryWrite("tok", 40, topk=base.topk, token_ids=tokens)])
+    engine.put("ns", [segment("tok", 40, 10, 0)])  # a turn sent without token ids
+    item = engine.get_batch("ns", ["tok"]).items[0]
+    assert item is not None
+    assert item.token_ids is not None
+    assert np.array_equal(item.token_ids[:40], tokens)
+    assert (item.token_ids[40:] == -1).all()
+    for bad in (np.arange(39), np.array([-1] * 40), np.zeros(40, np.float32)):
+        with pytest.raises(InvalidInput, match="token"):
+            engine.put("ns", [TrajectoryWrite("bad", 40, topk=base.topk, token_ids=bad)])
+    retry = TrajectoryWrite("tok", 40, topk=base.topk, token_ids=tokens + 1)
+    with pytest.raises(Conflict):
+        engine.put("ns", [retry])
