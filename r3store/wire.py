@@ -1,0 +1,361 @@
+"""The binary wire formats: Arrow IPC streams for trajectories in and routes out.
+
+Routes never travel as JSON. Both directions are Arrow IPC *streams* (the format of
+`pyarrow.ipc.new_stream`, Arrow C++ `RecordBatchStreamWriter`, arrow-rs `StreamWriter`);
+docs/api.md lists every column. Shared by the server and the client.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from enum import StrEnum
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from r3store import codec
+from r3store.codec import EncodedRoutes, Transform
+from r3store.errors import InvalidInput, InvalidRoutes
+from r3store.records import Batch, SegmentRead, TrajectoryRead, TrajectoryWrite
+from r3store.routes import Routes, to_mask
+from r3store.spec import RouteSpec
+
+WIRE_VERSION = "1"
+CONTENT_TYPE = "application/vnd.apache.arrow.stream"
+MAX_ROWS = 100_000
+ROUTE_DTYPES = ("uint8", "uint16", "int16", "int32", "int64")
+
+
+class RouteKind(StrEnum):
+    TOPK = "topk"  # [rows, L, K] expert ids, -1 for an empty slot
+    MASK = "mask"  # [rows, L, ceil(E/8)] uint8 bit-packed sets
+
+
+class ReadFormat(StrEnum):
+    ENCODED = "encoded"  # the stored zstd streams, as they are (fastest; decode with r3store)
+    IDS = "ids"  # [T, L, K] ids of the id dtype, token-major, and counts
+    MASK = "mask"  # [T, L, ceil(E/8)] bit-packed masks, token-major
+
+
+# ---- writes: client -> server
+
+
+def encode_writes(writes: Sequence[TrajectoryWrite]) -> bytes:
+    """An upload body: one row per trajectory (or appended segment)."""
+    rows: dict[str, list[Any]] = {
+        k: []
+        for k in (
+            "trajectory_id",
+            "num_tokens",
+            "start",
+            "prompt_len",
+            "policy_version",
+            "group_id",
+            "routes_kind",
+            "routes_dtype",
+            "routes",
+            "token_ids",
+        )
+    }
+    for w in writes:
+        kind = RouteKind.TOPK if w.topk is not None else RouteKind.MASK
+        arr = np.ascontiguousarray(w.topk if w.topk is not None else w.mask)
+        if arr.dtype.name not in ROUTE_DTYPES:
+            arr = arr.astype(np.int32)
+        rows["trajectory_id"].append(w.trajectory_id)
+        rows["num_tokens"].append(w.num_tokens)
+        rows["start"].append(w.start)
+        rows["prompt_len"].append(w.prompt_len)
+        rows["policy_version"].append(w.policy_version)
+        rows["group_id"].append(w.group_id)
+        rows["routes_kind"].append(str(kind))
+        rows["routes_dtype"].append(arr.dtype.name)
+        rows["routes"].append(arr.astype(arr.dtype.newbyteorder("<")).tobytes())
+        tokens = w.tokens()
+        rows["token_ids"].append(None if tokens is None else tokens.astype("<i4").tobytes())
+    table = pa.table(
+        {
+            "trajectory_id": pa.array(rows["trajectory_id"], pa.string()),
+            "num_tokens": pa.array(rows["num_tokens"], pa.int64()),
+            "start": pa.array(rows["start"], pa.int64()),
+            "prompt_len": pa.array(rows["prompt_len"], pa.int64()),
+            "policy_version": pa.array(rows["policy_version"], pa.int64()),
+            "group_id": pa.array(rows["group_id"], pa.string()),
+            "routes_kind": pa.array(rows["routes_kind"], pa.string()),
+            "routes_dtype": pa.array(rows["routes_dtype"], pa.string()),
+            "routes": pa.array(rows["routes"], pa.large_binary()),
+            "token_ids": pa.array(rows["token_ids"], pa.large_binary()),
+        }
+    )
+    return _stream(table)
+
+
+def _stream(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    data: bytes = sink.getvalue().to_pybytes()
+    return data
+
+
+def _read_table(body: bytes) -> pa.Table:
+    try:
+        return pa.ipc.open_stream(pa.py_buffer(body)).read_all()
+    except (pa.ArrowInvalid, pa.ArrowException, OSError, ValueError) as exc:
+        raise InvalidInput(f"the body is not an Arrow IPC stream: {exc}") from None
+
+
+def _column(table: pa.Table, name: str, kind: str, default: Any = None) -> list[Any]:
+    if name not in table.column_names:
+        if default is None:
+            raise InvalidInput(f"the upload has no {name!r} column")
+        return [default] * table.num_rows
+    column = table.column(name)
+    checks = {
+        "int": pa.types.is_integer,
+        "str": lambda t: pa.types.is_string(t) or pa.types.is_large_string(t),
+        "bin": lambda t: pa.types.is_binary(t) or pa.types.is_large_binary(t),
+    }
+    if not checks[kind](column.type):
+        raise InvalidInput(f"column {name!r} has type {column.type}; expected {kind}")
+    values: list[Any] = column.to_pylist()
+    if default is not None:
+        values = [default if v is None else v for v in values]
+    return values
+
+
+def decode_writes(body: bytes, spec: RouteSpec) -> list[TrajectoryWrite]:
+    """Parse an upload body into writes (shapes and dtypes checked; routes validated later)."""
+    table = _read_table(body)
+    if table.num_rows == 0:
+        raise InvalidInput("the upload holds no rows")
+    if table.num_rows > MAX_ROWS:
+        raise InvalidInput(f"the upload holds {table.num_rows} rows; at most {MAX_ROWS}")
+    ids = _column(table, "trajectory_id", "str")
+    num_tokens = _column(table, "num_tokens", "int")
+    blobs = _column(table, "routes", "bin")
+    starts = _column(table, "start", "int", 0)
+    prompts = _column(table, "prompt_len", "int", 0)
+    versions = _column(table, "policy_version", "int", 0)
+    groups = (
+        _column(table, "group_id", "str", "")
+        if "group_id" in table.column_names
+        else [None] * table.num_rows
+    )
+    kinds = _column(table, "routes_kind", "str", "topk")
+    dtypes = _column(table, "routes_dtype", "str", "int32")
+    tokens = (
+        _column(table, "token_ids", "bin")
+        if "token_ids" in table.column_names
+        else [None] * table.num_rows
+    )
+    writes = []
+    for i in range(table.num_rows):
+        if ids[i] is None or num_tokens[i] is None or blobs[i] is None:
+            raise InvalidInput(f"row {i}: trajectory_id, num_tokens and routes are required")
+        kind, dtype = kinds[i], dtypes[i]
+        if kind not in set(RouteKind):
+            raise InvalidInput(f"{ids[i]}: routes_kind must be 'topk' or 'mask', got {kind!r}")
+        if dtype not in ROUTE_DTYPES:
+            raise InvalidInput(
+                f"{ids[i]}: routes_dtype must be one of {ROUTE_DTYPES}, got {dtype!r}"
+            )
+        width = spec.top_k if kind == RouteKind.TOPK else spec.mask_bytes
+        itemsize = np.dtype(dtype).itemsize
+        row_bytes = spec.num_layers * width * itemsize
+        if len(blobs[i]) % row_bytes:
+            raise InvalidRoutes(
+                f"{ids[i]}: {len(blobs[i])} bytes of {dtype} routes are not whole rows of "
+                f"[{spec.num_layers}, {width}] ({row_bytes} bytes)"
+            )
+        arr = np.frombuffer(blobs[i], dtype=np.dtype(dtype).newbyteorder("<"))
+        arr = arr.reshape(-1, spec.num_layers, width)
+        token_ids = None
+        blob = tokens[i]
+        if blob is not None:
+            if len(blob) % 4:
+                raise InvalidInput(f"{ids[i]}: token_ids must be int32 little-endian")
+            token_ids = np.frombuffer(blob, dtype="<i4")
+        group = groups[i] if groups[i] != "" else None
+        writes.append(
+            TrajectoryWrite(
+                trajectory_id=ids[i],
+                num_tokens=num_tokens[i],
+                topk=arr if kind == RouteKind.TOPK else None,
+                mask=arr if kind == RouteKind.MASK else None,
+                prompt_len=prompts[i],
+                group_id=group,
+                policy_version=versions[i],
+                start=starts[i],
+                token_ids=token_ids,
+            )
+        )
+    return writes
+
+
+# ---- reads: server -> client
+
+
+def encode_batch(batch: Batch, spec: RouteSpec, fmt: ReadFormat) -> bytes:
+    """A read response: one row per stored segment, trajectories in the order asked.
+
+    `batch` must come from `Engine.get_batch(..., decode=False)` (stored streams).
+    """
+    cols: dict[str, list[Any]] = {
+        k: []
+        for k in (
+            "trajectory_id",
+            "start",
+            "num_tokens",
+            "policy_version",
+            "group_id",
+            "prompt_len",
+            "route_transform",
+            "route_ids",
+            "route_counts",
+            "route_order",
+            "token_ids",
+        )
+    }
+    seen: set[str] = set()
+    for item in batch.items:
+        if item is None or item.trajectory_id in seen:
+            continue
+        seen.add(item.trajectory_id)
+        for segment in item.segments:
+            stored = segment.encoded
+            if stored is None:
+                raise ValueError("encode_batch needs stored streams (decode=False)")
+            cols["trajectory_id"].append(item.trajectory_id)
+            cols["start"].append(segment.start)
+            cols["num_tokens"].append(segment.num_tokens)
+            cols["policy_version"].append(segment.policy_version)
+            cols["group_id"].append(item.group_id)
+            cols["prompt_len"].append(item.prompt_len)
+            if fmt is ReadFormat.ENCODED:
+                cols["route_transform"].append(int(stored.transform))
+                cols["route_ids"].append(stored.ids)
+                cols["route_counts"].append(stored.counts)
+                cols["route_order"].append(stored.order)
+                cols["token_ids"].append(stored.tokens)
+                continue
+            routes = codec.decode(stored, spec, segment.num_tokens)
+            if fmt is ReadFormat.IDS:
+                ids = np.ascontiguousarray(routes.ids)
+                counts = None if routes.layer_counts is None else routes.counts.tobytes()
+            else:
+                ids, counts = to_mask(routes, spec), None
+            cols["route_transform"].append(None)
+            cols["route_ids"].append(ids.astype(ids.dtype.newbyteorder("<")).tobytes())
+            cols["route_counts"].append(counts)
+            cols["route_order"].append(None)
+            tokens = None
+            if stored.tokens is not None:
+                tokens = codec.decode_tokens(stored.tokens, segment.num_tokens).tobytes()
+            cols["token_ids"].append(tokens)
+    table = pa.table(
+        {
+            "trajectory_id": pa.array(cols["trajectory_id"], pa.string()),
+            "start": pa.array(cols["start"], pa.int64()),
+            "num_tokens": pa.array(cols["num_tokens"], pa.int64()),
+            "policy_version": pa.array(cols["policy_version"], pa.int64()),
+            "group_id": pa.array(cols["group_id"], pa.string()),
+            "prompt_len": pa.array(cols["prompt_len"], pa.int64()),
+            "route_transform": pa.array(cols["route_transform"], pa.int8()),
+            "route_ids": pa.array(cols["route_ids"], pa.large_binary()),
+            "route_counts": pa.array(cols["route_counts"], pa.large_binary()),
+            "route_order": pa.array(cols["route_order"], pa.large_binary()),
+            "token_ids": pa.array(cols["token_ids"], pa.large_binary()),
+        }
+    )
+    meta = {
+        "r3store.wire_version": WIRE_VERSION,
+        "r3store.format": str(fmt),
+        "r3store.route_spec": spec.to_json(),
+        "r3store.ids": json.dumps(batch.ids),
+        "r3store.missing": json.dumps(batch.missing),
+        "r3store.stale": json.dumps(batch.stale),
+    }
+    return _stream(table.replace_schema_metadata(meta))
+
+
+def decode_batch(body: bytes, decode: bool = True) -> tuple[RouteSpec, Batch]:
+    """Parse a read response into the spec and a `Batch` (routes decoded unless asked not)."""
+    table = _read_table(body)
+    meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+    if meta.get("r3store.wire_version") != WIRE_VERSION:
+        raise InvalidInput(
+            f"wire version {meta.get('r3store.wire_version')!r} is not {WIRE_VERSION!r}"
+        )
+    spec = RouteSpec.from_json(meta["r3store.route_spec"])
+    fmt = ReadFormat(meta["r3store.format"])
+    rows = table.to_pylist()
+    by_id: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_id.setdefault(row["trajectory_id"], []).append(row)
+    reads = {tid: _trajectory(segs, spec, fmt, decode) for tid, segs in by_id.items()}
+    ids = json.loads(meta["r3store.ids"])
+    items: list[TrajectoryRead | None] = [reads.get(tid) for tid in ids]
+    return spec, Batch(
+        ids, items, json.loads(meta["r3store.missing"]), json.loads(meta["r3store.stale"])
+    )
+
+
+def _trajectory(
+    rows: list[dict[str, Any]], spec: RouteSpec, fmt: ReadFormat, decode: bool
+) -> TrajectoryRead:
+    segments, parts, tokens = [], [], []
+    for row in rows:
+        n = row["num_tokens"]
+        stored = None
+        if fmt is ReadFormat.ENCODED:
+            stored = EncodedRoutes(
+                row["route_ids"],
+                row["route_counts"],
+                row["route_order"],
+                Transform(row["route_transform"]),
+                b"",
+                row["token_ids"],
+            )
+            if decode:
+                parts.append(codec.decode(stored, spec, n))
+            tok = None if row["token_ids"] is None else codec.decode_tokens(row["token_ids"], n)
+        else:
+            if decode:
+                parts.append(_plain_routes(row, spec, fmt, n))
+            tok = None if row["token_ids"] is None else np.frombuffer(row["token_ids"], "<i4")
+        tokens.append(np.full(n, -1, np.int32) if tok is None else tok.astype(np.int32))
+        segments.append(SegmentRead(row["start"], n, row["policy_version"], stored))
+    has_tokens = any(row["token_ids"] is not None for row in rows)
+    first = rows[0]
+    return TrajectoryRead(
+        trajectory_id=first["trajectory_id"],
+        group_id=first["group_id"],
+        policy_version=min(row["policy_version"] for row in rows),
+        num_tokens=sum(row["num_tokens"] for row in rows),
+        prompt_len=first["prompt_len"],
+        segments=segments,
+        routes=Routes.concat(parts) if decode else None,
+        token_ids=np.concatenate(tokens) if has_tokens else None,
+    )
+
+
+def _plain_routes(row: dict[str, Any], spec: RouteSpec, fmt: ReadFormat, n: int) -> Routes:
+    from r3store.routes import from_mask
+
+    if fmt is ReadFormat.MASK:
+        mask = np.frombuffer(row["route_ids"], np.uint8).reshape(
+            n, spec.num_layers, spec.mask_bytes
+        )
+        return from_mask(mask, spec, n)
+    ids = np.frombuffer(row["route_ids"], spec.id_dtype.newbyteorder("<"))
+    layers = ids.reshape(n, spec.num_layers, spec.top_k).transpose(1, 0, 2)
+    counts = None
+    if row["route_counts"] is not None:
+        counts = np.frombuffer(row["route_counts"], np.uint8).reshape(n, spec.num_layers).T
+    return Routes(
+        np.ascontiguousarray(layers, spec.id_dtype),
+        None if counts is None else np.ascontiguousarray(counts),
+    )
