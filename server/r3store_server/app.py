@@ -1,19 +1,28 @@
-"""The FastAPI application factory."""
+"""The FastAPI application factory: `create_app(settings) -> FastAPI`."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from r3store.catalog import Catalog
 from r3store.engine import Engine
 from r3store.errors import R3StoreError
+from r3store.models import Health
 from r3store.store import LocalStore, ObjectStore, S3Config, S3Store
+from r3store_server import api_namespaces, api_routes, errors
+from r3store_server.auth import KeyRing
+from r3store_server.deps import KeyRingDep, PrincipalDep
+from r3store_server.logs import request_id
+from r3store_server.metrics import Metrics
 from r3store_server.settings import Settings
 
 log = logging.getLogger("r3store.server")
@@ -43,39 +52,111 @@ def build_engine(settings: Settings) -> Engine:
 
 
 def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
-    """Build the service; the engine is made from `settings` unless one is given."""
+    """Build the service; the engine is made from `settings` unless one is given.
+
+    Refuses (ValueError) to build a service without API keys anywhere but the embedded
+    store on a loopback address.
+    """
+    keyring = KeyRing.from_settings(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         own = engine is None
         app.state.engine = engine if engine is not None else build_engine(settings)
+        app.state.metrics.watch(app.state.engine)
         store = app.state.engine.store
-        mode = "embedded store" if settings.embedded else "S3 store"
-        log.info("r3store serving on the %s: %s", mode, store.description)
+        mode = "the embedded store" if settings.embedded else "S3"
+        log.info("r3store serving on %s: %s", mode, store.description)
         log.info("catalog: %s", settings.resolved_catalog_url().split("@")[-1])
+        if not keyring.enabled:
+            log.warning("authentication is OFF (embedded store on a loopback address)")
         try:
             yield
         finally:
             if own:
                 await run_in_threadpool(app.state.engine.close)
 
-    app = FastAPI(title="r3store", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(
+        title="r3store",
+        version="0.1.0",
+        summary="A routing replay buffer for MoE reinforcement learning",
+        lifespan=lifespan,
+    )
     app.state.settings = settings
+    app.state.keyring = keyring
+    app.state.metrics = Metrics()
+    errors.install(app)
+    app.include_router(api_namespaces.router)
+    app.include_router(api_routes.router)
 
-    @app.get("/healthz", tags=["operations"])
-    async def healthz() -> dict[str, str]:
-        """The process is up."""
-        return {"status": "ok"}
+    @app.middleware("http")
+    async def observe(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        token = request_id.set(rid[:64])
+        started = time.perf_counter()
+        response = await call_next(request)
+        elapsed = time.perf_counter() - started
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        metrics: Metrics = request.app.state.metrics
+        metrics.requests.labels(path, request.method, response.status_code).inc()
+        metrics.latency.labels(path).observe(elapsed)
+        code = getattr(request.state, "error_code", None)
+        if code:
+            metrics.errors.labels(code).inc()
+        response.headers["X-Request-ID"] = rid[:64]
+        log.info(
+            "request",
+            extra={
+                "fields": {
+                    "method": request.method,
+                    "path": request.url.path,
+                    "status": response.status_code,
+                    "ms": round(elapsed * 1000, 2),
+                    **({"error": code} if code else {}),
+                }
+            },
+        )
+        request_id.reset(token)
+        return response
 
-    @app.get("/readyz", tags=["operations"], response_model=None)
-    async def readyz() -> dict[str, str] | JSONResponse:
-        """The object store and the catalog answer."""
-        eng: Engine = app.state.engine
+    @app.get("/healthz", tags=["operations"], response_model=Health)
+    async def healthz() -> Health:
+        """The process is up. Open to all."""
+        return Health(status="ok")
+
+    @app.get(
+        "/readyz",
+        tags=["operations"],
+        response_model=Health,
+        responses={503: {"model": Health, "description": "store or catalog unreachable"}},
+    )
+    async def readyz(request: Request) -> Health | JSONResponse:
+        """The object store and the catalog answer. Open to all."""
+        eng: Engine = request.app.state.engine
         try:
             await run_in_threadpool(eng.store.ping)
             await run_in_threadpool(eng.catalog.ping)
         except R3StoreError as exc:
-            return JSONResponse({"status": "unavailable", "detail": str(exc)}, status_code=503)
-        return {"status": "ready"}
+            body = Health(status="unavailable", detail=str(exc))
+            return JSONResponse(body.model_dump(), status_code=503)
+        return Health(status="ready")
+
+    @app.get(
+        "/metrics",
+        tags=["operations"],
+        response_class=Response,
+        responses={
+            200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
+            **errors.ERROR_RESPONSES,
+        },
+    )
+    async def metrics(request: Request, keys: KeyRingDep, who: PrincipalDep) -> Response:
+        """Prometheus metrics. Admin."""
+        keys.authorize(who, "operate")
+        data = generate_latest(request.app.state.metrics.registry)
+        return Response(data, media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -1,17 +1,24 @@
 """Service settings, from `R3STORE_*` environment variables and secret files.
 
-R3STORE_DATA_DIR=/var/lib/r3store          embedded store and SQLite catalog
-R3STORE_S3__ENDPOINT_URL=http://minio:9000 use S3 instead (nested: R3STORE_S3__*)
+R3STORE_DATA_DIR=/var/lib/r3store            embedded store and SQLite catalog
+R3STORE_S3__ENDPOINT_URL=http://minio:9000   use S3 instead (nested: R3STORE_S3__*)
 R3STORE_S3__BUCKET=r3store
 R3STORE_CATALOG_URL=postgresql+psycopg://... a shared catalog (default: SQLite)
+R3STORE_API_KEYS='[{"name": "trainer", "key": "...", "role": "reader"}]'
+R3STORE_API_KEYS_FILE=/run/secrets/r3store-keys.json
 """
 
 from __future__ import annotations
 
+import ipaddress
+import json
 from pathlib import Path
+from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+Role = Literal["writer", "reader", "admin"]
 
 
 class S3Settings(BaseModel):
@@ -23,9 +30,27 @@ class S3Settings(BaseModel):
     prefix: str = ""
 
 
+class ApiKeyConfig(BaseModel):
+    """One API key: give the key itself (hashed at load, never kept) or its SHA-256."""
+
+    name: str = Field(min_length=1, max_length=64)
+    role: Role
+    key: SecretStr | None = Field(None, description="the key; at least 24 characters")
+    key_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    namespaces: list[str] = Field(default_factory=lambda: ["*"], description="'*': all")
+
+    @model_validator(mode="after")
+    def _one_form(self) -> ApiKeyConfig:
+        if (self.key is None) == (self.key_sha256 is None):
+            raise ValueError(f"API key {self.name!r}: give exactly one of key or key_sha256")
+        if self.key is not None and len(self.key.get_secret_value()) < 24:
+            raise ValueError(f"API key {self.name!r} is shorter than 24 characters")
+        return self
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix="R3STORE_", env_nested_delimiter="__", secrets_dir=None, extra="ignore"
+        env_prefix="R3STORE_", env_nested_delimiter="__", extra="ignore"
     )
 
     host: str = "127.0.0.1"
@@ -34,11 +59,34 @@ class Settings(BaseSettings):
     catalog_url: str | None = None
     s3: S3Settings = Field(default_factory=S3Settings)
     log_level: str = "info"
+    log_json: bool = True
+    max_body_bytes: int = Field(256 << 20, ge=1024, description="largest upload accepted")
+    auth: Literal["auto", "on", "off"] = Field(
+        "auto", description="auto: on when keys are configured; off only on localhost"
+    )
+    api_keys: list[ApiKeyConfig] = Field(default_factory=list)
+    api_keys_file: Path | None = None
 
     @property
     def embedded(self) -> bool:
-        """True when no S3 endpoint or bucket is configured: local directory + SQLite."""
+        """True when no S3 endpoint is configured: local directory + SQLite."""
         return not self.s3.endpoint_url
 
     def resolved_catalog_url(self) -> str:
         return self.catalog_url or f"sqlite:///{self.data_dir / 'catalog.db'}"
+
+    def all_keys(self) -> list[ApiKeyConfig]:
+        """Keys from settings and from the keys file."""
+        keys = list(self.api_keys)
+        if self.api_keys_file is not None:
+            data = json.loads(self.api_keys_file.read_text())
+            keys += [ApiKeyConfig.model_validate(item) for item in data]
+        return keys
+
+    def loopback_only(self) -> bool:
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False

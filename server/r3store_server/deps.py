@@ -1,0 +1,48 @@
+"""Dependencies named as types: routes read `engine: EngineDep, who: PrincipalDep`."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from r3store.engine import Engine
+from r3store_server.auth import KeyRing, Principal
+from r3store_server.metrics import Metrics
+from r3store_server.settings import Settings
+
+
+def get_engine(request: Request) -> Engine:
+    engine: Engine = request.app.state.engine
+    return engine
+
+
+def get_settings(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+def get_metrics(request: Request) -> Metrics:
+    metrics: Metrics = request.app.state.metrics
+    return metrics
+
+
+def get_keyring(request: Request) -> KeyRing:
+    keyring: KeyRing = request.app.state.keyring
+    return keyring
+
+
+def get_principal(request: Request) -> Principal:
+    keyring = get_keyring(request)
+    presented = request.headers.get("x-api-key")
+    header = request.headers.get("authorization", "")
+    if presented is None and header.lower().startswith("bearer "):
+        presented = header[7:].strip()
+    return keyring.authenticate(presented)
+
+
+EngineDep = Annotated[Engine, Depends(get_engine)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+MetricsDep = Annotated[Metrics, Depends(get_metrics)]
+KeyRingDep = Annotated[KeyRing, Depends(get_keyring)]
+PrincipalDep = Annotated[Principal, Depends(get_principal)]

@@ -1,0 +1,134 @@
+"""A service with real S3 behind it and one key per role, for the HTTP tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio.from_thread
+import httpx
+import numpy as np
+from fastapi import FastAPI
+
+from r3store.records import TrajectoryWrite
+from r3store.testing.seaweedfs import SeaweedFS
+from r3store.wire import CONTENT_TYPE, decode_batch, encode_writes
+from r3store_server.app import create_app
+from r3store_server.settings import Settings
+
+KEYS = {
+    "admin": "admin-key-0123456789abcdefghij",
+    "writer": "writer-key-0123456789abcdefghij",
+    "reader": "reader-key-0123456789abcdefghij",
+    "other": "other-reader-key-0123456789abcd",  # a reader scoped to namespace "other"
+}
+SPEC_JSON = {"num_layers": 4, "num_experts": 64, "top_k": 4}
+
+
+def settings_for(tmp: Path, seaweed: SeaweedFS | None, **extra: Any) -> Settings:
+    env: dict[str, Any] = {
+        "data_dir": tmp,
+        "api_keys": [
+            {"name": "admin", "role": "admin", "key": KEYS["admin"]},
+            {"name": "writer", "role": "writer", "key": KEYS["writer"]},
+            {"name": "reader", "role": "reader", "key": KEYS["reader"]},
+            {"name": "other", "role": "reader", "key": KEYS["other"], "namespaces": ["other"]},
+        ],
+        "log_json": False,
+        **extra,
+    }
+    if seaweed is not None:
+        store = seaweed.new_store()
+        env["s3"] = {
+            "endpoint_url": seaweed.endpoint_url,
+            "bucket": store.bucket,
+            "prefix": store.config.prefix,
+            "access_key_id": seaweed.access_key_id,
+            "secret_access_key": seaweed.secret_access_key,
+        }
+    return Settings(**env)
+
+
+class AppClient:
+    """A synchronous client over httpx's ASGI transport, with the app's lifespan running
+    in a background event loop: real HTTP semantics, no sockets."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self._portal_cm = anyio.from_thread.start_blocking_portal()
+        self._portal = self._portal_cm.__enter__()
+        self._lifespan = self._portal.wrap_async_context_manager(app.router.lifespan_context(app))
+        self._lifespan.__enter__()
+        transport = httpx.ASGITransport(app=app)
+        self._client = httpx.AsyncClient(transport=transport, base_url="http://r3store")
+
+    def request(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+        return self._portal.call(lambda: self._client.request(method, url, **kwargs))
+
+    def get(self, url: str, **kwargs: Any) -> httpx.Response:
+        return self.request("GET", url, **kwargs)
+
+    def post(self, url: str, **kwargs: Any) -> httpx.Response:
+        return self.request("POST", url, **kwargs)
+
+    def put(self, url: str, **kwargs: Any) -> httpx.Response:
+        return self.request("PUT", url, **kwargs)
+
+    def delete(self, url: str, **kwargs: Any) -> httpx.Response:
+        return self.request("DELETE", url, **kwargs)
+
+    def close(self) -> None:
+        try:
+            self._portal.call(self._client.aclose)
+            self._lifespan.__exit__(None, None, None)
+        finally:
+            self._portal_cm.__exit__(None, None, None)
+
+
+@contextmanager
+def service(tmp: Path, seaweed: SeaweedFS | None, **extra: Any) -> Iterator[AppClient]:
+    client = AppClient(create_app(settings_for(tmp, seaweed, **extra)))
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def auth(role: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS[role]}"}
+
+
+def make_namespace(client: AppClient, name: str = "ns", **spec: Any) -> None:
+    body = {"name": name, "spec": {**SPEC_JSON, **spec}}
+    response = client.post("/v1/namespaces", json=body, headers=auth("admin"))
+    assert response.status_code == 201, response.text
+
+
+def upload(
+    client: AppClient, writes: list[TrajectoryWrite], ns: str = "ns", role: str = "writer"
+) -> Any:
+    return client.post(
+        f"/v1/namespaces/{ns}/trajectories",
+        content=encode_writes(writes),
+        headers={**auth(role), "Content-Type": CONTENT_TYPE},
+    )
+
+
+def read(client: AppClient, ids: list[str], ns: str = "ns", **options: Any) -> Any:
+    response = client.post(
+        f"/v1/namespaces/{ns}/routes/batch", json={"ids": ids, **options}, headers=auth("reader")
+    )
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == CONTENT_TYPE
+    return decode_batch(response.content)[1]
+
+
+def stored_state(client: AppClient, ns: str = "ns") -> tuple[int, int]:
+    """(trajectories, policy version) as the service reports them."""
+    body = client.get(f"/v1/namespaces/{ns}", headers=auth("admin")).json()
+    return body["trajectories"], body["policy_version"]
+
+
+def as_array(x: Any) -> np.ndarray:
+    return np.asarray(x)
