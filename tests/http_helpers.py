@@ -132,3 +132,92 @@ def stored_state(client: AppClient, ns: str = "ns") -> tuple[int, int]:
 
 def as_array(x: Any) -> np.ndarray:
     return np.asarray(x)
+
+
+class ServerProcess:
+    """`r3store-server` in its own process (real uvicorn) on a free port."""
+
+    def __init__(self, tmp: Path, seaweed: SeaweedFS | None, prefix: str | None = None) -> None:
+        import json
+        import os
+        import socket
+        import subprocess
+        import sys
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        settings = settings_for(tmp, None)
+        env = {
+            **os.environ,
+            "R3STORE_PORT": str(self.port),
+            "R3STORE_DATA_DIR": str(tmp),
+            "R3STORE_API_KEYS": json.dumps(
+                [
+                    {
+                        "name": k.name,
+                        "role": k.role,
+                        "key": k.key.get_secret_value(),
+                        "namespaces": k.namespaces,
+                    }
+                    for k in settings.api_keys
+                    if k.key is not None
+                ]
+            ),
+        }
+        if seaweed is not None:
+            self.prefix = prefix or seaweed.new_store().config.prefix
+            env.update(
+                {
+                    "R3STORE_S3__ENDPOINT_URL": seaweed.endpoint_url,
+                    "R3STORE_S3__BUCKET": seaweed.config().bucket,
+                    "R3STORE_S3__PREFIX": self.prefix,
+                    "R3STORE_S3__ACCESS_KEY_ID": seaweed.access_key_id,
+                    "R3STORE_S3__SECRET_ACCESS_KEY": seaweed.secret_access_key,
+                }
+            )
+        self.log = (tmp / f"server-{self.port}.log").open("wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "r3store_server.main"],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 30.0) -> None:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.process.returncode}")
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("the server did not become ready")
+
+    def kill(self) -> None:
+        import signal
+
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+        self.log.close()
+
+    def stop(self) -> None:
+        import signal
+        import subprocess
+
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        self.log.close()

@@ -1,13 +1,12 @@
-"""The service skeleton: built from settings, health and readiness over HTTP."""
+"""The service built from settings: health, readiness, and settings from the environment."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
 import pytest
 
-from r3store_server.app import create_app
+from http_helpers import service
 from r3store_server.settings import Settings
 
 
@@ -15,40 +14,31 @@ from r3store_server.settings import Settings
 def test_health_and_readiness(
     tmp_path: Path, embedded: bool, request: pytest.FixtureRequest
 ) -> None:
-    import asyncio
+    seaweed = None if embedded else request.getfixturevalue("seaweed")
+    with service(tmp_path, seaweed) as client:
+        assert client.get("/healthz").status_code == 200
+        assert client.get("/readyz").json()["status"] == "ready"
 
-    env: dict[str, object] = {"data_dir": tmp_path}
-    if not embedded:
-        seaweed = request.getfixturevalue("seaweed")
-        store = seaweed.new_store()
-        env["s3"] = {
-            "endpoint_url": seaweed.endpoint_url,
-            "bucket": store.bucket,
-            "prefix": store.config.prefix,
-            "access_key_id": seaweed.access_key_id,
-            "secret_access_key": seaweed.secret_access_key,
-        }
-    settings = Settings(**env)  # type: ignore[arg-type]
-    assert settings.embedded is embedded
-    app = create_app(settings)
 
-    async def probe() -> tuple[int, int]:
-        async with app.router.lifespan_context(app):
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://r3") as client:
-                health = await client.get("/healthz")
-                ready = await client.get("/readyz")
-                return health.status_code, ready.status_code
-
-    assert asyncio.run(probe()) == (200, 200)
+def test_readiness_fails_when_s3_is_unreachable(tmp_path: Path) -> None:
+    unreachable = {"endpoint_url": "http://127.0.0.1:9", "bucket": "nowhere"}
+    with service(tmp_path, None, s3=unreachable) as client:
+        assert client.get("/healthz").status_code == 200
+        r = client.get("/readyz")
+        assert r.status_code == 503
+        assert r.json()["status"] == "unavailable"
 
 
 def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("R3STORE_DATA_DIR", str(tmp_path))
     monkeypatch.setenv("R3STORE_S3__ENDPOINT_URL", "http://127.0.0.1:9000")
     monkeypatch.setenv("R3STORE_S3__BUCKET", "routes")
+    monkeypatch.setenv(
+        "R3STORE_API_KEYS", '[{"name": "a", "role": "admin", "key": "k-0123456789abcdefghijklmn"}]'
+    )
     settings = Settings()
     assert settings.data_dir == tmp_path
     assert settings.s3.bucket == "routes"
     assert not settings.embedded
+    assert settings.api_keys[0].role == "admin"
     assert settings.resolved_catalog_url() == f"sqlite:///{tmp_path / 'catalog.db'}"

@@ -70,20 +70,29 @@ class S3Store(ObjectStore):
         self.config = config
         self.bucket = config.bucket
         self._prefix = config.prefix.strip("/") + "/" if config.prefix.strip("/") else ""
-        self._client: S3Client = boto3.client(
+        self._client: S3Client = self._make_client(
+            config.max_attempts, config.connect_timeout, config.read_timeout
+        )
+        # readiness probes must answer fast: one attempt, short timeouts
+        self._probe: S3Client = self._make_client(1, 2.0, 2.0)
+
+    def _make_client(self, attempts: int, connect: float, read: float) -> S3Client:
+        config = self.config
+        client: S3Client = boto3.client(
             "s3",
             endpoint_url=config.endpoint_url or None,
             region_name=config.region,
             aws_access_key_id=config.access_key_id,
             aws_secret_access_key=config.secret_access_key,
             config=Config(
-                retries={"max_attempts": config.max_attempts, "mode": "standard"},
-                connect_timeout=config.connect_timeout,
-                read_timeout=config.read_timeout,
+                retries={"max_attempts": attempts, "mode": "standard"},
+                connect_timeout=connect,
+                read_timeout=read,
                 max_pool_connections=config.max_pool_connections,
                 s3={"addressing_style": "path"},
             ),
         )
+        return client
 
     @property
     def description(self) -> str:
@@ -179,7 +188,7 @@ class S3Store(ObjectStore):
 
     def ping(self) -> None:
         try:
-            self._client.head_bucket(Bucket=self.bucket)
+            self._probe.head_bucket(Bucket=self.bucket)
         except (ClientError, BotoCoreError) as exc:
             raise StoreError(f"cannot reach {self.description}: {exc}") from exc
 
@@ -196,3 +205,4 @@ class S3Store(ObjectStore):
 
     def close(self) -> None:
         self._client.close()
+        self._probe.close()

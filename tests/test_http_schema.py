@@ -1,0 +1,72 @@
+"""Schemathesis over the OpenAPI schema: no 5xx, and every response matches the schema."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from helpers import make_write
+from http_helpers import KEYS, SPEC_JSON, ServerProcess
+from r3store.wire import CONTENT_TYPE, encode_writes
+
+ADMIN = {"Authorization": f"Bearer {KEYS['admin']}"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    tmp: Path = tmp_path_factory.mktemp("schema")
+    process = ServerProcess(tmp, None)
+    with httpx.Client(base_url=process.url, headers=ADMIN) as http:
+        http.post("/v1/namespaces", json={"name": "ns", "spec": SPEC_JSON})
+        http.post(
+            "/v1/namespaces/ns/trajectories",
+            content=encode_writes([make_write(f"t{i}") for i in range(3)]),
+            headers={"Content-Type": CONTENT_TYPE},
+        )
+    yield process
+    process.stop()
+
+
+@schemathesis.serializer(CONTENT_TYPE)
+def _arrow_body(ctx: object, value: object) -> bytes:
+    """Generated upload bodies: arbitrary bytes (the server must refuse them cleanly)."""
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
+CHECKS = [
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+    content_type_conformance,
+]
+
+
+@pytest.mark.slow
+def test_api_conforms_to_its_schema(server: ServerProcess) -> None:
+    schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert len(operations) >= 11
+    for operation in operations:
+
+        @given(case=operation.as_strategy())
+        @settings(
+            max_examples=25,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
+        def check(case: schemathesis.Case) -> None:
+            case.call_and_validate(base_url=server.url, headers=ADMIN, checks=CHECKS)
+
+        check()
