@@ -8,7 +8,10 @@ docs/api.md lists every column. Shared by the server and the client.
 from __future__ import annotations
 
 import json
+import os
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from enum import StrEnum
 from typing import Any
 
@@ -295,12 +298,31 @@ def decode_batch(body: bytes, decode: bool = True) -> tuple[RouteSpec, Batch]:
     by_id: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         by_id.setdefault(row["trajectory_id"], []).append(row)
-    reads = {tid: _trajectory(segs, spec, fmt, decode) for tid, segs in by_id.items()}
+    work = list(by_id.values())
+    if decode and len(work) > 1:  # numpy and zstd release the GIL: decode in parallel
+        done = list(_pool().map(lambda segs: _trajectory(segs, spec, fmt, decode), work))
+    else:
+        done = [_trajectory(segs, spec, fmt, decode) for segs in work]
+    reads = {item.trajectory_id: item for item in done}
     ids = json.loads(meta["r3store.ids"])
     items: list[TrajectoryRead | None] = [reads.get(tid) for tid in ids]
     return spec, Batch(
         ids, items, json.loads(meta["r3store.missing"]), json.loads(meta["r3store.stale"])
     )
+
+
+_decoders: ThreadPoolExecutor | None = None
+_decoders_lock = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _decoders
+    with _decoders_lock:
+        if _decoders is None:
+            _decoders = ThreadPoolExecutor(
+                min(8, os.cpu_count() or 1), thread_name_prefix="r3store-decode"
+            )
+        return _decoders
 
 
 def _trajectory(

@@ -1,0 +1,146 @@
+"""HTTP ingest and batch reads through a real server process, beside the in-process
+engine on the same kind of store, measured in the same run."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from bench.engine_bench import READ_BATCH, THREADS, Workload, ours
+from bench.figures import Figure, median_of, timed
+from r3store.records import TrajectoryWrite
+from r3store.store import LocalStore
+from r3store.wire import CONTENT_TYPE, decode_batch, encode_writes
+
+KEY = "bench-admin-key-0123456789abcdef"
+SPEC_JSON = {"num_layers": 48, "num_experts": 128, "top_k": 8}
+
+
+def _server(directory: Path) -> tuple[subprocess.Popen[bytes], str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        **os.environ,
+        "R3STORE_PORT": str(port),
+        "R3STORE_DATA_DIR": str(directory),
+        "R3STORE_LOG_LEVEL": "warning",
+        "R3STORE_API_KEYS": json.dumps([{"name": "bench", "role": "admin", "key": KEY}]),
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "r3store_server.main"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    process.kill()
+    raise RuntimeError("the server did not start")
+
+
+def run(count: int = 256, tokens: int = 4096) -> list[Figure]:
+    work = Workload(count, tokens)
+    n = work.token_layers
+    tmp = Path(tempfile.mkdtemp(prefix="r3store-http-"))
+    local = ours(lambda: LocalStore(tmp / "inproc"), work, tmp)
+    process, url = _server(tmp / "served")
+    headers = {"Authorization": f"Bearer {KEY}"}
+    try:
+        with httpx.Client(base_url=url, headers=headers, timeout=120) as http:
+            http.post(
+                "/v1/namespaces", json={"name": "bench", "spec": SPEC_JSON}
+            ).raise_for_status()
+            bodies = [
+                encode_writes([TrajectoryWrite(tid, tokens, topk=work.routes(i))])
+                for i, tid in enumerate(work.ids)
+            ]
+
+            def put(body: bytes) -> None:
+                r = http.post(
+                    "/v1/namespaces/bench/trajectories",
+                    content=body,
+                    headers={"Content-Type": CONTENT_TYPE},
+                )
+                r.raise_for_status()
+
+            with ThreadPoolExecutor(THREADS) as pool:
+                ingest = timed(lambda: list(pool.map(put, bodies)))
+            batches = [work.ids[i : i + READ_BATCH] for i in range(0, len(work.ids), READ_BATCH)]
+
+            def fetch(ids: list[str]) -> bytes:
+                r = http.post("/v1/namespaces/bench/routes/batch", json={"ids": ids})
+                r.raise_for_status()
+                return r.content
+
+            def read_all(decode: bool) -> None:
+                for ids in batches:
+                    batch = decode_batch(fetch(ids), decode=decode)[1]
+                    assert not batch.missing
+
+            def read_prefetched() -> None:
+                """Fetch the next batch while this one decodes, as a trainer's loader does."""
+                with ThreadPoolExecutor(1) as ahead:
+                    pending = ahead.submit(fetch, batches[0])
+                    for i in range(len(batches)):
+                        body = pending.result()
+                        if i + 1 < len(batches):
+                            pending = ahead.submit(fetch, batches[i + 1])
+                        assert not decode_batch(body)[1].missing
+
+            read = median_of(3, lambda: timed(lambda: read_all(True)))
+            prefetched = median_of(3, lambda: timed(read_prefetched))
+            raw = median_of(3, lambda: timed(lambda: read_all(False)))
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    rate = "M token-layers/s"
+    return [
+        Figure(
+            "HTTP ingest, 8 clients, local store",
+            n / ingest / 1e6,
+            rate,
+            n / local["ingest"] / 1e6,
+            "in-process engine",
+        ),
+        Figure(
+            "HTTP batch read of 32, decoded by the client",
+            n / read / 1e6,
+            rate,
+            n / local["warm"] / 1e6,
+            "in-process engine (decoded)",
+            ">= 0.5x",
+        ),
+        Figure(
+            "HTTP batch read of 32, decoded, next batch prefetched",
+            n / prefetched / 1e6,
+            rate,
+            n / local["warm"] / 1e6,
+            "in-process engine (decoded)",
+            ">= 0.5x",
+        ),
+        Figure(
+            "HTTP batch read of 32, stored streams",
+            n / raw / 1e6,
+            rate,
+            n / local["warm"] / 1e6,
+            "in-process engine (decoded)",
+        ),
+    ]
