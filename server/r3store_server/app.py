@@ -32,15 +32,14 @@ def build_store(settings: Settings) -> ObjectStore:
     if settings.embedded:
         return LocalStore(settings.data_dir / "objects")
     s3 = settings.s3
+    key_id, secret = s3.credentials()
     return S3Store(
         S3Config(
             bucket=s3.bucket,
             endpoint_url=s3.endpoint_url,
             region=s3.region,
-            access_key_id=s3.access_key_id.get_secret_value() if s3.access_key_id else None,
-            secret_access_key=(
-                s3.secret_access_key.get_secret_value() if s3.secret_access_key else None
-            ),
+            access_key_id=key_id,
+            secret_access_key=secret,
             prefix=s3.prefix,
         )
     )

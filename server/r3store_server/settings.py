@@ -22,12 +22,30 @@ Role = Literal["writer", "reader", "admin"]
 
 
 class S3Settings(BaseModel):
+    """Where the shards live. Credentials may come from files (mounted secrets):
+    `R3STORE_S3__SECRET_ACCESS_KEY_FILE=/run/secrets/s3-secret`."""
+
     endpoint_url: str | None = None
     bucket: str = "r3store"
     region: str = "us-east-1"
     access_key_id: SecretStr | None = None
     secret_access_key: SecretStr | None = None
+    access_key_id_file: Path | None = None
+    secret_access_key_file: Path | None = None
     prefix: str = ""
+
+    def credentials(self) -> tuple[str | None, str | None]:
+        """(access key id, secret key): from the values, else from the files."""
+
+        def pick(value: SecretStr | None, path: Path | None) -> str | None:
+            if value is not None:
+                return value.get_secret_value()
+            return path.read_text().strip() if path is not None else None
+
+        return (
+            pick(self.access_key_id, self.access_key_id_file),
+            pick(self.secret_access_key, self.secret_access_key_file),
+        )
 
 
 class ApiKeyConfig(BaseModel):
