@@ -8,10 +8,13 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
+# torch: the small CPU build pinned here (the package itself asks only for a range a
+# CUDA build satisfies); transformers for the replay tests on tiny HF MoE models.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev,torch]' 'transformers==5.24.0'
 	touch $(STAMP)
 
 serve: setup

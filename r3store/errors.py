@@ -3,7 +3,12 @@
     R3StoreError
     ├── InvalidInput             bad input from a caller; nothing was changed
     │   ├── InvalidRoutes        a route payload that does not match its spec
-    │   └── InvalidSpec          a route spec that cannot describe an MoE model
+    │   ├── InvalidSpec          a route spec that cannot describe an MoE model
+    │   ├── InvalidRequest       a request that does not match the API's schema
+    │   ├── PayloadTooLarge      a body over the service's limit
+    │   └── UnsupportedMediaType a body of the wrong content type
+    ├── Unauthorized             no API key, or an unknown one
+    ├── Forbidden                a key without the right for this
     ├── NotFound                 a namespace, trajectory or object that does not exist
     │   └── ObjectNotFound       an object store key that does not exist
     ├── Conflict                 the same id with other content, or an existing name
@@ -14,7 +19,8 @@
     └── CorruptShard             a shard that cannot be read as the format says
 
 Backend errors (botocore, OSError, SQLAlchemy) are translated into these once,
-at the boundary where they are raised.
+at the boundary where they are raised. Each class has a `code`: the server sends it,
+and the client raises the class of that code again (`error_class`).
 """
 
 from __future__ import annotations
@@ -36,6 +42,26 @@ class InvalidRoutes(InvalidInput):
 
 class InvalidSpec(InvalidInput):
     code = "invalid_spec"
+
+
+class InvalidRequest(InvalidInput):
+    code = "invalid_request"
+
+
+class PayloadTooLarge(InvalidInput):
+    code = "payload_too_large"
+
+
+class UnsupportedMediaType(InvalidInput):
+    code = "unsupported_media_type"
+
+
+class Unauthorized(R3StoreError):
+    code = "unauthorized"
+
+
+class Forbidden(R3StoreError):
+    code = "forbidden"
 
 
 class NotFound(R3StoreError):
@@ -74,3 +100,15 @@ class StoreError(R3StoreError):
 
 class CorruptShard(R3StoreError):
     code = "corrupt_shard"
+
+
+def _all(cls: type[R3StoreError]) -> list[type[R3StoreError]]:
+    return [cls, *(c for sub in cls.__subclasses__() for c in _all(sub))]
+
+
+def error_class(code: str) -> type[R3StoreError]:
+    """The exception class of an error code (R3StoreError for unknown codes)."""
+    for cls in _all(R3StoreError):
+        if cls.code == code:
+            return cls
+    return R3StoreError

@@ -41,6 +41,7 @@ def settings_for(tmp: Path, seaweed: SeaweedFS | None, **extra: Any) -> Settings
     }
     if seaweed is not None:
         store = seaweed.new_store()
+        store.close()
         env["s3"] = {
             "endpoint_url": seaweed.endpoint_url,
             "bucket": store.bucket,
@@ -137,16 +138,25 @@ def as_array(x: Any) -> np.ndarray:
 class ServerProcess:
     """`r3store-server` in its own process (real uvicorn) on a free port."""
 
-    def __init__(self, tmp: Path, seaweed: SeaweedFS | None, prefix: str | None = None) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        seaweed: SeaweedFS | None,
+        prefix: str | None = None,
+        port: int | None = None,
+        wait: bool = True,
+    ) -> None:
         import json
         import os
         import socket
         import subprocess
         import sys
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        if port is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        self.port = port
         self.url = f"http://127.0.0.1:{self.port}"
         settings = settings_for(tmp, None)
         env = {
@@ -167,7 +177,11 @@ class ServerProcess:
             ),
         }
         if seaweed is not None:
-            self.prefix = prefix or seaweed.new_store().config.prefix
+            if prefix is None:
+                probe = seaweed.new_store()
+                prefix = probe.config.prefix
+                probe.close()
+            self.prefix = prefix
             env.update(
                 {
                     "R3STORE_S3__ENDPOINT_URL": seaweed.endpoint_url,
@@ -184,7 +198,8 @@ class ServerProcess:
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
-        self._wait_ready()
+        if wait:
+            self._wait_ready()
 
     def _wait_ready(self, timeout: float = 30.0) -> None:
         import time

@@ -13,12 +13,13 @@ from fastapi import APIRouter, Path, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from r3store.engine import Engine
+from r3store.errors import PayloadTooLarge, UnsupportedMediaType
 from r3store.models import NAME_PATTERN, BatchRequest, PutItem, PutResponse, SampleRequest
 from r3store.records import Batch
 from r3store.spec import RouteSpec
 from r3store.wire import CONTENT_TYPE, ReadFormat, decode_writes, encode_batch
 from r3store_server.deps import EngineDep, KeyRingDep, MetricsDep, PrincipalDep, SettingsDep
-from r3store_server.errors import ERROR_RESPONSES, PayloadTooLarge, UnsupportedMediaType
+from r3store_server.errors import ERROR_RESPONSES
 
 router = APIRouter(prefix="/v1/namespaces", tags=["routes"], responses=ERROR_RESPONSES)
 NamespacePath = Path(pattern=NAME_PATTERN, description="the namespace")

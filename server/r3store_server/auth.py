@@ -11,7 +11,7 @@ import hashlib
 import hmac
 from dataclasses import dataclass
 
-from r3store.errors import R3StoreError
+from r3store.errors import Forbidden, Unauthorized
 from r3store_server.settings import ApiKeyConfig, Role, Settings
 
 ROLES: dict[Role, set[str]] = {
@@ -19,14 +19,6 @@ ROLES: dict[Role, set[str]] = {
     "reader": {"read", "describe", "policy"},
     "admin": {"write", "read", "describe", "policy", "manage", "operate"},
 }
-
-
-class Unauthorized(R3StoreError):
-    code = "unauthorized"
-
-
-class Forbidden(R3StoreError):
-    code = "forbidden"
 
 
 @dataclass(frozen=True)

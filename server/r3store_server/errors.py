@@ -13,13 +13,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from r3store import errors
 from r3store.models import ErrorBody
-from r3store_server.auth import Forbidden, Unauthorized
 
 log = logging.getLogger("r3store.server")
 
 STATUS: list[tuple[type[errors.R3StoreError], int]] = [
-    (Unauthorized, 401),
-    (Forbidden, 403),
+    (errors.PayloadTooLarge, 413),
+    (errors.UnsupportedMediaType, 415),
+    (errors.Unauthorized, 401),
+    (errors.Forbidden, 403),
     (errors.InvalidInput, 400),
     (errors.NotFound, 404),
     (errors.StalePolicy, 409),
@@ -30,19 +31,7 @@ STATUS: list[tuple[type[errors.R3StoreError], int]] = [
 ]
 
 
-class PayloadTooLarge(errors.InvalidInput):
-    code = "payload_too_large"
-
-
-class UnsupportedMediaType(errors.InvalidInput):
-    code = "unsupported_media_type"
-
-
 def status_of(exc: errors.R3StoreError) -> int:
-    if isinstance(exc, PayloadTooLarge):
-        return 413
-    if isinstance(exc, UnsupportedMediaType):
-        return 415
     for kind, status in STATUS:
         if isinstance(exc, kind):
             return status

@@ -1,0 +1,201 @@
+"""A synchronous client over httpx.
+
+    client = Client("http://r3store:8330", api_key=os.environ["R3STORE_KEY"])
+    client.put("run1", [TrajectoryWrite("p0/s0", 4096, topk=ids)])
+    batch = client.get_batch("run1", ["p0/s0"])
+
+Pass `http=httpx.Client(transport=httpx.ASGITransport(app))`-style clients in tests. Only
+retryable failures are retried (connection errors, 429, 502, 503, 504), with
+exponential backoff and the server's Retry-After; uploads stay idempotent because the
+server acknowledges stored content again. Errors are the project's own exceptions
+(`r3store.errors`), chosen by the code the server sends. A pickled client (DataLoader
+workers) drops its connection and opens a new one on first use.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from r3store.errors import R3StoreError, StoreError, error_class
+from r3store.models import NamespacePublic, PolicyVersionSet
+from r3store.policy import NamespaceSettings
+from r3store.records import Batch, PutResult, TrajectoryWrite
+from r3store.sampling import Strategy
+from r3store.spec import RouteSpec
+from r3store.wire import CONTENT_TYPE, ReadFormat, decode_batch, encode_writes
+
+RETRY_STATUS = {429, 502, 503, 504}
+
+
+@dataclass(frozen=True)
+class Retry:
+    """`Retry(attempts=5, backoff=0.2, max_backoff=10.0)`: waits 0.2, 0.4, 0.8, ... s
+    (with jitter, at least the server's Retry-After) between attempts."""
+
+    attempts: int = 5
+    backoff: float = 0.2
+    max_backoff: float = 10.0
+
+    def delay(self, attempt: int, retry_after: float | None = None) -> float:
+        wait = min(self.max_backoff, self.backoff * 2.0**attempt) * (0.5 + random.random() / 2)
+        return float(max(wait, retry_after or 0.0))
+
+
+def _raise_for(response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    try:
+        detail = response.json()["error"]
+        code, message = str(detail["code"]), str(detail["message"])
+    except (ValueError, KeyError, TypeError):
+        code, message = "http_error", f"HTTP {response.status_code}: {response.text[:200]}"
+    error = error_class(code)(message)
+    error.status = response.status_code  # type: ignore[attr-defined]
+    raise error
+
+
+class Client:
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8330",
+        api_key: str | None = None,
+        *,
+        http: httpx.Client | None = None,
+        timeout: float | httpx.Timeout = 60.0,
+        retry: Retry | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.timeout = timeout
+        self.retry = retry or Retry()
+        self._http = http
+        self._own_http = http is None
+
+    # connection
+
+    @property
+    def http(self) -> httpx.Client:
+        if self._http is None:
+            self._http = httpx.Client(base_url=self.base_url, timeout=self.timeout)
+            self._own_http = True
+        return self._http
+
+    def close(self) -> None:
+        if self._http is not None and self._own_http:
+            self._http.close()
+        self._http = None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_http"] = None  # connections do not cross processes
+        state["_own_http"] = True
+        return state
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """Send a request, retrying what may succeed later; raise the server's error."""
+        headers = {**self._headers(), **kwargs.pop("headers", {})}
+        for attempt in range(self.retry.attempts):
+            last = attempt == self.retry.attempts - 1
+            try:
+                response = self.http.request(method, path, headers=headers, **kwargs)
+            except httpx.TransportError as exc:
+                if last:
+                    raise StoreError(f"r3store at {self.base_url} unreachable: {exc}") from exc
+                time.sleep(self.retry.delay(attempt))
+                continue
+            if response.status_code in RETRY_STATUS and not last:
+                after = response.headers.get("retry-after")
+                wait = float(after) if after and after.isdigit() else None
+                time.sleep(self.retry.delay(attempt, wait))
+                continue
+            _raise_for(response)
+            return response
+        raise R3StoreError("unreachable")  # the loop always returns or raises
+
+    # namespaces
+
+    def create_namespace(
+        self, name: str, spec: RouteSpec, settings: NamespaceSettings | None = None
+    ) -> NamespacePublic:
+        body = {
+            "name": name,
+            "spec": spec.__dict__,
+            "settings": (settings or NamespaceSettings()).model_dump(mode="json"),
+        }
+        return NamespacePublic.model_validate(
+            self.request("POST", "/v1/namespaces", json=body).json()
+        )
+
+    def namespace(self, name: str) -> NamespacePublic:
+        return NamespacePublic.model_validate(self.request("GET", f"/v1/namespaces/{name}").json())
+
+    def set_policy_version(self, name: str, version: int) -> NamespacePublic:
+        body = PolicyVersionSet(policy_version=version).model_dump()
+        response = self.request("PUT", f"/v1/namespaces/{name}/policy-version", json=body)
+        return NamespacePublic.model_validate(response.json())
+
+    def update_settings(self, name: str, settings: NamespaceSettings) -> NamespacePublic:
+        body = settings.model_dump(mode="json")
+        response = self.request("PUT", f"/v1/namespaces/{name}/settings", json=body)
+        return NamespacePublic.model_validate(response.json())
+
+    # data
+
+    def put(self, namespace: str, writes: Sequence[TrajectoryWrite]) -> list[PutResult]:
+        """Upload trajectories (or appended segments); returns after the durable commit."""
+        response = self.request(
+            "POST",
+            f"/v1/namespaces/{namespace}/trajectories",
+            content=encode_writes(writes),
+            headers={"Content-Type": CONTENT_TYPE},
+        )
+        return [PutResult(**item) for item in response.json()["results"]]
+
+    def get_batch(
+        self,
+        namespace: str,
+        ids: Sequence[str],
+        include_stale: bool = False,
+        fmt: ReadFormat = ReadFormat.ENCODED,
+    ) -> Batch:
+        """Routes of `ids` in the order asked; `missing` and `stale` name the others."""
+        return self.fetch(namespace, ids, include_stale, fmt)[1]
+
+    def fetch(
+        self,
+        namespace: str,
+        ids: Sequence[str],
+        include_stale: bool = False,
+        fmt: ReadFormat = ReadFormat.ENCODED,
+    ) -> tuple[RouteSpec, Batch]:
+        """Like `get_batch`, with the namespace's route spec."""
+        body = {"ids": list(ids), "include_stale": include_stale, "format": str(fmt)}
+        response = self.request("POST", f"/v1/namespaces/{namespace}/routes/batch", json=body)
+        return decode_batch(response.content)
+
+    def sample(
+        self,
+        namespace: str,
+        n: int,
+        strategy: Strategy = Strategy.FIFO,
+        whole_groups: bool = False,
+        seed: int | None = None,
+    ) -> Batch:
+        body = {"n": n, "strategy": str(strategy), "whole_groups": whole_groups, "seed": seed}
+        response = self.request("POST", f"/v1/namespaces/{namespace}/routes/sample", json=body)
+        return decode_batch(response.content)[1]

@@ -1,0 +1,224 @@
+"""The client against a real server process on real S3: converters, writer, reader."""
+
+from __future__ import annotations
+
+import base64
+import pickle
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import SPEC, expected_ids, make_write
+from http_helpers import KEYS, ServerProcess
+from r3store.errors import Conflict, InvalidRoutes, NotFound, Unauthorized
+from r3store.records import TrajectoryWrite
+from r3store.spec import RouteSpec
+from r3store.testing.seaweedfs import SeaweedFS
+from r3store.testing.synthetic import uniform_topk
+from r3store_client import Client, Retry, RolloutWriter
+from r3store_client.convert import from_hf_router, from_mask, from_sglang, from_topk, from_vllm
+from r3store_client.reader import TrainerReader
+from r3store_client.tensors import dense_masks, micro_batches, packed, padded, rank_slice
+
+L, E, K = SPEC.num_layers, SPEC.num_experts, SPEC.top_k
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, seaweed: SeaweedFS) -> Iterator[ServerProcess]:
+    process = ServerProcess(tmp_path_factory.mktemp("client"), seaweed)
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> Iterator[Client]:
+    with Client(server.url, api_key=KEYS["admin"], retry=Retry(attempts=3, backoff=0.05)) as made:
+        yield made
+
+
+@pytest.fixture
+def namespace(client: Client, request: pytest.FixtureRequest) -> str:
+    name = f"ns-{request.node.name[:40]}".replace("[", "-").replace("]", "")
+    name = "".join(c if c.isalnum() or c in "._-" else "-" for c in name)
+    client.create_namespace(name, SPEC)
+    return name
+
+
+def test_sglang_converter_with_its_wire_format() -> None:
+    rng = np.random.default_rng(0)
+    prompt, output = 7, 5
+    ids = uniform_topk(rng, prompt + output - 1, L, E, K).astype("<i4")
+    meta = {"routed_experts": base64.b64encode(ids.tobytes()).decode()}
+    write = from_sglang("s", meta, prompt + output, L, K, group_id="g")
+    assert (write.num_tokens, write.start, write.group_id) == (12, 0, "g")
+    assert np.array_equal(write.topk, ids)
+    # a later turn, asked with routed_experts_start_len: rows [12, 20 - 1)
+    turn = uniform_topk(rng, 7, L, E, K).astype("<i4")
+    meta2 = {
+        "routed_experts": base64.b64encode(turn.tobytes()).decode(),
+        "routed_experts_start_len": 12,
+    }
+    appended = from_sglang("s", meta2, 20, L, K)
+    assert (appended.start, appended.num_tokens) == (12, 8)
+    with pytest.raises(InvalidRoutes, match="not whole rows"):
+        from_sglang("s", {"routed_experts": base64.b64encode(b"\x00" * 10).decode()}, 3, L, K)
+    with pytest.raises(InvalidRoutes, match="return_routed_experts"):
+        from_sglang("s", {}, 3, L, K)
+    with pytest.raises(InvalidRoutes, match="expected 2"):
+        from_sglang("s", meta, 3, L, K)
+
+
+def test_other_converters() -> None:
+    rng = np.random.default_rng(1)
+    for dtype in (np.uint8, np.uint16):
+        ids = uniform_topk(rng, 9, L, E, K).astype(dtype)
+        assert from_vllm("v", ids, 10).topk.dtype == dtype
+    layers = [torch.from_numpy(uniform_topk(rng, 6, 1, E, K)[:, 0]) for _ in range(L)]
+    write = from_hf_router("h", layers)
+    assert write.topk.shape == (6, L, K)
+    assert np.array_equal(write.topk[:, 2], layers[2].numpy())
+    assert from_topk("t", torch.zeros(3, L, K, dtype=torch.int64), 4).topk.shape == (3, L, K)
+    assert from_mask("m", np.zeros((3, L, 8), np.uint8), 4).mask.shape == (3, L, 8)
+    with pytest.raises(InvalidRoutes):
+        from_vllm("v", np.zeros((3, L), np.uint8), 4)
+
+
+def test_writer_to_server_to_reader(client: Client, namespace: str) -> None:
+    writes = [make_write(f"w{i}", group_id=f"g{i // 2}", policy_version=1) for i in range(9)]
+    with RolloutWriter(client, namespace, batch_size=4) as writer:
+        for w in writes:
+            writer.write(w)
+    assert writer.report.sent == 9
+    assert not writer.report.failed
+    assert not writer.report.unsent
+    ids = [w.trajectory_id for w in writes]
+    reader = TrainerReader(client, namespace)
+    routes = reader.fetch(ids[:4])
+    longest = max(w.num_tokens for w in writes[:4])
+    assert routes.ids.shape == (4, longest, L, K)
+    assert routes.ids.dtype == torch.int32
+    for b, w in enumerate(writes[:4]):
+        want = expected_ids(w)
+        n = w.num_tokens
+        got = routes.ids[b, :n].numpy()
+        valid = routes.valid[b, :n].numpy()
+        assert np.array_equal(np.where(valid, got, -1), want)
+        assert not routes.valid[b, n:].any()
+        # no repeated ids anywhere, padding and the unrecorded last token included
+        sorted_ids = np.sort(routes.ids[b].numpy(), axis=-1)
+        assert (sorted_ids[..., 1:] != sorted_ids[..., :-1]).all()
+    pack = TrainerReader(client, namespace, layout="packed").fetch(ids[:3])
+    assert pack.cu_seqlens.tolist() == [0, *np.cumsum([w.num_tokens for w in writes[:3]]).tolist()]
+    assert pack.ids.shape == (sum(w.num_tokens for w in writes[:3]), L, K)
+
+
+def test_layouts_agree(client: Client, namespace: str) -> None:
+    writes = [make_write(f"x{i}") for i in range(3)]
+    client.put(namespace, writes)
+    spec, batch = client.fetch(namespace, [w.trajectory_id for w in writes])
+    pad, pack, masks = padded(batch, spec), packed(batch, spec), dense_masks(batch, spec)
+    assert masks.shape == (3, pad.ids.shape[1], L, E)
+    for b, w in enumerate(writes):
+        n, start = w.num_tokens, int(pack.cu_seqlens[b])
+        assert torch.equal(pack.ids[start : start + n], pad.ids[b, :n])
+        chosen = masks[b, : n - 1].nonzero()[:, -1].reshape(n - 1, L, K).numpy()
+        assert np.array_equal(chosen, np.sort(np.asarray(w.topk), axis=-1))
+        assert not masks[b, n - 1].any()  # the unrecorded last token
+
+
+def test_typed_errors_and_pickling(client: Client, namespace: str, server: ServerProcess) -> None:
+    client.put(namespace, [make_write("p")])
+    other = make_write("q")
+    with pytest.raises(Conflict):
+        client.put(namespace, [TrajectoryWrite("p", other.num_tokens, topk=other.topk)])
+    with pytest.raises(NotFound):
+        client.namespace("no-such-namespace")
+    with (
+        Client(server.url, api_key="wrong-key-0123456789abcdef") as stranger,
+        pytest.raises(Unauthorized),
+    ):
+        stranger.namespace(namespace)
+    clone = pickle.loads(pickle.dumps(client))
+    assert clone._http is None
+    assert clone.get_batch(namespace, ["p"]).items[0] is not None
+    clone.close()
+
+
+def test_prefetch_overlaps_by_events(client: Client, namespace: str) -> None:
+    writes = [make_write(f"e{i}") for i in range(6)]
+    client.put(namespace, writes)
+    events: list[tuple[str, int]] = []
+    reader = TrainerReader(client, namespace, on_event=lambda what, i: events.append((what, i)))
+    batches = micro_batches([w.trajectory_id for w in writes], 2)
+    for index, _routes in enumerate(reader.iterate(batches)):
+        events.append(("compute_start", index))
+        time.sleep(0.05)  # stands in for the forward and backward pass
+        events.append(("compute_end", index))
+    for index in range(len(batches) - 1):
+        started = events.index(("fetch_start", index + 1))
+        assert started < events.index(("compute_end", index)), events
+
+
+def test_rank_slices_cover_the_batch_once() -> None:
+    ids = [f"t{i}" for i in range(10)]
+    parts = [rank_slice(ids, r, 4) for r in range(4)]
+    assert [len(p) for p in parts] == [3, 3, 2, 2]
+    assert sum(parts, []) == ids
+    with pytest.raises(ValueError):
+        rank_slice(ids, 4, 4)
+
+
+def test_writer_survives_a_server_outage(tmp_path: Path, seaweed: SeaweedFS) -> None:
+    first = ServerProcess(tmp_path, seaweed)
+    port, prefix = first.port, first.prefix
+    client = Client(first.url, api_key=KEYS["admin"], retry=Retry(attempts=2, backoff=0.05))
+    client.create_namespace("ns", SPEC)
+    writer = RolloutWriter(client, "ns", batch_size=2, retry_backoff=0.1)
+    before = [make_write(f"a{i}") for i in range(4)]
+    for w in before:
+        writer.write(w)
+    assert writer.flush(timeout=30)
+    first.kill()
+    during = [make_write(f"b{i}") for i in range(4)]
+    for w in during:
+        writer.write(w)  # queued while the server is away
+    time.sleep(1.0)
+    assert writer.report.sent == 4
+    second = ServerProcess(tmp_path, seaweed, prefix=prefix, port=port)
+    try:
+        assert writer.flush(timeout=60)
+        report = writer.close()
+        assert report.sent == 8
+        assert not report.failed
+        assert not report.unsent
+        batch = client.get_batch("ns", [w.trajectory_id for w in before + during])
+        assert batch.missing == []
+    finally:
+        second.stop()
+    # a server that stays away: close() gives up and names what it could not send
+    stranded = RolloutWriter(client, "ns", retry_backoff=0.05)
+    stranded.write(make_write("c0"))
+    report = stranded.close(timeout=1.0)
+    assert report.unsent == ["c0"]
+    client.close()
+
+
+def test_writer_reports_refused_trajectories(client: Client, namespace: str) -> None:
+    bad = TrajectoryWrite("bad", 5, topk=np.zeros((4, L, K), np.int32))  # duplicate experts
+    with RolloutWriter(client, namespace, batch_size=8) as writer:
+        writer.write(make_write("good1"))
+        writer.write(bad)
+        writer.write(make_write("good2"))
+    assert writer.report.sent == 2
+    assert list(writer.report.failed) == ["bad"]
+    assert client.get_batch(namespace, ["good1", "good2", "bad"]).missing == ["bad"]
+
+
+def test_spec_reported_with_routes(client: Client, namespace: str) -> None:
+    client.put(namespace, [make_write("s")])
+    spec, _ = client.fetch(namespace, ["s"])
+    assert spec == RouteSpec(L, E, K)
