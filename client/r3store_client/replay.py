@@ -85,6 +85,7 @@ class Recorded:
 
 class RouterReplay:
     def __init__(self, model: nn.Module) -> None:
+        self.model = model
         self.routers = [m for m in model.modules() if is_router(m)]
         if not self.routers:
             raise ValueError("no MoE routers (`...TopKRouter` modules) found in the model")
@@ -126,23 +127,28 @@ class RouterReplay:
             self.agreement = [n / d if d else 1.0 for n, d in self._agree]
 
     @contextmanager
-    def record(self, batch: int | None = None, tokens: int | None = None) -> Iterator[Recorded]:
+    def record(self) -> Iterator[Recorded]:
         """Capture the live routers' choices of the forward pass inside."""
-        self._recorded = Recorded()
+        recorded = self._recorded = Recorded()
+
+        def shape_of(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            for value in (*args, kwargs.get("input_ids"), kwargs.get("inputs_embeds")):
+                if isinstance(value, torch.Tensor) and value.dim() >= 2:
+                    recorded.shape = (int(value.shape[0]), int(value.shape[1]))
+                    return
+
+        handle = self.model.register_forward_pre_hook(shape_of, with_kwargs=True)
         try:
             with self._hooked():
-                yield self._recorded
+                yield recorded
         finally:
+            handle.remove()
             self._recorded = None
 
     def _hook(self, layer: int) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
             logits, weights, live = output
             if self._recorded is not None:
-                hidden = args[0]
-                if layer == 0:
-                    b, t = (1, live.shape[0]) if hidden.dim() == 2 else hidden.shape[:2]
-                    self._recorded.shape = (int(b), int(t))
                 self._recorded.layers.append(live.detach().clone())
                 return output
             if self._routes is None:
