@@ -20,6 +20,8 @@ from bench.figures import Figure, median_of, timed
 from r3store.records import TrajectoryWrite
 from r3store.store import LocalStore
 from r3store.wire import CONTENT_TYPE, decode_batch, encode_writes
+from r3store_client import Client
+from r3store_client.reader import TrainerReader
 
 KEY = "bench-admin-key-0123456789abcdef"
 SPEC_JSON = {"num_layers": 48, "num_experts": 128, "top_k": 8}
@@ -102,6 +104,16 @@ def run(count: int = 256, tokens: int = 4096) -> list[Figure]:
                             pending = ahead.submit(fetch, batches[i + 1])
                         assert not decode_batch(body)[1].missing
 
+            client = Client(url, api_key=KEY)
+            reader = TrainerReader(client, "bench", layout="padded")
+
+            def read_tensors() -> None:
+                for ids in batches:
+                    routes = reader.fetch(ids)
+                    assert routes.ids.shape[0] == len(ids)
+
+            tensors = median_of(3, lambda: timed(read_tensors))
+            client.close()
             read = median_of(3, lambda: timed(lambda: read_all(True)))
             prefetched = median_of(3, lambda: timed(read_prefetched))
             raw = median_of(3, lambda: timed(lambda: read_all(False)))
@@ -135,6 +147,13 @@ def run(count: int = 256, tokens: int = 4096) -> list[Figure]:
             n / local["warm"] / 1e6,
             "in-process engine (decoded)",
             ">= 0.5x",
+        ),
+        Figure(
+            "client reader: request to padded torch tensors, batches of 32",
+            n / tensors / 1e6,
+            rate,
+            n / raw / 1e6,
+            "raw HTTP read (stored streams)",
         ),
         Figure(
             "HTTP batch read of 32, stored streams",
