@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    MixtralConfig,
+    MixtralForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from r3store_client.replay import RouterReplay, same_sets, sigmoid_gate, softmax_gate
 from r3store_client.tensors import RouteTensors
@@ -31,6 +38,9 @@ def tiny(kind: str) -> torch.nn.Module:
             head_dim=8,
         )
         model = Qwen3MoeForCausalLM(config)
+    elif kind == "olmoe":
+        config = OlmoeConfig(**common, num_experts=16, num_experts_per_tok=4, norm_topk_prob=False)
+        model = OlmoeForCausalLM(config)
     else:
         config = MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2)
         model = MixtralForCausalLM(config)
@@ -47,7 +57,7 @@ def routes_of(ids: torch.Tensor) -> RouteTensors:
     )
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "olmoe"])
 def test_recorded_routes_replay_exactly(kind: str) -> None:
     model = tiny(kind)
     replayer = RouterReplay(model)

@@ -41,6 +41,9 @@ class RouteTensors:
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> RouteTensors:
+        """Page-locked copies for asynchronous copies to the GPU (as is without CUDA)."""
+        if not torch.cuda.is_available():
+            return self
         return self._map(lambda t: t.pin_memory())
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
