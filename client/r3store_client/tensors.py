@@ -58,20 +58,25 @@ def _reads(batch: Batch) -> list[TrajectoryRead]:
     return [item for item in batch.items if item is not None]
 
 
-def _filled(routes: Routes, spec: RouteSpec) -> tuple[np.ndarray, np.ndarray]:
-    """Token-major ids `[T, L, K]` int32 with distinct dummies in empty slots, and validity."""
-    ids = np.ascontiguousarray(routes.ids, dtype=np.int32)
-    k = spec.top_k
+def _fill(routes: Routes, spec: RouteSpec, ids: np.ndarray, valid: np.ndarray) -> None:
+    """Write one trajectory's routes into token-major `ids`/`valid` `[T, L, K]` views.
+
+    Token-layers with no route get the dummies 0..K-1 (distinct within a row); partial
+    rows, whose zeros could repeat a chosen expert, get spare experts instead.
+    """
+    ids[...] = routes.layers.transpose(1, 0, 2)
     if routes.layer_counts is None:
-        return ids, np.ones(ids.shape, dtype=bool)
-    valid = np.ascontiguousarray(routes.slot_valid().transpose(1, 0, 2))
-    rows = np.flatnonzero(~valid.reshape(-1, k).all(axis=1))
-    flat_ids, flat_valid = ids.reshape(-1, k), valid.reshape(-1, k)
-    for row in rows:  # rare: unrecorded or partial token-layers
-        used = set(flat_ids[row][flat_valid[row]].tolist())
-        spare = [e for e in range(spec.num_experts) if e not in used][: k - len(used)]
-        flat_ids[row][~flat_valid[row]] = spare
-    return ids, valid
+        valid[...] = True
+        return
+    k = spec.top_k
+    counts = routes.layer_counts.T
+    np.less(np.arange(k, dtype=np.uint8), counts[..., None], out=valid)
+    ids[counts == 0] = np.arange(k, dtype=np.int32)
+    partial = np.argwhere((counts > 0) & (counts < k))
+    for t, layer in partial:  # rare: fewer than K experts chosen
+        row, ok = ids[t, layer], valid[t, layer]
+        used = set(row[ok].tolist())
+        row[~ok] = [e for e in range(spec.num_experts) if e not in used][: k - len(used)]
 
 
 def padded(
@@ -81,12 +86,14 @@ def padded(
     reads = _reads(batch)
     length = max([r.num_tokens for r in reads] + [pad_to or 0])
     shape = (len(reads), length, spec.num_layers, spec.top_k)
-    dummy = np.broadcast_to(np.arange(spec.top_k, dtype=np.int32), shape)
-    ids, valid = np.array(dummy), np.zeros(shape, dtype=bool)
+    ids = np.empty(shape, dtype=np.int32)
+    valid = np.empty(shape, dtype=bool)
     for b, read in enumerate(reads):
         assert read.routes is not None
-        i, v = _filled(read.routes, spec)
-        ids[b, : read.num_tokens], valid[b, : read.num_tokens] = i, v
+        n = read.num_tokens
+        _fill(read.routes, spec, ids[b, :n], valid[b, :n])
+        ids[b, n:] = np.arange(spec.top_k, dtype=np.int32)  # padding: distinct dummies
+        valid[b, n:] = False
     out = RouteTensors(
         torch.from_numpy(ids),
         torch.from_numpy(valid),
@@ -98,16 +105,17 @@ def padded(
 def packed(batch: Batch, spec: RouteSpec, pin: bool = False) -> RouteTensors:
     """`[total_tokens, L, K]` ids of the trajectories back to back, with `cu_seqlens`."""
     reads = _reads(batch)
-    parts = [_filled(r.routes, spec) for r in reads if r.routes is not None]
     lengths = torch.tensor([r.num_tokens for r in reads], dtype=torch.int32)
     cu = torch.zeros(len(reads) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(lengths, 0)
-    out = RouteTensors(
-        torch.from_numpy(np.concatenate([p[0] for p in parts])),
-        torch.from_numpy(np.concatenate([p[1] for p in parts])),
-        lengths,
-        cu,
-    )
+    shape = (int(cu[-1]), spec.num_layers, spec.top_k)
+    ids = np.empty(shape, dtype=np.int32)
+    valid = np.empty(shape, dtype=bool)
+    for b, read in enumerate(reads):
+        assert read.routes is not None
+        start, end = int(cu[b]), int(cu[b + 1])
+        _fill(read.routes, spec, ids[start:end], valid[start:end])
+    out = RouteTensors(torch.from_numpy(ids), torch.from_numpy(valid), lengths, cu)
     return out.pin_memory() if pin else out
 
 
