@@ -45,7 +45,9 @@ shards = sa.Table(
     sa.Column("namespace", sa.String(128), nullable=False, index=True),
     sa.Column("size", sa.BigInteger, nullable=False),
     sa.Column("num_rows", sa.Integer, nullable=False),
+    sa.Column("route_bytes", sa.BigInteger, nullable=False),  # of all its rows, as written
     sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("retired_at", sa.Float),  # no rows point here since; object goes after a grace
 )
 
 trajectories = sa.Table(
@@ -96,7 +98,26 @@ class ShardInfo:
     namespace: str
     size: int
     num_rows: int
+    route_bytes: int
     created_at: float
+    retired_at: float | None = None
+
+
+@dataclass(frozen=True)
+class ShardUsage:
+    """How much of a live shard the catalog still points at."""
+
+    key: str
+    namespace: str
+    size: int
+    route_bytes: int  # of all rows as written
+    live_rows: int
+    live_bytes: int  # route bytes of the rows still pointing here
+    created_at: float
+
+    @property
+    def live_fraction(self) -> float:
+        return self.live_bytes / self.route_bytes if self.route_bytes else 0.0
 
 
 @dataclass(frozen=True)
@@ -351,6 +372,130 @@ class Catalog:
                 if conn.execute(query.values(times_sampled=t.c.times_sampled + 1)).rowcount:
                     taken.append(tid)
         return taken
+
+    # retention and compaction
+
+    def retention_victims(
+        self,
+        namespace: str,
+        min_version: int | None,
+        created_before: float | None,
+        sampled_at_least: int | None,
+    ) -> list[str]:
+        """Trajectories to drop: a segment older than `min_version`, first stored before
+        `created_before`, or sampled `sampled_at_least` times."""
+        t = trajectories
+        victims: set[str] = set()
+        with self._engine.connect() as conn:
+            if min_version is not None:
+                query = sa.select(t.c.trajectory_id).where(
+                    t.c.namespace == namespace, t.c.policy_version < min_version
+                )
+                victims.update(conn.execute(query).scalars())
+            first = sa.select(t.c.trajectory_id).where(t.c.namespace == namespace, t.c.start == 0)
+            if created_before is not None:
+                victims.update(conn.execute(first.where(t.c.created_at < created_before)).scalars())
+            if sampled_at_least is not None:
+                query = first.where(t.c.times_sampled >= sampled_at_least)
+                victims.update(conn.execute(query).scalars())
+        return sorted(victims)
+
+    def delete_trajectories(self, namespace: str, ids: Sequence[str]) -> int:
+        """Forget trajectories (all their segments); returns segments removed."""
+        removed = 0
+        with self._engine.begin() as conn:
+            for begin in range(0, len(ids), _BATCH):
+                part = list(ids[begin : begin + _BATCH])
+                query = trajectories.delete().where(
+                    trajectories.c.namespace == namespace, trajectories.c.trajectory_id.in_(part)
+                )
+                removed += conn.execute(query).rowcount
+        return removed
+
+    def shard_usage(self, namespace: str | None = None) -> list[ShardUsage]:
+        """Live (not retired) shards with the rows and route bytes still pointing at them."""
+        t, s = trajectories, shards
+        live = (
+            sa.select(
+                t.c.shard_key,
+                sa.func.count().label("rows"),
+                sa.func.sum(t.c.route_bytes).label("bytes"),
+            )
+            .group_by(t.c.shard_key)
+            .subquery()
+        )
+        query = (
+            sa.select(s, live.c.rows, live.c.bytes)
+            .select_from(s.outerjoin(live, live.c.shard_key == s.c.key))
+            .where(s.c.retired_at.is_(None))
+        )
+        if namespace is not None:
+            query = query.where(s.c.namespace == namespace)
+        with self._engine.connect() as conn:
+            return [
+                ShardUsage(
+                    r.key,
+                    r.namespace,
+                    r.size,
+                    r.route_bytes,
+                    r.rows or 0,
+                    int(r.bytes or 0),
+                    r.created_at,
+                )
+                for r in conn.execute(query.order_by(s.c.created_at))
+            ]
+
+    def entries_in(self, key: str) -> list[TrajectoryEntry]:
+        return self._entries(sa.select(trajectories).where(trajectories.c.shard_key == key))
+
+    def replace_shard(
+        self, old: str, new: ShardInfo, entries: Sequence[TrajectoryEntry], now: float
+    ) -> int:
+        """Point the rows of shard `old` at `new` in one transaction, and retire `old`.
+
+        The rows are taken with one `DELETE ... RETURNING`, which sees the latest state:
+        rows dropped by retention, or moved by a compaction running elsewhere, since
+        `entries` were read are not brought back. Returns rows moved.
+        """
+        t = trajectories
+        try:
+            with self._engine.begin() as conn:
+                taken = conn.execute(
+                    t.delete().where(t.c.shard_key == old).returning(t.c.trajectory_id, t.c.start)
+                )
+                still = {(r.trajectory_id, r.start) for r in taken}
+                moved = [e for e in entries if (e.trajectory_id, e.start) in still]
+                self._insert(conn, new, moved)
+                conn.execute(shards.update().where(shards.c.key == old).values(retired_at=now))
+        except IntegrityError as exc:
+            raise Conflict(f"compaction of {old} raced another: {exc.orig}") from exc
+        return len(moved)
+
+    def retire_empty(self, key: str, now: float) -> bool:
+        """Retire a shard no row points at (checked in the same transaction)."""
+        with self._engine.begin() as conn:
+            rows = conn.execute(
+                sa.select(sa.func.count())
+                .select_from(trajectories)
+                .where(trajectories.c.shard_key == key)
+            ).scalar_one()
+            if rows:
+                return False
+            conn.execute(shards.update().where(shards.c.key == key).values(retired_at=now))
+        return True
+
+    def retired_before(self, cutoff: float) -> list[str]:
+        query = sa.select(shards.c.key).where(shards.c.retired_at < cutoff)
+        with self._engine.connect() as conn:
+            return list(conn.execute(query).scalars())
+
+    def forget_shard(self, key: str) -> None:
+        with self._engine.begin() as conn:
+            conn.execute(shards.delete().where(shards.c.key == key))
+
+    def shard_keys(self) -> set[str]:
+        with self._engine.connect() as conn:
+            return set(conn.execute(sa.select(shards.c.key)).scalars())
 
     # shards
 

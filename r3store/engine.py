@@ -18,7 +18,7 @@ import random
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from r3store import codec
@@ -86,14 +86,20 @@ def manifest(info: NamespaceInfo) -> bytes:
 
 class Engine:
     def __init__(
-        self, store: ObjectStore, catalog: Catalog, config: EngineConfig | None = None
+        self,
+        store: ObjectStore,
+        catalog: Catalog,
+        config: EngineConfig | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        """`clock` stamps commits (retention's time to live reads it); tests inject one."""
         self.store = store
         self.catalog = catalog
         self.config = config or EngineConfig()
+        self.clock = clock
         self._reader = ShardReader(store, self.config.reader)
         self._writer = GroupCommitter(
-            store, catalog, self.config.writer, on_shard=self._reader.remember
+            store, catalog, self.config.writer, on_shard=self._reader.remember, clock=clock
         )
         self._specs: dict[str, RouteSpec] = {}
         self._lock = threading.Lock()
@@ -129,7 +135,7 @@ class Engine:
         """
         check_namespace(name)
         settings = settings or NamespaceSettings()
-        info = NamespaceInfo(name, spec, time.time(), 0, settings)
+        info = NamespaceInfo(name, spec, self.clock(), 0, settings)
         try:
             self.store.put_if_absent(namespace_key(name), manifest(info))
         except ObjectExists:

@@ -80,7 +80,9 @@ def _load_shard(
         )
         for row, place, stream, span in zip(rows, places_of(metadata), streams, spans, strict=True)
     ]
-    shard = ShardInfo(key, namespace, size, len(entries), created)
+    shard = ShardInfo(
+        key, namespace, size, len(entries), sum(e.route_bytes for e in entries), created
+    )
     return shard, spec, entries
 
 

@@ -138,12 +138,16 @@ def _table(namespace: str, rows: Sequence[ShardRow]) -> pa.Table:
 
 
 def build_shard(
-    namespace: str, spec: RouteSpec, rows: Sequence[ShardRow], row_group_bytes: int
+    namespace: str,
+    spec: RouteSpec,
+    rows: Sequence[ShardRow],
+    row_group_bytes: int,
+    created: float | None = None,
 ) -> BuiltShard:
     """Write `rows` into one Parquet file in memory."""
     if not rows:
         raise ValueError("a shard needs at least one row")
-    created = time.time()
+    created = time.time() if created is None else created
     key = new_shard_key(namespace, created)
     metadata = {
         META_FORMAT: FORMAT_VERSION.encode(),

@@ -79,7 +79,9 @@ class GroupCommitter:
         catalog: Catalog,
         config: WriterConfig,
         on_shard: Callable[[BuiltShard], None] | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        self._clock = clock
         self._store = store
         self._catalog = catalog
         self.config = config
@@ -241,13 +243,16 @@ class GroupCommitter:
             to_write.extend(r for r in unit.rows if (r.trajectory_id, r.start) in fresh)
             accepted.append((unit, results))
         if to_write:
-            built = build_shard(namespace, spec, to_write, self.config.row_group_bytes)
+            built = build_shard(
+                namespace, spec, to_write, self.config.row_group_bytes, created=self._clock()
+            )
             self._store.put_if_absent(built.key, built.data)
             shard = ShardInfo(
                 key=built.key,
                 namespace=namespace,
                 size=len(built.data),
                 num_rows=len(to_write),
+                route_bytes=sum(r.routes.nbytes for r in to_write),
                 created_at=built.created_at,
             )
             entries = [

@@ -263,3 +263,10 @@ def test_namespace_lifecycle_and_operations(client: AppClient) -> None:
     assert client.delete("/v1/namespaces/ns", headers=auth("admin")).json()["objects_deleted"] >= 2
     assert client.get("/v1/namespaces/ns", headers=auth("admin")).status_code == 404
     assert client.get("/openapi.json").status_code == 200
+
+
+def test_maintenance_metrics_exported(client: AppClient) -> None:
+    upload(client, [make_write("m")])
+    text = client.get("/metrics", headers=auth("admin")).text
+    assert "r3store_live_route_bytes" in text
+    assert "r3store_compactions_total" in text

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -16,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from r3store.catalog import Catalog
 from r3store.engine import Engine
 from r3store.errors import R3StoreError
+from r3store.maintenance import Maintenance
 from r3store.models import Health
 from r3store.store import LocalStore, ObjectStore, S3Config, S3Store
 from r3store_server import api_namespaces, api_routes, errors
@@ -50,6 +53,18 @@ def build_engine(settings: Settings) -> Engine:
     return Engine(build_store(settings), Catalog(settings.resolved_catalog_url()))
 
 
+async def _maintain(maintenance: Maintenance, interval: float) -> None:
+    """Retention, compaction and collection every `interval` seconds, off the event loop."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            report = await run_in_threadpool(maintenance.run)
+            if report.trajectories_dropped or report.shards_compacted or report.objects_deleted:
+                log.info("maintenance", extra={"fields": report.__dict__})
+        except Exception:
+            log.exception("maintenance pass failed")
+
+
 def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     """Build the service; the engine is made from `settings` unless one is given.
 
@@ -69,9 +84,19 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         log.info("catalog: %s", settings.resolved_catalog_url().split("@")[-1])
         if not keyring.enabled:
             log.warning("authentication is OFF (embedded store on a loopback address)")
+        maintenance = Maintenance(app.state.engine, grace_seconds=settings.maintenance_grace)
+        app.state.maintenance = maintenance
+        app.state.metrics.watch_maintenance(maintenance)
+        task = None
+        if settings.maintenance_interval > 0:
+            task = asyncio.create_task(_maintain(maintenance, settings.maintenance_interval))
         try:
             yield
         finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             if own:
                 await run_in_threadpool(app.state.engine.close)
 

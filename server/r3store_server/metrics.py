@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from r3store.engine import Engine
+from r3store.maintenance import Maintenance
 
 
 class _EngineCollector(Collector):
@@ -63,3 +64,35 @@ class Metrics:
 
     def watch(self, engine: Engine) -> None:
         self.registry.register(_EngineCollector(engine))
+
+    def watch_maintenance(self, maintenance: Maintenance) -> None:
+        self.registry.register(_MaintenanceCollector(maintenance))
+
+
+class _MaintenanceCollector(Collector):
+    def __init__(self, maintenance: Maintenance) -> None:
+        self._maintenance = maintenance
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        totals = self._maintenance.totals
+        yield GaugeMetricFamily(
+            "r3store_live_route_bytes", "route bytes the catalog points at", totals.live_bytes
+        )
+        yield GaugeMetricFamily(
+            "r3store_dead_route_bytes",
+            "route bytes in shards no longer pointed at",
+            totals.dead_bytes,
+        )
+        yield CounterMetricFamily(
+            "r3store_objects_deleted",
+            "shard objects deleted",
+            totals.objects_deleted + totals.orphans_deleted,
+        )
+        yield CounterMetricFamily(
+            "r3store_compactions", "shards compacted", totals.shards_compacted
+        )
+        yield CounterMetricFamily(
+            "r3store_trajectories_dropped",
+            "trajectories dropped by retention",
+            totals.trajectories_dropped,
+        )

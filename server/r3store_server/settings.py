@@ -84,6 +84,12 @@ class Settings(BaseSettings):
     )
     api_keys: list[ApiKeyConfig] = Field(default_factory=list)
     api_keys_file: Path | None = None
+    maintenance_interval: float = Field(
+        60.0, ge=0, description="seconds between retention and compaction passes; 0: off"
+    )
+    maintenance_grace: float = Field(
+        600.0, ge=0, description="seconds before retired shards and orphans are deleted"
+    )
 
     @property
     def embedded(self) -> bool:

@@ -1,0 +1,168 @@
+"""Retention, compaction and garbage collection, on the local store and real S3."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helpers import SPEC, expected_ids, make_write
+from r3store.engine import Engine
+from r3store.errors import StoreError
+from r3store.maintenance import Maintenance
+from r3store.policy import NamespaceSettings, Retention
+from r3store.shard import SHARD_PREFIX
+from r3store.store import LocalStore, ObjectStore
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def settings(**retention: object) -> NamespaceSettings:
+    return NamespaceSettings(retention=Retention(**retention))  # type: ignore[arg-type]
+
+
+def check_all(engine: Engine, writes: dict[str, object]) -> None:
+    batch = engine.get_batch("ns", list(writes))
+    assert batch.missing == []
+    for tid, item in zip(writes, batch.items, strict=True):
+        assert np.array_equal(item.routes.to_topk(), expected_ids(writes[tid]))  # type: ignore[arg-type]
+
+
+def test_retention_by_versions(store: ObjectStore, make_engine) -> None:  # type: ignore[no-untyped-def]
+    engine = make_engine(store)
+    engine.create_namespace("ns", SPEC, settings(keep_versions=2))
+    for v in range(4):
+        engine.put("ns", [make_write(f"v{v}-{i}", policy_version=v) for i in range(2)])
+    engine.set_policy_version("ns", 3)
+    report = Maintenance(engine).run()
+    assert report.trajectories_dropped == 4
+    kept = engine.get_batch("ns", [f"v{v}-{i}" for v in range(4) for i in range(2)])
+    assert kept.missing == ["v0-0", "v0-1", "v1-0", "v1-1"]
+
+
+def test_retention_by_time_to_live(tmp_path: Path) -> None:
+    from r3store.catalog import Catalog
+
+    clock = Clock()
+    engine = Engine(
+        LocalStore(tmp_path / "o"), Catalog(f"sqlite:///{tmp_path / 'c.db'}"), clock=clock
+    )
+    engine.create_namespace("ns", SPEC, settings(ttl_seconds=3600))
+    engine.put("ns", [make_write("old")])
+    maintenance = Maintenance(engine, clock=clock)
+    assert maintenance.run().trajectories_dropped == 0
+    clock.now += 1800
+    engine.put("ns", [make_write("young")])
+    clock.now += 2000  # "old" is now 3800 s old, "young" about 2000 s
+    assert maintenance.run().trajectories_dropped == 1
+    assert engine.get_batch("ns", ["old", "young"]).missing == ["old"]
+    engine.close()
+
+
+def test_retention_by_consumption(store: ObjectStore, make_engine) -> None:  # type: ignore[no-untyped-def]
+    engine = make_engine(store)
+    custom = NamespaceSettings(max_times_sampled=1, retention=Retention(evict_after_sampled=True))
+    engine.create_namespace("ns", SPEC, custom)
+    engine.put("ns", [make_write(f"c{i}") for i in range(4)])
+    assert engine.sample("ns", 3).ids == ["c0", "c1", "c2"]
+    assert Maintenance(engine).run().trajectories_dropped == 3
+    assert engine.get_batch("ns", ["c0", "c3"]).missing == ["c0"]
+
+
+def test_compaction_keeps_live_trajectories_identical(store: ObjectStore, make_engine) -> None:  # type: ignore[no-untyped-def]
+    engine = make_engine(store)
+    engine.create_namespace("ns", SPEC, settings(keep_versions=1))
+    old = {f"o{i}": make_write(f"o{i}", policy_version=0) for i in range(6)}
+    new = {f"n{i}": make_write(f"n{i}", policy_version=1) for i in range(2)}
+    engine.put("ns", list(old.values()) + list(new.values()))  # one shard, mostly old
+    [before] = [o.key for o in store.list(SHARD_PREFIX)]
+    engine.set_policy_version("ns", 1)
+    clock = Clock()
+    maintenance = Maintenance(engine, clock=clock, grace_seconds=60)
+    report = maintenance.run()
+    assert report.trajectories_dropped == 6
+    assert report.shards_compacted == 1
+    check_all(engine, new)
+    assert {o.key for o in store.list(SHARD_PREFIX)} > {before}, "old kept during the grace"
+    assert report.objects_deleted == 0
+    clock.now += 61
+    report = maintenance.run()
+    assert report.objects_deleted == 1
+    keys = [o.key for o in store.list(SHARD_PREFIX)]
+    assert before not in keys
+    assert len(keys) == 1
+    check_all(engine, new)
+    assert report.dead_bytes < report.live_bytes
+
+
+def test_failed_compaction_changes_nothing(tmp_path: Path, make_engine) -> None:  # type: ignore[no-untyped-def]
+    engine = make_engine(LocalStore(tmp_path / "o"))
+    engine.create_namespace("ns", SPEC, settings(keep_versions=1))
+    writes = {f"w{i}": make_write(f"w{i}", policy_version=i // 3) for i in range(4)}
+    engine.put("ns", list(writes.values()))
+    engine.set_policy_version("ns", 1)
+
+    def crash(*_args: object) -> int:
+        raise StoreError("the catalog went away mid-compaction")
+
+    engine.catalog.replace_shard = crash  # type: ignore[method-assign]
+    report = Maintenance(engine, grace_seconds=0).run()
+    assert report.shards_compacted == 0
+    check_all(engine, {"w3": writes["w3"]})
+    # the new shard written before the failure is an orphan: collected, nothing else is
+    assert len(list(LocalStore(tmp_path / "o").list(SHARD_PREFIX))) == 1
+    check_all(engine, {"w3": writes["w3"]})
+
+
+def test_orphans_older_than_the_grace_are_collected(tmp_path: Path, make_engine) -> None:  # type: ignore[no-untyped-def]
+    store = LocalStore(tmp_path / "o")
+    engine = make_engine(store)
+    engine.create_namespace("ns", SPEC)
+    engine.put("ns", [make_write("kept")])
+    store.put(f"{SHARD_PREFIX}ns/0000000000001-old.parquet", b"left by a crash")
+    store.put(f"{SHARD_PREFIX}ns/9999999999999-new.parquet", b"an upload not yet committed")
+    old = tmp_path / "o" / SHARD_PREFIX / "ns" / "0000000000001-old.parquet"
+    past = time.time() - 7200
+    os.utime(old, (past, past))
+    report = Maintenance(engine, grace_seconds=3600).run()
+    assert report.orphans_deleted == 1
+    names = sorted(p.name for p in (tmp_path / "o" / SHARD_PREFIX / "ns").iterdir())
+    assert "0000000000001-old.parquet" not in names
+    assert "9999999999999-new.parquet" in names
+    check_all(engine, {"kept": make_write("kept")})
+
+
+@pytest.mark.parametrize("rounds", [2])
+def test_retention_on_two_engines_at_once_deletes_nothing_live(tmp_path: Path, rounds: int) -> None:
+    from r3store.catalog import Catalog
+
+    store = LocalStore(tmp_path / "o")
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    a, b = Engine(store, Catalog(url)), Engine(LocalStore(tmp_path / "o"), Catalog(url))
+    try:
+        a.create_namespace("ns", SPEC, settings(keep_versions=1))
+        live = {f"l{i}": make_write(f"l{i}", policy_version=1) for i in range(3)}
+        a.put("ns", [make_write(f"d{i}", policy_version=0) for i in range(5)] + list(live.values()))
+        a.set_policy_version("ns", 1)
+        import threading
+
+        runs = [Maintenance(e, grace_seconds=0) for e in (a, b)]
+        threads = [threading.Thread(target=m.run) for m in runs for _ in range(rounds)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        check_all(b, live)
+        check_all(a, live)
+    finally:
+        a.close()
+        b.close()
