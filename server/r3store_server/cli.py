@@ -1,0 +1,209 @@
+"""`r3store`: the operator's command line, working on the store and catalog directly
+(the same `R3STORE_*` settings as the server).
+
+    r3store namespaces list
+    r3store namespaces create run1 --layers 48 --experts 128 --top-k 8
+    r3store policy run1 --version 12
+    r3store settings run1 --max-lag 2 --keep-versions 4 --ttl 86400
+    r3store stats [run1]
+    r3store maintain            # retention, compaction and collection, now
+    r3store rebuild --yes       # the catalog again, from the object store alone
+
+Every command takes `--json` for scripts. Long operations show progress on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+from r3store.engine import Engine
+from r3store.errors import R3StoreError
+from r3store.maintenance import Maintenance
+from r3store.policy import NamespaceSettings, Retention
+from r3store.rebuild import rebuild_catalog
+from r3store.spec import RouteSpec
+from r3store_server.app import build_engine, build_store
+from r3store_server.settings import Settings
+
+
+def _progress(label: str) -> Any:
+    started = time.monotonic()
+
+    def show(done: int, total: int) -> None:
+        width = 30
+        filled = width * done // max(total, 1)
+        rate = done / max(time.monotonic() - started, 1e-9)
+        sys.stderr.write(
+            f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} ({rate:.1f}/s)"
+        )
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return show
+
+
+def _namespace(info: Any, count: int | None = None) -> dict[str, Any]:
+    return {
+        "name": info.name,
+        "spec": info.spec.__dict__,
+        "settings": info.settings.model_dump(mode="json"),
+        "policy_version": info.policy_version,
+        "created_at": info.created_at,
+        **({"trajectories": count} if count is not None else {}),
+    }
+
+
+def stats(engine: Engine, name: str | None) -> dict[str, Any]:
+    names = [name] if name else [n.name for n in engine.list_namespaces()]
+    out: dict[str, Any] = {}
+    usage = engine.catalog.shard_usage()
+    for ns in names:
+        engine.namespace(ns)  # NotFound for unknown names
+        versions: Counter[int] = Counter()
+        for entry in engine.catalog.by_versions(ns, 0, 2**63 - 1):
+            if entry.start == 0:
+                versions[entry.policy_version] += 1
+        mine = [u for u in usage if u.namespace == ns]
+        out[ns] = {
+            "trajectories": engine.catalog.count(ns),
+            "shards": len(mine),
+            "shard_bytes": sum(u.size for u in mine),
+            "live_route_bytes": sum(u.live_bytes for u in mine),
+            "dead_route_bytes": sum(u.route_bytes - u.live_bytes for u in mine),
+            "by_policy_version": {str(v): n for v, n in sorted(versions.items())},
+        }
+    return out
+
+
+def _print(value: Any, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(value, indent=2, default=str))
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            print(
+                f"{key}: {json.dumps(item, default=str) if isinstance(item, dict | list) else item}"
+            )
+    elif isinstance(value, list):
+        for item in value:
+            print(json.dumps(item, default=str))
+    else:
+        print(value)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="r3store", description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    ns = sub.add_parser("namespaces", help="list, show, create or delete namespaces")
+    ns_sub = ns.add_subparsers(dest="action", required=True)
+    ns_sub.add_parser("list")
+    show = ns_sub.add_parser("show")
+    show.add_argument("name")
+    create = ns_sub.add_parser("create")
+    create.add_argument("name")
+    create.add_argument("--layers", type=int, required=True)
+    create.add_argument("--experts", type=int, required=True)
+    create.add_argument("--top-k", type=int, required=True)
+    create.add_argument("--ordered", action="store_true")
+    create.add_argument("--allow-fewer", action="store_true")
+    create.add_argument("--model", default="")
+    delete = ns_sub.add_parser("delete")
+    delete.add_argument("name")
+    delete.add_argument("--yes", action="store_true", help="really delete")
+
+    policy = sub.add_parser("policy", help="set a namespace's current policy version")
+    policy.add_argument("name")
+    policy.add_argument("--version", type=int, required=True)
+
+    settings = sub.add_parser("settings", help="set staleness, sampling and retention")
+    settings.add_argument("name")
+    settings.add_argument("--max-lag", type=int)
+    settings.add_argument("--max-times-sampled", type=int)
+    settings.add_argument("--keep-versions", type=int)
+    settings.add_argument("--ttl", type=float, help="seconds")
+    settings.add_argument("--evict-after-sampled", action="store_true")
+
+    st = sub.add_parser("stats", help="trajectories, bytes, per policy version")
+    st.add_argument("name", nargs="?")
+
+    maintain = sub.add_parser("maintain", help="run retention, compaction and collection now")
+    maintain.add_argument("--grace", type=float, default=600.0, help="seconds")
+
+    rebuild = sub.add_parser("rebuild", help="rebuild the catalog from the object store")
+    rebuild.add_argument("--yes", action="store_true", help="really replace the catalog")
+    return p
+
+
+def run(args: argparse.Namespace, settings: Settings) -> Any:
+    if args.command == "rebuild":
+        if not args.yes:
+            raise SystemExit("rebuild replaces the catalog's content: pass --yes")
+        engine = build_engine(settings)
+        try:
+            report = rebuild_catalog(build_store(settings), engine.catalog, _progress("rebuild"))
+        finally:
+            engine.close()
+        return report.__dict__
+    engine = build_engine(settings)
+    try:
+        if args.command == "namespaces":
+            if args.action == "list":
+                return [_namespace(n) for n in engine.list_namespaces()]
+            if args.action == "show":
+                return _namespace(engine.namespace(args.name), engine.catalog.count(args.name))
+            if args.action == "create":
+                spec = RouteSpec(
+                    args.layers,
+                    args.experts,
+                    args.top_k,
+                    args.ordered,
+                    args.allow_fewer,
+                    args.model,
+                )
+                return _namespace(engine.create_namespace(args.name, spec))
+            if not args.yes:
+                raise SystemExit(f"this deletes {args.name!r} and all its routes: pass --yes")
+            return {"name": args.name, "objects_deleted": engine.delete_namespace(args.name)}
+        if args.command == "policy":
+            return _namespace(engine.set_policy_version(args.name, args.version))
+        if args.command == "settings":
+            new = NamespaceSettings(
+                max_policy_lag=args.max_lag,
+                max_times_sampled=args.max_times_sampled,
+                retention=Retention(
+                    keep_versions=args.keep_versions,
+                    ttl_seconds=args.ttl,
+                    evict_after_sampled=args.evict_after_sampled,
+                ),
+            )
+            return _namespace(engine.update_settings(args.name, new))
+        if args.command == "stats":
+            return stats(engine, args.name)
+        return Maintenance(engine, grace_seconds=args.grace).run().__dict__
+    finally:
+        engine.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        _print(run(args, Settings()), args.json)
+    except R3StoreError as exc:
+        print(f"r3store: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"r3store: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
