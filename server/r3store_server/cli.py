@@ -100,14 +100,18 @@ def _print(value: Any, as_json: bool) -> None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="r3store", description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    common = argparse.ArgumentParser(add_help=False)  # --json after the command, too
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
     sub = p.add_subparsers(dest="command", required=True)
 
-    ns = sub.add_parser("namespaces", help="list, show, create or delete namespaces")
+    ns = sub.add_parser(
+        "namespaces", parents=[common], help="list, show, create or delete namespaces"
+    )
     ns_sub = ns.add_subparsers(dest="action", required=True)
-    ns_sub.add_parser("list")
-    show = ns_sub.add_parser("show")
+    ns_sub.add_parser("list", parents=[common])
+    show = ns_sub.add_parser("show", parents=[common])
     show.add_argument("name")
-    create = ns_sub.add_parser("create")
+    create = ns_sub.add_parser("create", parents=[common])
     create.add_argument("name")
     create.add_argument("--layers", type=int, required=True)
     create.add_argument("--experts", type=int, required=True)
@@ -115,15 +119,19 @@ def parser() -> argparse.ArgumentParser:
     create.add_argument("--ordered", action="store_true")
     create.add_argument("--allow-fewer", action="store_true")
     create.add_argument("--model", default="")
-    delete = ns_sub.add_parser("delete")
+    delete = ns_sub.add_parser("delete", parents=[common])
     delete.add_argument("name")
     delete.add_argument("--yes", action="store_true", help="really delete")
 
-    policy = sub.add_parser("policy", help="set a namespace's current policy version")
+    policy = sub.add_parser(
+        "policy", parents=[common], help="set a namespace's current policy version"
+    )
     policy.add_argument("name")
     policy.add_argument("--version", type=int, required=True)
 
-    settings = sub.add_parser("settings", help="set staleness, sampling and retention")
+    settings = sub.add_parser(
+        "settings", parents=[common], help="set staleness, sampling and retention"
+    )
     settings.add_argument("name")
     settings.add_argument("--max-lag", type=int)
     settings.add_argument("--max-times-sampled", type=int)
@@ -131,13 +139,17 @@ def parser() -> argparse.ArgumentParser:
     settings.add_argument("--ttl", type=float, help="seconds")
     settings.add_argument("--evict-after-sampled", action="store_true")
 
-    st = sub.add_parser("stats", help="trajectories, bytes, per policy version")
+    st = sub.add_parser("stats", parents=[common], help="trajectories, bytes, per policy version")
     st.add_argument("name", nargs="?")
 
-    maintain = sub.add_parser("maintain", help="run retention, compaction and collection now")
+    maintain = sub.add_parser(
+        "maintain", parents=[common], help="run retention, compaction and collection now"
+    )
     maintain.add_argument("--grace", type=float, default=600.0, help="seconds")
 
-    rebuild = sub.add_parser("rebuild", help="rebuild the catalog from the object store")
+    rebuild = sub.add_parser(
+        "rebuild", parents=[common], help="rebuild the catalog from the object store"
+    )
     rebuild.add_argument("--yes", action="store_true", help="really replace the catalog")
     return p
 
