@@ -9,13 +9,20 @@ import pytest
 from r3store.catalog import Catalog
 from r3store.engine import Engine, EngineConfig
 from r3store.store import LocalStore, ObjectStore
-from r3store.testing import seaweedfs
+from r3store.testing import postgres, seaweedfs
 
 
 @pytest.fixture(scope="session")
 def seaweed() -> Iterator[seaweedfs.SeaweedFS]:
     """One real SeaweedFS server for the session, on free ports; stopped whatever happens."""
     with seaweedfs.running() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[postgres.Postgres]:
+    """One real PostgreSQL server for the session (Debian's package), on a free port."""
+    with postgres.running() as server:
         yield server
 
 

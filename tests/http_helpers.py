@@ -145,6 +145,7 @@ class ServerProcess:
         prefix: str | None = None,
         port: int | None = None,
         wait: bool = True,
+        catalog_url: str | None = None,
     ) -> None:
         import json
         import os
@@ -176,6 +177,8 @@ class ServerProcess:
                 ]
             ),
         }
+        if catalog_url is not None:
+            env["R3STORE_CATALOG_URL"] = catalog_url
         if seaweed is not None:
             if prefix is None:
                 probe = seaweed.new_store()
