@@ -6,7 +6,7 @@ import argparse
 import time
 from pathlib import Path
 
-from bench import codec_bench, engine_bench, http_bench, memory_bench
+from bench import catalog_bench, codec_bench, engine_bench, http_bench, memory_bench
 from bench.figures import Figure, print_table, write_json
 from r3store.testing import seaweedfs
 
@@ -16,7 +16,7 @@ RESULTS = Path(__file__).parent / "results" / "latest.json"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
-    parser.add_argument("--only", default="codec,engine,http,memory")
+    parser.add_argument("--only", default="codec,engine,http,catalog,memory")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     sections = set(args.only.split(","))
@@ -32,6 +32,9 @@ def main() -> None:
     if "http" in sections:
         print("http ...", flush=True)
         figures += http_bench.run(count=32 if args.quick else 256)
+    if "catalog" in sections:
+        print("catalog ...", flush=True)
+        figures += catalog_bench.run(count=32 if args.quick else 128)
     if "memory" in sections:
         print("memory ...", flush=True)
         figures += memory_bench.run((1 << 28) if args.quick else (4 << 30))
