@@ -33,9 +33,25 @@ def _fill(engine: Engine, work: Workload) -> None:
         )
 
 
+def _measure(engine: Engine, work: Workload) -> dict[str, float]:
+    batches = [work.ids[i : i + READ_BATCH] for i in range(0, len(work.ids), READ_BATCH)]
+
+    def lookups() -> None:
+        for b in batches * 10:
+            engine.catalog.lookup("bench", b)
+
+    def reads() -> None:
+        for b in batches:
+            engine.get_batch("bench", b)
+
+    return {
+        "lookups": len(batches) * 10 * READ_BATCH / median_of(3, lambda: timed(lookups)),
+        "read": work.token_layers / median_of(3, lambda: timed(reads)) / 1e6,
+    }
+
+
 def run(count: int = 128, tokens: int = 2048) -> list[Figure]:
     work = Workload(count, tokens)
-    n = work.token_layers
     tmp = Path(tempfile.mkdtemp(prefix="r3store-catalog-"))
     figures = []
     results: dict[str, dict[str, float]] = {}
@@ -48,22 +64,7 @@ def run(count: int = 128, tokens: int = 2048) -> list[Figure]:
             engine = Engine(LocalStore(tmp / f"objects-{label}"), Catalog(url))
             try:
                 _fill(engine, work)
-                batches = [
-                    work.ids[i : i + READ_BATCH] for i in range(0, len(work.ids), READ_BATCH)
-                ]
-                lookups = median_of(
-                    3,
-                    lambda e=engine: timed(
-                        lambda: [e.catalog.lookup("bench", b) for b in batches * 10]
-                    ),
-                )
-                reads = median_of(
-                    3, lambda e=engine: timed(lambda: [e.get_batch("bench", b) for b in batches])
-                )
-                results[label] = {
-                    "lookups": len(batches) * 10 * READ_BATCH / lookups,
-                    "read": n / reads / 1e6,
-                }
+                results[label] = _measure(engine, work)
             finally:
                 engine.close()
     for key, unit, name in (
