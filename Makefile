@@ -11,8 +11,8 @@ setup: $(STAMP)
 # torch: the small CPU build pinned here (the package itself asks only for a range a
 # CUDA build satisfies); transformers for the replay tests on tiny HF MoE models.
 $(STAMP): pyproject.toml
-	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || \
-		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql)
+	@(ls /usr/lib/postgresql/*/bin/initdb && command -v kubectl) >/dev/null 2>&1 || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql kubectl)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
