@@ -1,0 +1,28 @@
+"""Runs maintenance passes over a data directory until killed.
+
+Usage: compaction_child.py DATA_DIR
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from r3store.catalog import Catalog
+from r3store.engine import Engine
+from r3store.maintenance import Maintenance
+from r3store.store import LocalStore
+
+
+def main() -> None:
+    data = Path(sys.argv[1])
+    engine = Engine(LocalStore(data / "objects"), Catalog(f"sqlite:///{data / 'catalog.db'}"))
+    maintenance = Maintenance(engine, grace_seconds=0)
+    sys.stdout.write("READY\n")
+    sys.stdout.flush()
+    while True:
+        maintenance.run()
+
+
+if __name__ == "__main__":
+    main()
