@@ -11,6 +11,7 @@ start token; segment 0 starts at 0 and carries the trajectory's sampling count.
 
 from __future__ import annotations
 
+import json
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
@@ -80,7 +81,30 @@ trajectories = sa.Table(
     sa.Index("ix_trajectories_version", "namespace", "policy_version"),
 )
 
+api_keys = sa.Table(
+    "api_keys",
+    metadata,
+    sa.Column("name", sa.String(64), primary_key=True),
+    sa.Column("role", sa.String(16), nullable=False),
+    sa.Column("namespaces", sa.Text, nullable=False),  # JSON list; ["*"]: all
+    sa.Column("digest", sa.LargeBinary(32), nullable=False),  # SHA-256 of the key
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("revoked_at", sa.Float),
+)
+
 _BATCH = 500  # ids per IN (...) query
+
+
+@dataclass(frozen=True)
+class ApiKeyRecord:
+    """A key made with `r3store keys create`: only its SHA-256 digest is kept."""
+
+    name: str
+    role: str
+    namespaces: list[str]
+    digest: bytes
+    created_at: float
+    revoked_at: float | None
 
 
 @dataclass(frozen=True)
@@ -372,6 +396,47 @@ class Catalog:
                 if conn.execute(query.values(times_sampled=t.c.times_sampled + 1)).rowcount:
                     taken.append(tid)
         return taken
+
+    # API keys
+
+    def add_key(self, name: str, role: str, namespaces: list[str], digest: bytes) -> None:
+        try:
+            with self._engine.begin() as conn:
+                conn.execute(
+                    api_keys.insert().values(
+                        name=name,
+                        role=role,
+                        namespaces=json.dumps(namespaces),
+                        digest=digest,
+                        created_at=time.time(),
+                    )
+                )
+        except IntegrityError:
+            raise Conflict(
+                f"an API key named {name!r} exists (revoked keys keep their name)"
+            ) from None
+
+    def list_keys(self, active_only: bool = False) -> list[ApiKeyRecord]:
+        query = sa.select(api_keys).order_by(api_keys.c.name)
+        if active_only:
+            query = query.where(api_keys.c.revoked_at.is_(None))
+        with self._engine.connect() as conn:
+            return [
+                ApiKeyRecord(
+                    r.name, r.role, json.loads(r.namespaces), r.digest, r.created_at, r.revoked_at
+                )
+                for r in conn.execute(query)
+            ]
+
+    def revoke_key(self, name: str) -> None:
+        with self._engine.begin() as conn:
+            done = conn.execute(
+                api_keys.update()
+                .where(api_keys.c.name == name, api_keys.c.revoked_at.is_(None))
+                .values(revoked_at=time.time())
+            )
+        if done.rowcount == 0:
+            raise NotFound(f"no active API key named {name!r}")
 
     # retention and compaction
 

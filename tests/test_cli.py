@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,43 @@ def test_cli_end_to_end(env: dict[str, str]) -> None:
     )
     assert missing.returncode == 1
     assert "NotFound" in missing.stderr
+
+
+def test_cli_keys_work_against_the_server(tmp_path: Path) -> None:
+    import os
+
+    import httpx
+
+    from http_helpers import ServerProcess
+
+    env = {**os.environ, "R3STORE_DATA_DIR": str(tmp_path)}
+
+    def run(*args: str) -> object:
+        result = subprocess.run(
+            [sys.executable, "-m", "r3store_server.cli", "--json", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+    made = run("keys", "create", "trainer", "--role", "reader", "--namespace", "run1")
+    key = made["key"]  # type: ignore[index]
+    assert len(key) >= 32
+    listed = run("keys", "list")
+    assert listed == [
+        {"name": "trainer", "role": "reader", "namespaces": ["run1"], "revoked": False}
+    ]
+    assert key not in json.dumps(listed)
+    server = ServerProcess(tmp_path, None)  # its settings keys, plus the catalog's
+    try:
+        headers = {"Authorization": f"Bearer {key}"}
+        assert httpx.get(f"{server.url}/v1/namespaces", headers=headers).status_code == 200
+        assert httpx.get(f"{server.url}/metrics", headers=headers).status_code == 403
+        run("keys", "revoke", "trainer")
+        time.sleep(5.5)  # the server rereads catalog keys every 5 s
+        assert httpx.get(f"{server.url}/v1/namespaces", headers=headers).status_code == 401
+    finally:
+        server.stop()

@@ -125,6 +125,8 @@ def start(timeout: float = 60.0) -> SeaweedFS:
         "-s3",
         f"-s3.port={s3}",
         f"-s3.config={workdir / 's3.json'}",
+        "-s3.port.lance=0",  # these listen on fixed ports otherwise: two servers collide
+        "-s3.port.iceberg=0",
         "-master.volumeSizeLimitMB=512",
         "-volume.max=64",
     ]

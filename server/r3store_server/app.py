@@ -77,6 +77,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         own = engine is None
         app.state.engine = engine if engine is not None else build_engine(settings)
+        keyring.attach(lambda: app.state.engine.catalog.list_keys(active_only=True))
         app.state.metrics.watch(app.state.engine)
         store = app.state.engine.store
         mode = "the embedded store" if settings.embedded else "S3"

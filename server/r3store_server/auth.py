@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from r3store.catalog import ApiKeyRecord
 from r3store.errors import Forbidden, Unauthorized
 from r3store_server.settings import ApiKeyConfig, Role, Settings
 
@@ -47,11 +51,18 @@ class _Stored:
 
 
 class KeyRing:
-    """The configured keys. `enabled=False` lets every request through as admin."""
+    """The configured keys, and those made with `r3store keys create` (read from the
+    catalog, at most `refresh` seconds old, so revocations apply within that time).
+    `enabled=False` lets every request through as admin."""
 
-    def __init__(self, keys: list[ApiKeyConfig], enabled: bool) -> None:
+    def __init__(self, keys: list[ApiKeyConfig], enabled: bool, refresh: float = 5.0) -> None:
         self.enabled = enabled
-        self._keys = []
+        self.refresh = refresh
+        self._catalog: Callable[[], list[ApiKeyRecord]] | None = None
+        self._cached: list[_Stored] = []
+        self._cached_at = -1e18
+        self._lock = threading.Lock()
+        self._keys: list[_Stored] = []
         for key in keys:
             stored = (
                 digest(key.key.get_secret_value())
@@ -59,6 +70,26 @@ class KeyRing:
                 else bytes.fromhex(key.key_sha256 or "")
             )
             self._keys.append(_Stored(stored, Principal(key.name, key.role, tuple(key.namespaces))))
+
+    def attach(self, load: Callable[[], list[ApiKeyRecord]]) -> None:
+        """Also accept the catalog's active keys; turn auth on if there are any."""
+        self._catalog = load
+        if self._catalog_keys(force=True):
+            self.enabled = True
+        if self.enabled and not (self._keys or self._cached):
+            raise ValueError("auth is on but no API keys are configured")
+
+    def _catalog_keys(self, force: bool = False) -> list[_Stored]:
+        if self._catalog is None:
+            return []
+        with self._lock:
+            if force or time.monotonic() - self._cached_at > self.refresh:
+                self._cached = [
+                    _Stored(r.digest, Principal(r.name, r.role, tuple(r.namespaces)))  # type: ignore[arg-type]
+                    for r in self._catalog()
+                ]
+                self._cached_at = time.monotonic()
+            return self._cached
 
     @classmethod
     def from_settings(cls, settings: Settings) -> KeyRing:
@@ -71,8 +102,6 @@ class KeyRing:
                 "refusing to run without API keys: auth may be off only for the embedded "
                 "store on a loopback address (set R3STORE_API_KEYS or R3STORE_API_KEYS_FILE)"
             )
-        if enabled and not keys:
-            raise ValueError("auth is on but no API keys are configured")
         return cls(keys, enabled)
 
     def authenticate(self, presented: str | None) -> Principal:
@@ -82,7 +111,7 @@ class KeyRing:
             raise Unauthorized("an API key is required (Authorization: Bearer <key>)")
         wanted = digest(presented)
         found = None
-        for stored in self._keys:  # compare against every key: no early exit
+        for stored in [*self._keys, *self._catalog_keys()]:  # every key: no early exit
             if hmac.compare_digest(stored.digest, wanted):
                 found = stored.principal
         if found is None:

@@ -7,6 +7,8 @@
     r3store settings run1 --max-lag 2 --keep-versions 4 --ttl 86400
     r3store stats [run1]
     r3store maintain            # retention, compaction and collection, now
+    r3store keys create trainer --role reader --namespace run1   # shows the key once
+    r3store keys revoke trainer
     r3store rebuild --yes       # the catalog again, from the object store alone
 
 Every command takes `--json` for scripts. Long operations show progress on stderr.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import sys
 import time
 from collections import Counter
@@ -28,6 +31,7 @@ from r3store.policy import NamespaceSettings, Retention
 from r3store.rebuild import rebuild_catalog
 from r3store.spec import RouteSpec
 from r3store_server.app import build_engine, build_store
+from r3store_server.auth import digest
 from r3store_server.settings import Settings
 
 
@@ -79,6 +83,28 @@ def stats(engine: Engine, name: str | None) -> dict[str, Any]:
             "by_policy_version": {str(v): n for v, n in sorted(versions.items())},
         }
     return out
+
+
+def keys(engine: Engine, args: argparse.Namespace) -> Any:
+    """API keys in the catalog: the key itself is shown once, at creation; only its
+    SHA-256 digest is stored."""
+    if args.action == "create":
+        key = secrets.token_urlsafe(32)
+        namespaces = args.namespace or ["*"]
+        engine.catalog.add_key(args.name, args.role, namespaces, digest(key))
+        return {"name": args.name, "role": args.role, "namespaces": namespaces, "key": key}
+    if args.action == "revoke":
+        engine.catalog.revoke_key(args.name)
+        return {"name": args.name, "revoked": True}
+    return [
+        {
+            "name": k.name,
+            "role": k.role,
+            "namespaces": k.namespaces,
+            "revoked": k.revoked_at is not None,
+        }
+        for k in engine.catalog.list_keys()
+    ]
 
 
 def _print(value: Any, as_json: bool) -> None:
@@ -147,6 +173,16 @@ def parser() -> argparse.ArgumentParser:
     )
     maintain.add_argument("--grace", type=float, default=600.0, help="seconds")
 
+    keys = sub.add_parser("keys", parents=[common], help="create, list or revoke API keys")
+    keys_sub = keys.add_subparsers(dest="action", required=True)
+    make = keys_sub.add_parser("create", parents=[common])
+    make.add_argument("name")
+    make.add_argument("--role", choices=["writer", "reader", "admin"], required=True)
+    make.add_argument("--namespace", action="append", help="repeatable; default: all")
+    keys_sub.add_parser("list", parents=[common])
+    revoke = keys_sub.add_parser("revoke", parents=[common])
+    revoke.add_argument("name")
+
     rebuild = sub.add_parser(
         "rebuild", parents=[common], help="rebuild the catalog from the object store"
     )
@@ -199,6 +235,8 @@ def run(args: argparse.Namespace, settings: Settings) -> Any:
             return _namespace(engine.update_settings(args.name, new))
         if args.command == "stats":
             return stats(engine, args.name)
+        if args.command == "keys":
+            return keys(engine, args)
         return Maintenance(engine, grace_seconds=args.grace).run().__dict__
     finally:
         engine.close()
