@@ -63,11 +63,12 @@ class Maintenance:
         self.grace_seconds = grace_seconds
         self.totals = MaintenanceReport()
 
-    def run(self) -> MaintenanceReport:
+    def run(self, progress: Callable[[int, int], None] | None = None) -> MaintenanceReport:
+        """One pass; `progress(done, total)` is called per shard considered."""
         report = MaintenanceReport()
         for info in self.catalog.list_namespaces():
             report.trajectories_dropped += self.apply_retention(info.name)
-        self.compact(report)
+        self.compact(report, progress)
         self.collect(report)
         for usage in self.catalog.shard_usage():
             report.live_bytes += usage.live_bytes
@@ -97,9 +98,14 @@ class Maintenance:
             log.info("retention dropped %d trajectories from %s", len(victims), namespace)
         return len(victims)
 
-    def compact(self, report: MaintenanceReport) -> None:
+    def compact(
+        self, report: MaintenanceReport, progress: Callable[[int, int], None] | None = None
+    ) -> None:
         now = self.clock()
-        for usage in self.catalog.shard_usage():
+        usages = self.catalog.shard_usage()
+        for done, usage in enumerate(usages, start=1):
+            if progress is not None:
+                progress(done, len(usages))
             if usage.live_rows == 0:
                 if self.catalog.retire_empty(usage.key, now):
                     report.shards_retired += 1

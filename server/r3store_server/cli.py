@@ -237,7 +237,7 @@ def run(args: argparse.Namespace, settings: Settings) -> Any:
             return stats(engine, args.name)
         if args.command == "keys":
             return keys(engine, args)
-        return Maintenance(engine, grace_seconds=args.grace).run().__dict__
+        return Maintenance(engine, grace_seconds=args.grace).run(_progress("shards")).__dict__
     finally:
         engine.close()
 
