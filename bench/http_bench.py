@@ -4,12 +4,7 @@ engine on the same kind of store, measured in the same run."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,6 +14,7 @@ from bench.engine_bench import READ_BATCH, THREADS, Workload, ours
 from bench.figures import Figure, median_of, timed
 from r3store.records import TrajectoryWrite
 from r3store.store import LocalStore
+from r3store.testing.service import start_server, stop_server
 from r3store.wire import CONTENT_TYPE, decode_batch, encode_writes
 from r3store_client import Client
 from r3store_client.reader import TrainerReader
@@ -27,40 +23,13 @@ KEY = "bench-admin-key-0123456789abcdef"
 SPEC_JSON = {"num_layers": 48, "num_experts": 128, "top_k": 8}
 
 
-def _server(directory: Path) -> tuple[subprocess.Popen[bytes], str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {
-        **os.environ,
-        "R3STORE_PORT": str(port),
-        "R3STORE_DATA_DIR": str(directory),
-        "R3STORE_LOG_LEVEL": "warning",
-        "R3STORE_API_KEYS": json.dumps([{"name": "bench", "role": "admin", "key": KEY}]),
-    }
-    process = subprocess.Popen(
-        [sys.executable, "-m", "r3store_server.main"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    process.kill()
-    raise RuntimeError("the server did not start")
-
-
 def run(count: int = 256, tokens: int = 4096) -> list[Figure]:
     work = Workload(count, tokens)
     n = work.token_layers
     tmp = Path(tempfile.mkdtemp(prefix="r3store-http-"))
     local = ours(lambda: LocalStore(tmp / "inproc"), work, tmp)
-    process, url = _server(tmp / "served")
+    env = {"R3STORE_API_KEYS": json.dumps([{"name": "bench", "role": "admin", "key": KEY}])}
+    process, url = start_server(tmp / "served", env)
     headers = {"Authorization": f"Bearer {KEY}"}
     try:
         with httpx.Client(base_url=url, headers=headers, timeout=120) as http:
@@ -118,11 +87,7 @@ def run(count: int = 256, tokens: int = 4096) -> list[Figure]:
             prefetched = median_of(3, lambda: timed(read_prefetched))
             raw = median_of(3, lambda: timed(lambda: read_all(False)))
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop_server(process)
     rate = "M token-layers/s"
     return [
         Figure(

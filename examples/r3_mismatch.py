@@ -19,20 +19,16 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import socket
-import subprocess
-import sys
 import sysconfig
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from r3store.spec import RouteSpec
+from r3store.testing.service import start_server, stop_server
 from r3store_client import Client, RolloutWriter
 from r3store_client.convert import from_topk
 from r3store_client.reader import TrainerReader
@@ -89,34 +85,6 @@ def train(net: Qwen3MoeForCausalLM, data: np.ndarray, steps: int, seed: int) -> 
     net.eval()
 
 
-def serve(directory: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """An r3store server on the embedded store (loopback, no keys)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {
-        **os.environ,
-        "R3STORE_PORT": str(port),
-        "R3STORE_DATA_DIR": str(directory),
-        "R3STORE_LOG_LEVEL": "warning",
-    }
-    process = subprocess.Popen(
-        [sys.executable, "-m", "r3store_server.main"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    process.kill()
-    raise RuntimeError("the r3store server did not start")
-
-
 def compare(
     engine_logp: torch.Tensor, trainer_logp: torch.Tensor, targets: torch.Tensor
 ) -> tuple[float, float]:
@@ -155,7 +123,7 @@ def main() -> None:
     inputs, targets = seqs[:, :-1], seqs[:, 1:]
 
     with tempfile.TemporaryDirectory(prefix="r3-mismatch-") as tmp:
-        server, url = serve(Path(tmp))
+        server, url = start_server(Path(tmp))  # embedded store, loopback: no keys
         try:
             client = Client(url)
             client.create_namespace("mismatch", RouteSpec(LAYERS, EXPERTS, TOP_K, ordered=True))
@@ -176,8 +144,7 @@ def main() -> None:
                     replay_logp = torch.log_softmax(trainer(inputs).logits, -1)
             client.close()
         finally:
-            server.terminate()
-            server.wait(timeout=10)
+            stop_server(server)
 
     kl_live, extreme_live = compare(engine_logp, live_logp, targets)
     kl_replay, extreme_replay = compare(engine_logp, replay_logp, targets)

@@ -1,0 +1,63 @@
+"""Start `r3store-server` in its own process on a free port (benchmarks, examples)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def start_server(
+    data_dir: Path, env: Mapping[str, str] | None = None, timeout: float = 30.0
+) -> tuple[subprocess.Popen[bytes], str]:
+    """The server on the embedded store in `data_dir` (plus `env`); returns it and its URL
+    once `/readyz` answers."""
+    port = free_port()
+    full = {
+        **os.environ,
+        "R3STORE_PORT": str(port),
+        "R3STORE_DATA_DIR": str(data_dir),
+        "R3STORE_LOG_LEVEL": "warning",
+        **(env or {}),
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "r3store_server.main"],
+        env=full,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the r3store server exited with {process.returncode}")
+        try:
+            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    process.kill()
+    raise RuntimeError("the r3store server did not start")
+
+
+def stop_server(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=10)
