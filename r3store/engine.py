@@ -44,6 +44,7 @@ from r3store.store.base import ObjectStore
 from r3store.writer import GroupCommitter, WriterConfig, WriterStats, as_segment
 
 NAMESPACE_PREFIX = "namespaces/"
+TOMBSTONE_PREFIX = "tombstones/"
 
 
 @dataclass(frozen=True)
@@ -172,10 +173,11 @@ class Engine:
         keys = self.catalog.delete_namespace(check_namespace(name))
         with self._lock:
             self._specs.pop(name, None)
-        for key in keys:
+        tombstones = [info.key for info in self.store.list(f"{TOMBSTONE_PREFIX}{name}/")]
+        for key in [*keys, *tombstones]:
             self.store.delete(key)
         self.store.delete(namespace_key(name))
-        return len(keys) + 1
+        return len(keys) + len(tombstones) + 1
 
     def spec(self, name: str) -> RouteSpec:
         with self._lock:

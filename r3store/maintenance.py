@@ -4,7 +4,9 @@ One pass (`Maintenance.run`), for every namespace:
 
 1. Retention: trajectories outside the namespace's retention settings (older than the
    last `keep_versions` policy versions, first stored more than `ttl_seconds` ago, or
-   sampled `max_times_sampled` times when `evict_after_sampled`) leave the catalog.
+   sampled `max_times_sampled` times when `evict_after_sampled`) leave the catalog,
+   after a tombstone naming their segments is stored (`tombstones/`), so a catalog
+   rebuild does not bring them back from shards not yet compacted.
 2. Compaction: a shard whose live route bytes fell below `compact_below` of the route
    bytes it was written with is rewritten with only its live rows (same content
    digests); the catalog switches to the new shard in one transaction (a
@@ -21,16 +23,35 @@ injectable, for tests.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from r3store.catalog import ShardInfo, TrajectoryEntry
 from r3store.codec import EncodedRoutes, Transform
-from r3store.engine import Engine
+from r3store.engine import TOMBSTONE_PREFIX, Engine
 from r3store.errors import R3StoreError
 from r3store.shard import SHARD_PREFIX, ShardRow, Span, build_shard
+from r3store.store.base import ObjectStore
+
+
+def tombstone_key(namespace: str, now: float) -> str:
+    """`tombstones/<namespace>/<ms>-<uuid>.json`: segments retention dropped."""
+    return f"{TOMBSTONE_PREFIX}{namespace}/{int(now * 1000):013d}-{uuid.uuid4().hex}.json"
+
+
+def read_tombstones(store: ObjectStore) -> set[tuple[str, str, int, bytes]]:
+    """(namespace, trajectory id, start, digest) of every segment retention dropped."""
+    dropped = set()
+    for info in store.list(TOMBSTONE_PREFIX):
+        record = json.loads(store.get(info.key))
+        for tid, start, digest in record["segments"]:
+            dropped.add((record["namespace"], tid, int(start), bytes.fromhex(digest)))
+    return dropped
+
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +115,15 @@ class Maintenance:
         sampled = info.settings.max_times_sampled if retention.evict_after_sampled else None
         victims = self.catalog.retention_victims(namespace, floor, cutoff, sampled)
         if victims:
+            # the store first: a catalog rebuild must not bring these back from shards
+            # that still hold them
+            segments = [
+                [e.trajectory_id, e.start, e.digest.hex()]
+                for entries in self.catalog.lookup(namespace, victims).values()
+                for e in entries
+            ]
+            record = json.dumps({"namespace": namespace, "segments": segments}).encode()
+            self.store.put_if_absent(tombstone_key(namespace, self.clock()), record)
             self.catalog.delete_trajectories(namespace, victims)
             log.info("retention dropped %d trajectories from %s", len(victims), namespace)
         return len(victims)

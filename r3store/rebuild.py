@@ -14,6 +14,7 @@ from r3store.catalog import Catalog, NamespaceInfo, ShardInfo, TrajectoryEntry
 from r3store.codec import EncodedRoutes, Transform
 from r3store.engine import NAMESPACE_PREFIX
 from r3store.errors import CorruptShard, R3StoreError
+from r3store.maintenance import read_tombstones
 from r3store.policy import NamespaceSettings
 from r3store.shard import META_CREATED, SHARD_PREFIX, locate_rows, places_of, shard_spec
 from r3store.spec import RouteSpec
@@ -28,6 +29,7 @@ class RebuildReport:
     shards: int = 0
     trajectories: int = 0
     duplicates: int = 0  # same id and content in more than one shard: kept once
+    dropped: int = 0  # segments retention dropped (tombstones) still in shards: left out
     conflicts: list[str] = field(default_factory=list)  # same id, other content: first kept
     skipped: list[str] = field(default_factory=list)  # unreadable objects
 
@@ -112,6 +114,7 @@ def rebuild_catalog(
             )
         except (ValueError, KeyError, TypeError, R3StoreError) as exc:
             report.skipped.append(f"{info.key}: {exc}")
+    dropped = read_tombstones(store)
     objects = [info for info in store.list(SHARD_PREFIX) if info.key.endswith(".parquet")]
     loaded: list[tuple[ShardInfo, list[TrajectoryEntry]]] = []
     seen: dict[tuple[str, str, int], bytes] = {}
@@ -128,6 +131,9 @@ def rebuild_catalog(
             )
         kept = []
         for entry in entries:
+            if (entry.namespace, entry.trajectory_id, entry.start, entry.digest) in dropped:
+                report.dropped += 1
+                continue
             key = (entry.namespace, entry.trajectory_id, entry.start)
             first = seen.get(key)
             if first is None:
