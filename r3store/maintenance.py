@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from r3store.catalog import ShardInfo, TrajectoryEntry
 from r3store.codec import EncodedRoutes, Transform
 from r3store.engine import TOMBSTONE_PREFIX, Engine
-from r3store.errors import R3StoreError
+from r3store.errors import ObjectNotFound, R3StoreError
 from r3store.shard import SHARD_PREFIX, ShardRow, Span, build_shard
 from r3store.store.base import ObjectStore
 
@@ -47,7 +47,10 @@ def read_tombstones(store: ObjectStore) -> set[tuple[str, str, int, bytes]]:
     """(namespace, trajectory id, start, digest) of every segment retention dropped."""
     dropped = set()
     for info in store.list(TOMBSTONE_PREFIX):
-        record = json.loads(store.get(info.key))
+        try:
+            record = json.loads(store.get(info.key))
+        except ObjectNotFound:  # collected meanwhile: its shards are gone too
+            continue
         for tid, start, digest in record["segments"]:
             dropped.add((record["namespace"], tid, int(start), bytes.fromhex(digest)))
     return dropped
@@ -63,6 +66,7 @@ class MaintenanceReport:
     shards_retired: int = 0
     objects_deleted: int = 0
     orphans_deleted: int = 0
+    tombstones_deleted: int = 0
     live_bytes: int = 0
     dead_bytes: int = 0
 
@@ -95,6 +99,7 @@ class Maintenance:
             report.live_bytes += usage.live_bytes
             report.dead_bytes += usage.route_bytes - usage.live_bytes
         for name in (
+            "tombstones_deleted",
             "trajectories_dropped",
             "shards_compacted",
             "shards_retired",
@@ -117,12 +122,16 @@ class Maintenance:
         if victims:
             # the store first: a catalog rebuild must not bring these back from shards
             # that still hold them
-            segments = [
-                [e.trajectory_id, e.start, e.digest.hex()]
-                for entries in self.catalog.lookup(namespace, victims).values()
-                for e in entries
+            entries = [
+                e for group in self.catalog.lookup(namespace, victims).values() for e in group
             ]
-            record = json.dumps({"namespace": namespace, "segments": segments}).encode()
+            record = json.dumps(
+                {
+                    "namespace": namespace,
+                    "segments": [[e.trajectory_id, e.start, e.digest.hex()] for e in entries],
+                    "shards": sorted({e.shard_key for e in entries}),
+                }
+            ).encode()
             self.store.put_if_absent(tombstone_key(namespace, self.clock()), record)
             self.catalog.delete_trajectories(namespace, victims)
             log.info("retention dropped %d trajectories from %s", len(victims), namespace)
@@ -219,3 +228,13 @@ class Maintenance:
             if info.key not in known and info.modified < cutoff:
                 self.store.delete(info.key)
                 report.orphans_deleted += 1
+        # a tombstone matters while a shard holding its segments exists; compaction never
+        # copies dropped segments, so once those shards are gone it can go too
+        for info in self.store.list(TOMBSTONE_PREFIX):
+            try:
+                record = json.loads(self.store.get(info.key))
+            except ObjectNotFound:  # another replica's pass deleted it meanwhile
+                continue
+            if not set(record.get("shards", [])) & known and info.modified < cutoff:
+                self.store.delete(info.key)
+                report.tombstones_deleted += 1

@@ -189,3 +189,15 @@ def test_rebuild_does_not_bring_back_what_retention_dropped(
     assert rebuilt.trajectories == 4
     assert fresh.lookup("ns", ["gone"]) == {}
     fresh.close()
+    tombstones = [o.key for o in store.list("tombstones/")]
+    assert len(tombstones) == 1
+    # once the shard holding the dropped segment is compacted away, the tombstone goes too
+    engine.update_settings("ns", settings(keep_versions=1))
+    engine.set_policy_version("ns", 2)  # now every row is stale: the shard empties
+    engine.put("ns", [make_write("new", policy_version=2)])
+    first = Maintenance(engine, grace_seconds=0).run()
+    assert first.trajectories_dropped == 4
+    second = Maintenance(engine, grace_seconds=0).run()
+    assert first.tombstones_deleted + second.tombstones_deleted >= 1
+    remaining = {o.key for o in store.list("tombstones/")}
+    assert tombstones[0] not in remaining
