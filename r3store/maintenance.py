@@ -31,7 +31,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from r3store.catalog import ShardInfo, TrajectoryEntry
-from r3store.codec import EncodedRoutes, Transform
 from r3store.engine import TOMBSTONE_PREFIX, Engine
 from r3store.errors import ObjectNotFound, R3StoreError
 from r3store.shard import SHARD_PREFIX, ShardRow, Span, build_shard
@@ -162,20 +161,12 @@ class Maintenance:
         data = self.store.get(key)
         spec = self.engine.spec(namespace)
 
-        def part(span: Span | None) -> bytes | None:
-            return None if span is None else data[span.offset : span.end]
+        def read(span: Span) -> bytes:
+            return data[span.offset : span.end]
 
         rows = []
         for e in entries:
-            spans = e.spans
-            stream = EncodedRoutes(
-                data[spans.ids.offset : spans.ids.end],
-                part(spans.counts),
-                part(spans.order),
-                Transform(spans.transform),
-                e.digest,
-                part(spans.tokens),
-            )
+            stream = e.spans.streams(read, e.digest)
             rows.append(
                 ShardRow(
                     e.trajectory_id,

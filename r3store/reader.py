@@ -21,7 +21,7 @@ import numpy as np
 
 from r3store import codec
 from r3store.catalog import TrajectoryEntry
-from r3store.codec import EncodedRoutes, Transform
+from r3store.codec import EncodedRoutes
 from r3store.records import SegmentRead, TrajectoryRead
 from r3store.routes import Routes
 from r3store.shard import BuiltShard, Span
@@ -98,9 +98,7 @@ class _Fetched:
     def add(self, byte_range: ByteRange, data: bytes) -> None:
         self._parts.append((byte_range, data))
 
-    def slice(self, span: Span | None) -> bytes | None:
-        if span is None:
-            return None
+    def slice(self, span: Span) -> bytes:
         for byte_range, data in self._parts:
             if byte_range.start <= span.offset and span.end <= byte_range.end:
                 start = span.offset - byte_range.start
@@ -151,18 +149,7 @@ class ShardReader:
             fetched[key].add(byte_range, data)
 
         def stored(entry: TrajectoryEntry) -> EncodedRoutes:
-            parts = fetched[entry.shard_key]
-            spans = entry.spans
-            ids = parts.slice(spans.ids)
-            assert ids is not None
-            return EncodedRoutes(
-                ids,
-                parts.slice(spans.counts),
-                parts.slice(spans.order),
-                Transform(spans.transform),
-                entry.digest,
-                parts.slice(spans.tokens),
-            )
+            return entry.spans.streams(fetched[entry.shard_key].slice, entry.digest)
 
         def finish(segments: list[TrajectoryEntry]) -> TrajectoryRead:
             encoded = [stored(e) for e in segments]

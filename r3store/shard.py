@@ -14,13 +14,13 @@ from __future__ import annotations
 import io
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from r3store.codec import EncodedRoutes
+from r3store.codec import EncodedRoutes, Transform
 from r3store.errors import CorruptShard
 from r3store.spec import RouteSpec
 
@@ -99,6 +99,21 @@ class RouteSpans:
     @property
     def spans(self) -> list[Span]:
         return [s for s in (self.ids, self.counts, self.order, self.tokens) if s is not None]
+
+    def streams(self, read: Callable[[Span], bytes], digest: bytes) -> EncodedRoutes:
+        """The stored streams, given a way to read the bytes of a span."""
+
+        def optional(span: Span | None) -> bytes | None:
+            return None if span is None else read(span)
+
+        return EncodedRoutes(
+            read(self.ids),
+            optional(self.counts),
+            optional(self.order),
+            Transform(self.transform),
+            digest,
+            optional(self.tokens),
+        )
 
 
 @dataclass(frozen=True)
