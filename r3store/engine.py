@@ -34,14 +34,13 @@ from r3store.records import (
     TrajectoryWrite,
     check_id,
     check_namespace,
-    settle,
 )
 from r3store.routes import Routes, from_mask, from_topk
 from r3store.sampling import Candidate, Strategy, choose
 from r3store.shard import ShardRow
 from r3store.spec import RouteSpec
 from r3store.store.base import ObjectStore
-from r3store.writer import GroupCommitter, WriterConfig, WriterStats, as_segment
+from r3store.writer import GroupCommitter, WriterConfig, WriterStats, as_segment, settle_rows
 
 NAMESPACE_PREFIX = "namespaces/"
 TOMBSTONE_PREFIX = "tombstones/"
@@ -255,17 +254,7 @@ class Engine:
         stored = {tid: [as_segment(e) for e in segments] for tid, segments in known.items()}
         writes = [self._inherit(w, stored, writes) for w in writes]
         rows = [self.prepare(info.spec, write) for write in writes]
-        results: dict[tuple[str, int], PutResult] = {}
-        fresh = []
-        staged: dict[str, list[Segment]] = {}
-        for row in sorted(rows, key=lambda r: r.start):
-            tid = row.trajectory_id
-            segments = stored.get(tid, []) + staged.get(tid, [])
-            if settle(tid, row.start, row.digest, segments):
-                staged.setdefault(tid, []).append(as_segment(row))
-                fresh.append(row)
-            else:
-                results[(tid, row.start)] = PutResult(tid, False, row.start)
+        fresh, results = settle_rows(rows, stored)  # refuse now what the commit would
         if fresh:
             for result in self._writer.submit(namespace, info.spec, fresh).result():
                 results[(result.trajectory_id, result.start)] = result

@@ -23,6 +23,7 @@ injectable, for tests.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -30,11 +31,11 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from r3store.catalog import ShardInfo, TrajectoryEntry
 from r3store.engine import TOMBSTONE_PREFIX, Engine
 from r3store.errors import ObjectNotFound, R3StoreError
 from r3store.shard import SHARD_PREFIX, ShardRow, Span, build_shard
 from r3store.store.base import ObjectStore
+from r3store.writer import shard_records
 
 
 def tombstone_key(namespace: str, now: float) -> str:
@@ -181,29 +182,10 @@ class Maintenance:
             )
         built = build_shard(namespace, spec, rows, self.engine.config.writer.row_group_bytes)
         self.store.put_if_absent(built.key, built.data)
-        route_bytes = sum(e.route_bytes for e in entries)
-        shard = ShardInfo(
-            built.key, namespace, len(built.data), len(rows), route_bytes, built.created_at
-        )
-        moved = [
-            TrajectoryEntry(
-                namespace=namespace,
-                trajectory_id=e.trajectory_id,
-                start=e.start,
-                group_id=e.group_id,
-                policy_version=e.policy_version,
-                num_tokens=e.num_tokens,
-                prompt_len=e.prompt_len,
-                digest=e.digest,
-                route_bytes=e.route_bytes,
-                shard_key=built.key,
-                row_group=place.row_group,
-                row_index=place.row,
-                created_at=e.created_at,
-                spans=spans,
-                times_sampled=e.times_sampled,
-            )
-            for e, place, spans in zip(entries, built.places, built.routes, strict=True)
+        shard, fresh = shard_records(namespace, built, rows)
+        moved = [  # the rows keep when they were stored and how often they were sampled
+            dataclasses.replace(new, created_at=old.created_at, times_sampled=old.times_sampled)
+            for new, old in zip(fresh, entries, strict=True)
         ]
         self.catalog.replace_shard(key, shard, moved, now)
         log.info("compacted %s into %s (%d rows)", key, built.key, len(moved))

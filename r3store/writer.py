@@ -53,6 +53,61 @@ def as_segment(row: ShardRow | TrajectoryEntry) -> Segment:
     return Segment(row.start, row.num_tokens, row.digest, row.group_id, row.prompt_len)
 
 
+def settle_rows(
+    rows: list[ShardRow], known: dict[str, list[Segment]]
+) -> tuple[list[ShardRow], dict[tuple[str, int], PutResult]]:
+    """Settle rows (in start order) against the segments `known` per trajectory.
+
+    Returns the rows to store and a result per `(id, start)`; raises on the first
+    conflict or bad append. `known` is not changed.
+    """
+    fresh: list[ShardRow] = []
+    results: dict[tuple[str, int], PutResult] = {}
+    staged: dict[str, list[Segment]] = defaultdict(list)
+    for row in sorted(rows, key=lambda r: r.start):
+        tid = row.trajectory_id
+        created = settle(tid, row.start, row.digest, known.get(tid, []) + staged[tid])
+        if created:
+            staged[tid].append(as_segment(row))
+            fresh.append(row)
+        results[(tid, row.start)] = PutResult(tid, created, row.start)
+    return fresh, results
+
+
+def shard_records(
+    namespace: str, built: BuiltShard, rows: list[ShardRow]
+) -> tuple[ShardInfo, list[TrajectoryEntry]]:
+    """The catalog records of a built shard and its rows (in the order they were built)."""
+    shard = ShardInfo(
+        key=built.key,
+        namespace=namespace,
+        size=len(built.data),
+        num_rows=len(rows),
+        route_bytes=sum(r.routes.nbytes for r in rows),
+        created_at=built.created_at,
+    )
+    entries = [
+        TrajectoryEntry(
+            namespace=namespace,
+            trajectory_id=row.trajectory_id,
+            start=row.start,
+            group_id=row.group_id,
+            policy_version=row.policy_version,
+            num_tokens=row.num_tokens,
+            prompt_len=row.prompt_len,
+            digest=row.digest,
+            route_bytes=row.routes.nbytes,
+            shard_key=built.key,
+            row_group=place.row_group,
+            row_index=place.row,
+            created_at=built.created_at,
+            spans=spans,
+        )
+        for row, place, spans in zip(rows, built.places, built.routes, strict=True)
+    ]
+    return shard, entries
+
+
 @dataclass
 class _Unit:
     namespace: str
@@ -224,56 +279,21 @@ class GroupCommitter:
         to_write: list[ShardRow] = []
         accepted: list[tuple[_Unit, list[PutResult]]] = []
         for unit in batch:
-            results: list[PutResult] = []
-            staged: dict[str, list[Segment]] = defaultdict(list)
             try:
-                for row in unit.rows:
-                    tid = row.trajectory_id
-                    segments = known.get(tid, []) + staged[tid]
-                    created = settle(tid, row.start, row.digest, segments)
-                    if created:
-                        staged[tid].append(as_segment(row))
-                    results.append(PutResult(tid, created, row.start))
+                fresh, settled = settle_rows(unit.rows, known)
             except R3StoreError as exc:  # a conflict or a bad append: this unit only
                 unit.future.set_exception(exc)
                 continue
-            for tid, segments in staged.items():
-                known.setdefault(tid, []).extend(segments)
-            fresh = {(tid, s.start) for tid, segments in staged.items() for s in segments}
-            to_write.extend(r for r in unit.rows if (r.trajectory_id, r.start) in fresh)
-            accepted.append((unit, results))
+            for row in fresh:
+                known.setdefault(row.trajectory_id, []).append(as_segment(row))
+            to_write.extend(fresh)
+            accepted.append((unit, [settled[(r.trajectory_id, r.start)] for r in unit.rows]))
         if to_write:
             built = build_shard(
                 namespace, spec, to_write, self.config.row_group_bytes, created=self._clock()
             )
             self._store.put_if_absent(built.key, built.data)
-            shard = ShardInfo(
-                key=built.key,
-                namespace=namespace,
-                size=len(built.data),
-                num_rows=len(to_write),
-                route_bytes=sum(r.routes.nbytes for r in to_write),
-                created_at=built.created_at,
-            )
-            entries = [
-                TrajectoryEntry(
-                    namespace=namespace,
-                    trajectory_id=row.trajectory_id,
-                    start=row.start,
-                    group_id=row.group_id,
-                    policy_version=row.policy_version,
-                    num_tokens=row.num_tokens,
-                    prompt_len=row.prompt_len,
-                    digest=row.digest,
-                    route_bytes=row.routes.nbytes,
-                    shard_key=built.key,
-                    row_group=place.row_group,
-                    row_index=place.row,
-                    created_at=built.created_at,
-                    spans=spans,
-                )
-                for row, place, spans in zip(to_write, built.places, built.routes, strict=True)
-            ]
+            shard, entries = shard_records(namespace, built, to_write)
             self._catalog.commit_shard(shard, entries)
             if self._on_shard is not None:
                 self._on_shard(built)
