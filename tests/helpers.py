@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 
@@ -33,3 +39,24 @@ def expected_ids(write: TrajectoryWrite, spec: RouteSpec = SPEC) -> np.ndarray:
         ids = np.sort(ids, axis=-1)
     empty = np.full((1, *ids.shape[1:]), -1, dtype=np.int16)
     return np.concatenate([ids, empty])
+
+
+def run_and_kill(script: Path, args: list[str], seconds: float) -> str:
+    """Run a test child process until it prints READY, SIGKILL it `seconds` later, and
+    return what it printed."""
+    here = str(Path(__file__).parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+    with subprocess.Popen(
+        [sys.executable, str(script), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    ) as child:
+        try:
+            assert child.stdout is not None
+            assert child.stdout.readline().strip() == b"READY"
+            time.sleep(seconds)
+            child.send_signal(signal.SIGKILL)
+            return child.stdout.read().decode()
+        finally:
+            child.kill()

@@ -14,6 +14,7 @@ from fastapi import FastAPI
 
 from r3store.records import TrajectoryWrite
 from r3store.testing.seaweedfs import SeaweedFS
+from r3store.testing.service import free_port, stop_server, wait_ready
 from r3store.wire import CONTENT_TYPE, decode_batch, encode_writes
 from r3store_server.app import create_app
 from r3store_server.settings import Settings
@@ -149,15 +150,10 @@ class ServerProcess:
     ) -> None:
         import json
         import os
-        import socket
         import subprocess
         import sys
 
-        if port is None:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-        self.port = port
+        self.port = port if port is not None else free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         settings = settings_for(tmp, None)
         env = {
@@ -202,22 +198,7 @@ class ServerProcess:
             stderr=subprocess.STDOUT,
         )
         if wait:
-            self._wait_ready()
-
-    def _wait_ready(self, timeout: float = 30.0) -> None:
-        import time
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.process.returncode}")
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError("the server did not become ready")
+            wait_ready(self.process, self.url)
 
     def kill(self) -> None:
         import signal
@@ -228,14 +209,5 @@ class ServerProcess:
         self.log.close()
 
     def stop(self) -> None:
-        import signal
-        import subprocess
-
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+        stop_server(self.process)
         self.log.close()

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from helpers import SPEC, expected_ids, make_write
+from helpers import SPEC, expected_ids, make_write, run_and_kill
 from r3store.catalog import Catalog
 from r3store.engine import Engine
 from r3store.maintenance import Maintenance
@@ -58,26 +53,7 @@ def test_sigkill_during_compaction(tmp_path: Path) -> None:
                 engine.put("ns", [*writes, keep])
                 live[keep.trajectory_id] = keep
             engine.set_policy_version("ns", version + 1)
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-        }
-        with subprocess.Popen(
-            [sys.executable, str(HERE / "compaction_child.py"), str(tmp_path)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            env=env,
-        ) as child:
-            try:
-                assert child.stdout is not None
-                assert child.stdout.readline().strip() == b"READY"
-                time.sleep(rng.uniform(0.05, 0.6))
-                child.send_signal(signal.SIGKILL)
-            finally:
-                child.kill()
-                child.wait()
-                if child.stdout is not None:
-                    child.stdout.close()
+        run_and_kill(HERE / "compaction_child.py", [str(tmp_path)], rng.uniform(0.05, 0.6))
         with open_engine(tmp_path) as engine:
             check(engine, live)
     with open_engine(tmp_path) as engine:

@@ -3,19 +3,14 @@ half-visible."""
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from crash_child import UNIT
-from helpers import SPEC, expected_ids, make_write
+from helpers import SPEC, expected_ids, make_write, run_and_kill
 from r3store.catalog import Catalog
 from r3store.engine import Engine
 from r3store.rebuild import rebuild_catalog
@@ -25,25 +20,8 @@ from r3store.testing.seaweedfs import SeaweedFS
 HERE = Path(__file__).parent
 
 
-def run_and_kill(args: list[str], rng: random.Random) -> set[str]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-    }
-    with subprocess.Popen(
-        [sys.executable, str(HERE / "crash_child.py"), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        env=env,
-    ) as child:
-        try:
-            assert child.stdout is not None
-            assert child.stdout.readline().strip() == b"READY"
-            time.sleep(rng.uniform(0.3, 2.0))
-            child.send_signal(signal.SIGKILL)
-            output = child.stdout.read().decode()
-        finally:
-            child.kill()
+def acked_before_kill(args: list[str], rng: random.Random) -> set[str]:
+    output = run_and_kill(HERE / "crash_child.py", args, rng.uniform(0.3, 2.0))
     return {line.split()[1] for line in output.splitlines() if line.startswith("ACK ")}
 
 
@@ -75,7 +53,7 @@ def test_sigkill_loses_no_acknowledged_write(
 
     acked: set[str] = set()
     for attempt in range(4):
-        acked |= run_and_kill([str(tmp_path), str(attempt * 100_000), *extra], rng)
+        acked |= acked_before_kill([str(tmp_path), str(attempt * 100_000), *extra], rng)
         with Engine(open_store(), Catalog(f"sqlite:///{tmp_path / 'catalog.db'}")) as engine:
             check_units(engine, acked)
     assert len(acked) > 10, "the child acknowledged writes before it was killed"

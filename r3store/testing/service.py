@@ -40,18 +40,28 @@ def start_server(
         stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(process, url, timeout)
+    except RuntimeError:
+        process.kill()
+        raise
+    return process, url
+
+
+def wait_ready(process: subprocess.Popen[bytes], url: str, timeout: float = 30.0) -> None:
+    """Return once the server at `url` answers `/readyz`; RuntimeError if it exits or
+    stays silent for `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"the r3store server exited with {process.returncode}")
         try:
             if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                return process, url
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
-    process.kill()
-    raise RuntimeError("the r3store server did not start")
+    raise RuntimeError("the r3store server did not become ready")
 
 
 def stop_server(process: subprocess.Popen[bytes]) -> None:
