@@ -64,10 +64,6 @@ class Routes:
     def num_tokens(self) -> int:
         return int(self.layers.shape[1])
 
-    @property
-    def num_token_layers(self) -> int:
-        return int(self.layers.shape[0] * self.layers.shape[1])
-
     def slot_valid(self) -> npt.NDArray[np.bool_]:
         """`[L, T, K]` bool: which slots hold a chosen expert."""
         if self.layer_counts is None:
