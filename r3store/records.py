@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,15 +12,25 @@ import numpy.typing as npt
 
 from r3store.codec import EncodedRoutes
 from r3store.errors import Conflict, InvalidInput
+from r3store.policy import MAX_POLICY_VERSION
 from r3store.routes import Routes
 
-_NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_REFUSED = {"Cc", "Cs"}  # control characters, surrogates
 MAX_ID_LENGTH = 256
+MAX_TOKENS = 2**31 - 1  # of one segment
+MAX_START = 2**62  # where an appended segment begins
+_RANGES = (
+    ("num_tokens", 1, MAX_TOKENS),
+    ("prompt_len", 0, MAX_TOKENS),
+    ("policy_version", 0, MAX_POLICY_VERSION),
+    ("start", 0, MAX_START),
+)
 
 
 def check_namespace(name: str) -> str:
     """Namespaces: 1-128 letters, digits, `.`, `_`, `-`, starting with a letter or digit."""
-    if not isinstance(name, str) or not _NAMESPACE.match(name):
+    if not isinstance(name, str) or not _NAMESPACE.fullmatch(name):
         raise InvalidInput(
             f"invalid namespace {name!r}: use 1-128 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit"
@@ -28,11 +39,12 @@ def check_namespace(name: str) -> str:
 
 
 def check_id(value: str, what: str = "trajectory id") -> str:
-    """Ids: 1-256 characters, no control characters."""
+    """Ids: 1-256 characters; no control characters (C0, DEL, C1) and no lone
+    surrogates (text that is not Unicode)."""
     if (
         not isinstance(value, str)
         or not 1 <= len(value) <= MAX_ID_LENGTH
-        or any(ord(c) < 32 or ord(c) == 127 for c in value)
+        or any(unicodedata.category(c) in _REFUSED for c in value)
     ):
         raise InvalidInput(f"invalid {what} {value!r}: use 1-{MAX_ID_LENGTH} printable characters")
     return value
@@ -79,19 +91,18 @@ class TrajectoryWrite:
         check_id(self.trajectory_id)
         if self.group_id is not None:
             check_id(self.group_id, "group id")
-        for name in ("num_tokens", "prompt_len", "policy_version", "start"):
+        for name, low, high in _RANGES:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidInput(f"{self.trajectory_id}: {name} must be a non-negative integer")
-        if self.num_tokens < 1 or self.num_tokens > 2**31 - 1:
-            raise InvalidInput(f"{self.trajectory_id}: num_tokens must be in [1, 2**31)")
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise InvalidInput(
+                    f"{self.trajectory_id}: {name} must be an integer in [{low}, {high}], "
+                    f"got {value!r}"
+                )
         if self.prompt_len > self.start + self.num_tokens:
             raise InvalidInput(
                 f"{self.trajectory_id}: prompt_len {self.prompt_len} "
                 f"exceeds the {self.start + self.num_tokens} tokens"
             )
-        if self.policy_version >= 2**63:
-            raise InvalidInput(f"{self.trajectory_id}: policy_version must be below 2**63")
         if (self.topk is None) == (self.mask is None):
             raise InvalidInput(f"{self.trajectory_id}: give exactly one of topk or mask")
 

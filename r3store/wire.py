@@ -21,6 +21,7 @@ import pyarrow as pa
 from r3store import codec
 from r3store.codec import EncodedRoutes, Transform
 from r3store.errors import InvalidInput, InvalidRoutes
+from r3store.ipc import read_table
 from r3store.records import Batch, SegmentRead, TrajectoryRead, TrajectoryWrite
 from r3store.routes import Routes, to_mask
 from r3store.spec import RouteSpec
@@ -28,7 +29,7 @@ from r3store.spec import RouteSpec
 WIRE_VERSION = "1"
 CONTENT_TYPE = "application/vnd.apache.arrow.stream"
 MAX_ROWS = 100_000
-ROUTE_DTYPES = ("uint8", "uint16", "int16", "int32", "int64")
+ROUTE_DTYPES = ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64")
 
 
 class RouteKind(StrEnum):
@@ -66,7 +67,10 @@ def encode_writes(writes: Sequence[TrajectoryWrite]) -> bytes:
         kind = RouteKind.TOPK if w.topk is not None else RouteKind.MASK
         arr = np.ascontiguousarray(w.topk if w.topk is not None else w.mask)
         if arr.dtype.name not in ROUTE_DTYPES:
-            arr = arr.astype(np.int32)
+            raise InvalidRoutes(
+                f"{w.trajectory_id}: routes must be integers ({', '.join(ROUTE_DTYPES)}), "
+                f"got dtype {arr.dtype}"
+            )
         rows["trajectory_id"].append(w.trajectory_id)
         rows["num_tokens"].append(w.num_tokens)
         rows["start"].append(w.start)
@@ -103,14 +107,9 @@ def _stream(table: pa.Table) -> bytes:
     return data
 
 
-def _read_table(body: bytes) -> pa.Table:
-    try:
-        return pa.ipc.open_stream(pa.py_buffer(body)).read_all()
-    except (pa.ArrowInvalid, pa.ArrowException, OSError, ValueError) as exc:
-        raise InvalidInput(f"the body is not an Arrow IPC stream: {exc}") from None
-
-
 def _column(table: pa.Table, name: str, kind: str, default: Any = None) -> list[Any]:
+    """The values of a validated column (binary ones as zero-copy buffers); `default`
+    stands in for an absent column and for nulls (None: the column is required)."""
     if name not in table.column_names:
         if default is None:
             raise InvalidInput(f"the upload has no {name!r} column")
@@ -123,15 +122,35 @@ def _column(table: pa.Table, name: str, kind: str, default: Any = None) -> list[
     }
     if not checks[kind](column.type):
         raise InvalidInput(f"column {name!r} has type {column.type}; expected {kind}")
-    values: list[Any] = column.to_pylist()
+    if kind == "bin":
+        values: list[Any] = [value for chunk in column.chunks for value in _binaries(chunk)]
+    else:
+        values = column.to_pylist()
     if default is not None:
         values = [default if v is None else v for v in values]
     return values
 
 
-def decode_writes(body: bytes, spec: RouteSpec) -> list[TrajectoryWrite]:
-    """Parse an upload body into writes (shapes and dtypes checked; routes validated later)."""
-    table = _read_table(body)
+def _binaries(chunk: pa.Array) -> list[pa.Buffer | None]:
+    """The values of a validated binary array as views of its data buffer (a scalar
+    per value would copy each one)."""
+    _validity, offsets_buffer, data = chunk.buffers()
+    if len(chunk) == 0:
+        return []
+    data = data if data is not None else pa.py_buffer(b"")  # every value empty
+    width = np.int64 if pa.types.is_large_binary(chunk.type) else np.int32
+    offsets = np.frombuffer(offsets_buffer, width)[chunk.offset : chunk.offset + len(chunk) + 1]
+    valid = chunk.is_valid().to_pylist()
+    return [
+        data.slice(int(offsets[i]), int(offsets[i + 1] - offsets[i])) if valid[i] else None
+        for i in range(len(chunk))
+    ]
+
+
+def decode_writes(body: bytes | bytearray | memoryview, spec: RouteSpec) -> list[TrajectoryWrite]:
+    """Parse an upload body into writes (the stream fully validated first, shapes and
+    dtypes checked; routes are validated later, on the values as sent)."""
+    table = read_table(body)
     if table.num_rows == 0:
         raise InvalidInput("the upload holds no rows")
     if table.num_rows > MAX_ROWS:
@@ -168,9 +187,9 @@ def decode_writes(body: bytes, spec: RouteSpec) -> list[TrajectoryWrite]:
         width = spec.top_k if kind == RouteKind.TOPK else spec.mask_bytes
         itemsize = np.dtype(dtype).itemsize
         row_bytes = spec.num_layers * width * itemsize
-        if len(blobs[i]) % row_bytes:
+        if blobs[i].size % row_bytes:
             raise InvalidRoutes(
-                f"{ids[i]}: {len(blobs[i])} bytes of {dtype} routes are not whole rows of "
+                f"{ids[i]}: {blobs[i].size} bytes of {dtype} routes are not whole rows of "
                 f"[{spec.num_layers}, {width}] ({row_bytes} bytes)"
             )
         arr = np.frombuffer(blobs[i], dtype=np.dtype(dtype).newbyteorder("<"))
@@ -178,7 +197,7 @@ def decode_writes(body: bytes, spec: RouteSpec) -> list[TrajectoryWrite]:
         token_ids = None
         blob = tokens[i]
         if blob is not None:
-            if len(blob) % 4:
+            if blob.size % 4:
                 raise InvalidInput(f"{ids[i]}: token_ids must be int32 little-endian")
             token_ids = np.frombuffer(blob, dtype="<i4")
         group = groups[i] if groups[i] != "" else None
@@ -286,7 +305,7 @@ def encode_batch(batch: Batch, spec: RouteSpec, fmt: ReadFormat) -> bytes:
 
 def decode_batch(body: bytes, decode: bool = True) -> tuple[RouteSpec, Batch]:
     """Parse a read response into the spec and a `Batch` (routes decoded unless asked not)."""
-    table = _read_table(body)
+    table = read_table(body)
     meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
     if meta.get("r3store.wire_version") != WIRE_VERSION:
         raise InvalidInput(

@@ -58,6 +58,7 @@ class AppClient:
     in a background event loop: real HTTP semantics, no sockets."""
 
     def __init__(self, app: FastAPI) -> None:
+        self.app = app
         self._portal_cm = anyio.from_thread.start_blocking_portal()
         self._portal = self._portal_cm.__enter__()
         self._lifespan = self._portal.wrap_async_context_manager(app.router.lifespan_context(app))
@@ -147,6 +148,7 @@ class ServerProcess:
         port: int | None = None,
         wait: bool = True,
         catalog_url: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         import json
         import os
@@ -156,7 +158,7 @@ class ServerProcess:
         self.port = port if port is not None else free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         settings = settings_for(tmp, None)
-        env = {
+        full_env = {
             **os.environ,
             "R3STORE_PORT": str(self.port),
             "R3STORE_DATA_DIR": str(tmp),
@@ -173,15 +175,16 @@ class ServerProcess:
                 ]
             ),
         }
+        full_env.update(env or {})
         if catalog_url is not None:
-            env["R3STORE_CATALOG_URL"] = catalog_url
+            full_env["R3STORE_CATALOG_URL"] = catalog_url
         if seaweed is not None:
             if prefix is None:
                 probe = seaweed.new_store()
                 prefix = probe.config.prefix
                 probe.close()
             self.prefix = prefix
-            env.update(
+            full_env.update(
                 {
                     "R3STORE_S3__ENDPOINT_URL": seaweed.endpoint_url,
                     "R3STORE_S3__BUCKET": seaweed.config().bucket,
@@ -193,7 +196,7 @@ class ServerProcess:
         self.log = (tmp / f"server-{self.port}.log").open("wb")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "r3store_server.main"],
-            env=env,
+            env=full_env,
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
