@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import math
 import threading
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ import numpy.typing as npt
 import zstandard
 
 from r3store.errors import CorruptShard
-from r3store.routes import SENTINEL, Routes, sort_planes
+from r3store.routes import CHUNK_VALUES, SENTINEL, Routes, sort_planes
 from r3store.spec import RouteSpec
 
 LEHMER_MAX_K = 8
@@ -120,27 +121,15 @@ def encode(
     """Encode canonical routes (as `r3store.routes` makes them) into storage streams.
 
     The digest covers the canonical content (not the compressed bytes) and `salt`,
-    which callers use for the trajectory's metadata.
+    which callers use for the trajectory's metadata. Work goes a chunk of tokens at a
+    time: besides the routes, memory holds little more than the compressed streams.
     """
     layers = np.ascontiguousarray(routes.layers, dtype=spec.id_dtype)
     counts = routes.layer_counts
-    order_raw = None
+    order_raw: memoryview | None = None
     if spec.ordered:
-        planes = [layers[..., i].astype(np.uint16) for i in range(spec.top_k)]
-        if counts is not None:
-            for i, plane in enumerate(planes):
-                plane[counts <= i] = SENTINEL
-        ranked = sort_planes(planes)
-        if spec.top_k <= LEHMER_MAX_K:
-            order_raw = _lehmer_rank(planes).tobytes()
-        else:
-            work = np.stack(planes, axis=-1)
-            position = np.argsort(np.argsort(work, axis=-1, kind="stable"), axis=-1)
-            order_raw = position.astype(np.uint8).tobytes()
-        layers = np.stack(ranked, axis=-1)
-        if counts is not None:
-            layers[layers == SENTINEL] = 0
-        layers = layers.astype(spec.id_dtype)
+        layers, order = _split_order(layers, counts, spec)
+        order_raw = order.reshape(-1).view(np.uint8).data  # len() in bytes, as digested
     raw = layers.reshape(-1)
     counts_raw = b"" if counts is None else np.ascontiguousarray(counts, np.uint8).tobytes()
     digest = hashlib.sha256()
@@ -151,14 +140,14 @@ def encode(
         digest.update(part)
 
     compressor, fast = _compressor(level), _compressor(1)
-    delta = _delta(raw, spec.top_k) if spec.top_k > 1 else raw
-    sample = SAMPLE_BYTES // raw.itemsize
+    k = spec.top_k
+    sample = (SAMPLE_BYTES // raw.itemsize) // k * k
     plain_n = len(compressor.compress(raw[:sample].data))
-    delta_n = len(fast.compress(delta[:sample].data))
-    if delta_n < plain_n:
-        transform, ids_z = Transform.DELTA, fast.compress(delta.data)
+    delta_n = len(fast.compress(_delta(raw[:sample], k).data))
+    if k > 1 and delta_n < plain_n:
+        transform, ids_z = Transform.DELTA, _compress_chunks(fast, raw, k, delta=True)
     else:
-        transform, ids_z = Transform.SORTED, compressor.compress(raw.data)
+        transform, ids_z = Transform.SORTED, _compress_chunks(compressor, raw, k, delta=False)
     return EncodedRoutes(
         ids=ids_z,
         counts=None if counts is None else compressor.compress(counts_raw),
@@ -167,6 +156,51 @@ def encode(
         digest=digest.digest()[:16],
         tokens=None if token_ids is None else fast.compress(tokens_raw),
     )
+
+
+def _compress_chunks(
+    compressor: zstandard.ZstdCompressor, flat: npt.NDArray[Any], k: int, delta: bool
+) -> bytes:
+    """One zstd frame of `flat` (as gaps when `delta`), fed a chunk at a time."""
+    sink = io.BytesIO()  # grows in place; getvalue() hands over its buffer, no copy
+    step = max(1, CHUNK_VALUES // k) * k  # whole token-layers
+    with compressor.stream_writer(sink, size=flat.nbytes, closefd=False) as stream:
+        for begin in range(0, flat.size, step):
+            part = flat[begin : begin + step]
+            stream.write((_delta(part, k) if delta else part).data)
+    return sink.getvalue()
+
+
+def _split_order(
+    layers: npt.NDArray[Any], counts: npt.NDArray[np.uint8] | None, spec: RouteSpec
+) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+    """Ordered routes `[L, T, K]` as sorted sets and the producer's slot order (Lehmer
+    ranks `[L, T]` uint16 for K <= 8, else `[L, T, K]` uint8 positions)."""
+    k = spec.top_k
+    ordered = np.empty_like(layers)
+    order = np.empty(layers.shape[:2] if k <= LEHMER_MAX_K else layers.shape, _order_dtype(k))
+    step = max(1, CHUNK_VALUES // (layers.shape[0] * k))
+    for begin in range(0, layers.shape[1], step):
+        part = layers[:, begin : begin + step]
+        planes = [part[..., i].astype(np.uint16) for i in range(k)]
+        if counts is not None:
+            for i, plane in enumerate(planes):
+                plane[counts[:, begin : begin + step] <= i] = SENTINEL
+        ranked = sort_planes(planes)
+        if k <= LEHMER_MAX_K:
+            order[:, begin : begin + step] = _lehmer_rank(planes)
+        else:
+            work = np.stack(planes, axis=-1)
+            order[:, begin : begin + step] = np.argsort(
+                np.argsort(work, axis=-1, kind="stable"), axis=-1
+            )
+        for i, plane in enumerate(ranked):
+            ordered[:, begin : begin + step, i] = np.where(plane == SENTINEL, 0, plane)
+    return ordered, order
+
+
+def _order_dtype(k: int) -> type[np.unsignedinteger[Any]]:
+    return np.uint16 if k <= LEHMER_MAX_K else np.uint8
 
 
 def decode_tokens(blob: bytes, num_tokens: int) -> npt.NDArray[np.int32]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,14 +105,16 @@ class Routes:
         )
 
 
-def _where(shape: tuple[int, ...], flat: int, names: tuple[str, ...]) -> str:
-    index = np.unravel_index(flat, shape)
-    return ", ".join(f"{n} {int(i)}" for n, i in zip(names, index, strict=True))
+def _where(shape: tuple[int, ...], flat: int, names: tuple[str, ...], first_token: int) -> str:
+    index = [int(i) for i in np.unravel_index(flat, shape)]
+    index[0] += first_token  # token-major: the first axis is the token
+    return ", ".join(f"{n} {i}" for n, i in zip(names, index, strict=True))
 
 
-def _first(bad_lt: npt.NDArray[np.bool_]) -> str:
+def _first(bad_lt: npt.NDArray[np.bool_], first_token: int) -> str:
     """Token-major position of the first True in a layer-major `[L, T]` array."""
-    return _where(bad_lt.T.shape, int(np.flatnonzero(bad_lt.T)[0]), ("token", "layer"))
+    flat = int(np.flatnonzero(bad_lt.T)[0])
+    return _where(bad_lt.T.shape, flat, ("token", "layer"), first_token)
 
 
 def _check_rows(rows: int, num_tokens: int) -> None:
@@ -163,10 +166,37 @@ def layer_planes(ids: npt.NDArray[Any], dtype: npt.DTypeLike) -> list[npt.NDArra
     return list(np.ascontiguousarray(ids.astype(dtype, copy=False).transpose(2, 1, 0)))
 
 
+# values validated and converted at a time: temporaries stay a few MiB however long
+# the trajectory (a 200 MB upload must not cost gigabytes on the server)
+CHUNK_VALUES = 1 << 22
+
+_Convert = Callable[[int, npt.NDArray[Any], npt.NDArray[np.uint8]], None]
+
+
+def _assemble(
+    rows: int, num_tokens: int, spec: RouteSpec, row_values: int, convert: _Convert
+) -> Routes:
+    """Canonical routes, built a chunk of rows at a time into preallocated arrays.
+
+    `convert(first_token, layers, counts)` fills the `[L, n, K]` and `[L, n]` views of
+    rows `first_token ..< first_token + n`. A row past `rows` (the last token, which
+    engines do not route) keeps zeros and a count of 0: no recorded route.
+    """
+    layers = np.zeros((spec.num_layers, num_tokens, spec.top_k), spec.id_dtype)
+    counts = np.zeros((spec.num_layers, num_tokens), np.uint8)
+    step = max(1, CHUNK_VALUES // max(1, row_values))
+    for begin in range(0, rows, step):
+        end = min(rows, begin + step)
+        convert(begin, layers[:, begin:end], counts[:, begin:end])
+    full = rows == num_tokens and bool((counts == spec.top_k).all())
+    return Routes(layers, None if full else counts)
+
+
 def from_topk(ids: Any, spec: RouteSpec, num_tokens: int) -> Routes:
     """Validate top-k ids `[rows, L, K]` and return canonical `Routes`.
 
-    Raises `InvalidRoutes` naming the first offending position.
+    Raises `InvalidRoutes` naming the first offending position. Ranges are checked on
+    the values as sent, whatever their integer width.
     """
     arr = np.asarray(ids)
     if arr.dtype.kind not in "iu":
@@ -177,22 +207,37 @@ def from_topk(ids: Any, spec: RouteSpec, num_tokens: int) -> Routes:
             f"top-k ids must have shape [rows, {want[0]}, {want[1]}], got {list(arr.shape)}"
         )
     _check_rows(arr.shape[0], num_tokens)
+
+    def convert(first: int, out: npt.NDArray[Any], out_counts: npt.NDArray[np.uint8]) -> None:
+        _topk_rows(arr[first : first + out.shape[1]], spec, first, out, out_counts)
+
+    return _assemble(arr.shape[0], num_tokens, spec, spec.num_layers * spec.top_k, convert)
+
+
+def _topk_rows(
+    part: npt.NDArray[Any],
+    spec: RouteSpec,
+    first: int,
+    out: npt.NDArray[Any],
+    out_counts: npt.NDArray[np.uint8],
+) -> None:
+    """Validate rows `[n, L, K]` (the first being token `first`) into `out` `[L, n, K]`."""
     counts = None
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= spec.num_experts):
-        wide = arr.astype(np.int32)
-        bad = (wide < EMPTY) | (wide >= spec.num_experts)
+    if part.size and (int(part.min()) < 0 or int(part.max()) >= spec.num_experts):
+        bad = (part < EMPTY) | (part >= spec.num_experts)  # on the values as sent, any width
         if bad.any():
             flat = int(np.flatnonzero(bad)[0])
             raise InvalidRoutes(
-                f"expert id {int(wide.flat[flat])} out of range [0, {spec.num_experts}) at "
-                + _where(arr.shape, flat, ("token", "layer", "slot"))
+                f"expert id {int(part.flat[flat])} out of range [0, {spec.num_experts}) at "
+                + _where(part.shape, flat, ("token", "layer", "slot"), first)
             )
+        wide = part.astype(np.int32)  # every value is now in [-1, E)
         empty = wide == EMPTY
         counts = np.ascontiguousarray((spec.top_k - empty.sum(axis=-1, dtype=np.int32)).T)
-        _check_counts(counts, spec)
+        _check_counts(counts, spec, first)
         planes = layer_planes(np.where(empty, SENTINEL, wide), np.uint16)
     else:
-        planes = layer_planes(arr, spec.id_dtype)
+        planes = layer_planes(part, spec.id_dtype)
     ranked = sort_planes(planes)
     for low, high in itertools.pairwise(ranked):
         dup = low == high
@@ -201,41 +246,34 @@ def from_topk(ids: Any, spec: RouteSpec, num_tokens: int) -> Routes:
         if dup.any():
             layer, token = np.unravel_index(int(np.flatnonzero(dup.T)[0]), dup.T.shape)[::-1]
             raise InvalidRoutes(
-                f"expert {int(high[layer, token])} chosen twice at token {token}, layer {layer}"
+                f"expert {int(high[layer, token])} chosen twice at token {first + token}, "
+                f"layer {layer}"
             )
     chosen = planes if spec.ordered else ranked
+    if counts is None:
+        for slot, plane in enumerate(chosen):
+            out[..., slot] = plane
+        out_counts[...] = spec.top_k
+        return
     layers = np.stack(chosen, axis=-1)
-    if counts is not None:
-        if spec.ordered:  # move empty slots after the chosen ones, keeping their order
-            slot_order = np.argsort(layers == SENTINEL, axis=-1, kind="stable")
-            layers = np.take_along_axis(layers, slot_order, axis=-1)
-        layers[layers == SENTINEL] = 0
-    return _pad_last_row(Routes(layers.astype(spec.id_dtype, copy=False), counts), num_tokens)
+    if spec.ordered:  # move empty slots after the chosen ones, keeping their order
+        slot_order = np.argsort(layers == SENTINEL, axis=-1, kind="stable")
+        layers = np.take_along_axis(layers, slot_order, axis=-1)
+    layers[layers == SENTINEL] = 0
+    out[...] = layers
+    out_counts[...] = counts
 
 
-def _check_counts(counts: npt.NDArray[Any], spec: RouteSpec) -> None:
+def _check_counts(counts: npt.NDArray[Any], spec: RouteSpec, first: int) -> None:
     if spec.allow_fewer:
         return
     bad = (counts != 0) & (counts != spec.top_k)
     if bad.any():
         layer, token = np.unravel_index(int(np.flatnonzero(bad.T)[0]), bad.T.shape)[::-1]
         raise InvalidRoutes(
-            f"token {token}, layer {layer} has {int(counts[layer, token])} experts; "
+            f"token {first + token}, layer {layer} has {int(counts[layer, token])} experts; "
             f"the spec wants exactly {spec.top_k} (or none, for an unrecorded route)"
         )
-
-
-def _pad_last_row(routes: Routes, num_tokens: int) -> Routes:
-    """Append a no-route token when the engine sent `num_tokens - 1` rows."""
-    layers = routes.layers
-    counts = None if routes.layer_counts is None else routes.layer_counts.astype(np.uint8)
-    if layers.shape[1] < num_tokens:
-        pad = np.zeros((layers.shape[0], 1, layers.shape[2]), layers.dtype)
-        layers = np.concatenate([layers, pad], axis=1)
-        if counts is None:
-            counts = np.full(routes.layers.shape[:2], layers.shape[2], dtype=np.uint8)
-        counts = np.concatenate([counts, np.zeros((counts.shape[0], 1), np.uint8)], axis=1)
-    return Routes(layers, counts)
 
 
 def from_mask(mask: Any, spec: RouteSpec, num_tokens: int) -> Routes:
@@ -252,23 +290,41 @@ def from_mask(mask: Any, spec: RouteSpec, num_tokens: int) -> Routes:
         raise InvalidRoutes(
             f"masks must have shape [rows, {want[0]}, {want[1]}], got {list(arr.shape)}"
         )
-    rows = arr.shape[0]
-    _check_rows(rows, num_tokens)
-    lm = np.ascontiguousarray(arr.transpose(1, 0, 2))  # [L, rows, B]
+    _check_rows(arr.shape[0], num_tokens)
+
+    def convert(first: int, out: npt.NDArray[Any], out_counts: npt.NDArray[np.uint8]) -> None:
+        _mask_rows(arr[first : first + out.shape[1]], spec, first, out, out_counts)
+
+    bits_per_row = spec.num_layers * spec.mask_bytes * 8
+    return _assemble(arr.shape[0], num_tokens, spec, bits_per_row, convert)
+
+
+def _mask_rows(
+    part: npt.NDArray[np.uint8],
+    spec: RouteSpec,
+    first: int,
+    out: npt.NDArray[Any],
+    out_counts: npt.NDArray[np.uint8],
+) -> None:
+    """Validate mask rows `[n, L, B]` (the first being token `first`) into `out`."""
+    lm = np.ascontiguousarray(part.transpose(1, 0, 2))  # [L, n, B]
     spare = spec.mask_bytes * 8 - spec.num_experts
     if spare:
         bad = (lm[..., -1] >> np.uint8(8 - spare)) != 0
         if bad.any():
-            raise InvalidRoutes(f"bits set past expert {spec.num_experts - 1} at {_first(bad)}")
+            raise InvalidRoutes(
+                f"bits set past expert {spec.num_experts - 1} at {_first(bad, first)}"
+            )
     counts = np.bitwise_count(lm).sum(axis=-1, dtype=np.int32)
     too_many = counts > spec.top_k
     if too_many.any():
         layer, token = np.unravel_index(int(np.flatnonzero(too_many.T)[0]), too_many.T.shape)[::-1]
         raise InvalidRoutes(
-            f"token {token}, layer {layer} has {int(counts[layer, token])} bits set; "
+            f"token {first + token}, layer {layer} has {int(counts[layer, token])} bits set; "
             f"top_k is {spec.top_k}"
         )
-    _check_counts(counts, spec)
+    _check_counts(counts, spec, first)
+    rows = part.shape[0]
     n = spec.num_layers * rows
     flat_counts = counts.reshape(n)
     bits = np.unpackbits(lm.reshape(n, spec.mask_bytes), axis=-1, bitorder="little")
@@ -277,10 +333,8 @@ def from_mask(mask: Any, spec: RouteSpec, num_tokens: int) -> Routes:
     np.cumsum(flat_counts[:-1], out=starts[1:])
     ids = np.zeros((n, spec.top_k), dtype=spec.id_dtype)
     ids[row, np.arange(row.size, dtype=np.int64) - starts[row]] = expert
-    full = bool((flat_counts == spec.top_k).all())
-    layers = ids.reshape(spec.num_layers, rows, spec.top_k)
-    layer_counts = None if full else counts.astype(np.uint8)
-    return _pad_last_row(Routes(layers, layer_counts), num_tokens)
+    out[...] = ids.reshape(spec.num_layers, rows, spec.top_k)
+    out_counts[...] = counts
 
 
 def to_mask(routes: Routes, spec: RouteSpec) -> npt.NDArray[np.uint8]:
