@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from r3store.catalog import NamespaceInfo
-from r3store.policy import NamespaceSettings
+from r3store.policy import MAX_POLICY_VERSION, NamespaceSettings
 from r3store.sampling import Strategy
 from r3store.spec import MAX_EXPERTS, MAX_LAYERS, MAX_TOP_K, RouteSpec
 from r3store.wire import ReadFormat
@@ -21,7 +21,7 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 class RouteSpecModel(BaseModel):
     """The route spec, fixed when a namespace is made."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     num_layers: int = Field(ge=1, le=MAX_LAYERS, description="MoE layers L")
     num_experts: int = Field(ge=1, le=MAX_EXPERTS, description="experts per layer E")
@@ -40,7 +40,7 @@ class RouteSpecModel(BaseModel):
 
 # NamespaceCreate: what an admin sends to make a namespace
 class NamespaceCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str = Field(pattern=NAME_PATTERN, description="one RL run")
     spec: RouteSpecModel
@@ -79,9 +79,9 @@ class NamespaceDeleted(BaseModel):
 
 # PolicyVersionSet: what a trainer sends when its weights change
 class PolicyVersionSet(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    policy_version: int = Field(ge=0, le=2**63 - 1)
+    policy_version: int = Field(ge=0, le=MAX_POLICY_VERSION)
 
 
 class PutItem(BaseModel):
@@ -96,21 +96,21 @@ class PutResponse(BaseModel):
 
 # BatchRequest: a trainer rank asks for the routes of the trajectories it holds
 class BatchRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     ids: list[str] = Field(min_length=1, max_length=10_000)
-    format: ReadFormat = ReadFormat.ENCODED
+    format: ReadFormat = Field(ReadFormat.ENCODED, strict=False)  # enums come as strings
     include_stale: bool = False
 
 
 # SampleRequest: take trajectories from the buffer
 class SampleRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     n: int = Field(ge=1, le=10_000)
-    strategy: Strategy = Strategy.FIFO
+    strategy: Strategy = Field(Strategy.FIFO, strict=False)
     whole_groups: bool = False
-    format: ReadFormat = ReadFormat.ENCODED
+    format: ReadFormat = Field(ReadFormat.ENCODED, strict=False)  # enums come as strings
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
 
 

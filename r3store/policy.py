@@ -1,21 +1,35 @@
 """Namespace policies: staleness window, sampling limits and retention settings.
 
-Pure values and rules; the engine applies them, the catalog stores them as JSON.
+Pure values and rules; the engine applies them, the catalog stores them as JSON. Every
+number has a range the catalog can hold (64-bit versions, 32-bit sampling counts), and
+JSON of the wrong type (`"4"`, `true`) is refused rather than coerced.
 """
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+MAX_POLICY_VERSION = 2**63 - 1
+MAX_TIMES_SAMPLED = 2**31 - 1
+MAX_TTL_SECONDS = 1e10  # about 317 years
+
 
 class Retention(BaseModel):
     """What a namespace keeps. Validated and stored here; enforced by the retention
     machinery (operations). `Retention(keep_versions=4, ttl_seconds=86400)`."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    keep_versions: int | None = Field(None, ge=1, description="keep the last N policy versions")
-    ttl_seconds: float | None = Field(None, gt=0, description="drop trajectories older than this")
+    keep_versions: int | None = Field(
+        None, ge=1, le=MAX_POLICY_VERSION, description="keep the last N policy versions"
+    )
+    ttl_seconds: float | None = Field(
+        None,
+        gt=0,
+        le=MAX_TTL_SECONDS,
+        allow_inf_nan=False,
+        description="drop trajectories first stored longer ago than this",
+    )
     evict_after_sampled: bool = Field(
         False, description="drop a trajectory once it was sampled max_times_sampled times"
     )
@@ -25,13 +39,19 @@ class NamespaceSettings(BaseModel):
     """A namespace's policies. `max_policy_lag=2` accepts and serves routes of the
     current policy version and the two before it."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     max_policy_lag: int | None = Field(
-        None, ge=0, description="routes older than current - lag are stale; None: no limit"
+        None,
+        ge=0,
+        le=MAX_POLICY_VERSION,
+        description="routes older than current - lag are stale; None: no limit",
     )
     max_times_sampled: int | None = Field(
-        None, ge=1, description="a trajectory is sampled at most this often; None: no limit"
+        None,
+        ge=1,
+        le=MAX_TIMES_SAMPLED,
+        description="a trajectory is sampled at most this often; None: no limit",
     )
     retention: Retention = Field(default_factory=Retention)
 

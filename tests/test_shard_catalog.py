@@ -163,7 +163,8 @@ def test_catalog_lookups(tmp_path: Path, make_engine) -> None:  # type: ignore[n
         catalog.namespace("nope")
     with pytest.raises(Conflict):
         engine.create_namespace("ns", RouteSpec(4, 64, 2))
-    assert engine.create_namespace("ns", SPEC).spec == SPEC
+    again, created = engine.create_namespace("ns", SPEC)
+    assert (again.spec, created) == (SPEC, False)
 
 
 def test_rebuild_from_the_store_alone(store: ObjectStore, make_engine, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -171,7 +171,15 @@ def parser() -> argparse.ArgumentParser:
     maintain = sub.add_parser(
         "maintain", parents=[common], help="run retention, compaction and collection now"
     )
-    maintain.add_argument("--grace", type=float, default=600.0, help="seconds")
+    maintain.add_argument(
+        "--grace", type=float, default=600.0, help="seconds a retired shard stays readable"
+    )
+    maintain.add_argument(
+        "--orphan-age",
+        type=float,
+        default=3600.0,
+        help="seconds before an object no catalog row names is deleted",
+    )
 
     keys = sub.add_parser("keys", parents=[common], help="create, list or revoke API keys")
     keys_sub = keys.add_subparsers(dest="action", required=True)
@@ -216,7 +224,8 @@ def run(args: argparse.Namespace, settings: Settings) -> Any:
                     args.allow_fewer,
                     args.model,
                 )
-                return _namespace(engine.create_namespace(args.name, spec))
+                info, created = engine.create_namespace(args.name, spec)
+                return {"created": created, **_namespace(info)}  # False: it existed, the same
             if not args.yes:
                 raise SystemExit(f"this deletes {args.name!r} and all its routes: pass --yes")
             return {"name": args.name, "objects_deleted": engine.delete_namespace(args.name)}
@@ -237,7 +246,8 @@ def run(args: argparse.Namespace, settings: Settings) -> Any:
             return stats(engine, args.name)
         if args.command == "keys":
             return keys(engine, args)
-        return Maintenance(engine, grace_seconds=args.grace).run(_progress("shards")).__dict__
+        maintenance = Maintenance(engine, grace_seconds=args.grace, orphan_seconds=args.orphan_age)
+        return maintenance.run(_progress("shards")).__dict__
     finally:
         engine.close()
 

@@ -1,0 +1,80 @@
+"""The OpenAPI schema, with integer bounds as exact integers.
+
+FastAPI's schema model types `minimum` and `maximum` as floats, so a bound of
+`2**63 - 1` would be published as `9.223372036854776e18`: a float, and above the
+bound. The exact values come from the pydantic models' own JSON schemas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_EXACT_FLOAT = 2**53
+
+
+def _schemas(node: Any) -> Iterator[dict[str, Any]]:
+    if isinstance(node, dict):
+        yield node
+        for value in node.values():
+            yield from _schemas(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _schemas(value)
+
+
+def integer_bounds(models: list[type[BaseModel]]) -> dict[float, int]:
+    """Each integer bound of `models`, keyed by the float FastAPI turns it into."""
+    exact: dict[float, int] = {}
+    for model in models:
+        for schema in _schemas(model.model_json_schema()):
+            if schema.get("type") != "integer":
+                continue
+            for key in BOUNDS:
+                value = schema.get(key)
+                if not isinstance(value, int):
+                    continue
+                if exact.setdefault(float(value), value) != value:
+                    raise RuntimeError(f"integer bounds {value} and {exact[float(value)]} clash")
+    return exact
+
+
+def exact_integers(schema: dict[str, Any], exact: dict[float, int]) -> dict[str, Any]:
+    """`schema` with the bounds of its integer schemas as integers (in place)."""
+    for node in _schemas(schema):
+        if node.get("type") != "integer":
+            continue
+        for key in BOUNDS:
+            value = node.get(key)
+            if not isinstance(value, float):
+                continue
+            if value in exact:
+                node[key] = exact[value]
+            elif value.is_integer() and abs(value) <= _EXACT_FLOAT:
+                node[key] = int(value)
+            else:
+                raise RuntimeError(f"cannot restore the integer bound {value!r} exactly")
+    return schema
+
+
+def install(app: FastAPI, models: list[type[BaseModel]]) -> None:
+    """Serve the schema of `app` with the exact integer bounds of `models`."""
+    exact = integer_bounds(models)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title,
+                version=app.version,
+                summary=app.summary,
+                routes=app.routes,
+            )
+            app.openapi_schema = exact_integers(schema, exact)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
