@@ -15,6 +15,7 @@ import json
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,35 +207,64 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=FULL")
-    cursor.execute("PRAGMA busy_timeout=30000")
     cursor.close()
+
+
+@contextmanager
+def _translated() -> Iterator[None]:
+    """The one place where database errors become the project's: a violated key is a
+    `Conflict`, anything else (an outage, a timeout) a retryable `StoreError`."""
+    try:
+        yield
+    except IntegrityError as exc:
+        raise Conflict(f"already in the catalog: {_first_line(exc.orig)}") from exc
+    except SQLAlchemyError as exc:
+        raise StoreError(f"the catalog is unavailable: {_first_line(exc)}") from exc
+
+
+def _first_line(exc: object) -> str:
+    return str(exc).strip().split("\n")[0][:300]
 
 
 class Catalog:
     """Catalog queries. Thread-safe: each call takes its own connection from the pool."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, timeout: float = 10.0) -> None:
+        """`timeout` bounds each wait on the database: a connection, a lock, a
+        statement (SQLite's busy timeout; PostgreSQL's connect and statement timeouts).
+        Past it a call raises `StoreError`."""
         self.url = url
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {"pool_timeout": timeout}
         if url.startswith("sqlite"):
-            kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
+            kwargs["connect_args"] = {"check_same_thread": False, "timeout": timeout}
+        elif url.startswith("postgresql"):
+            kwargs["connect_args"] = {
+                "connect_timeout": max(1, round(timeout)),
+                "options": f"-c statement_timeout={round(timeout * 1000)}",
+            }
         self._engine: Engine = sa.create_engine(url, **kwargs)
         if url.startswith("sqlite"):
             sa.event.listen(self._engine, "connect", _sqlite_pragmas)
-        try:
+        with _translated():
             metadata.create_all(self._engine)
-        except SQLAlchemyError as exc:
-            raise StoreError(f"cannot open the catalog at {url}: {exc}") from exc
 
     def close(self) -> None:
         self._engine.dispose()
 
+    @contextmanager
+    def _connect(self) -> Iterator[Connection]:
+        with _translated(), self._engine.connect() as conn:
+            yield conn
+
+    @contextmanager
+    def _begin(self) -> Iterator[Connection]:
+        """A transaction: committed when the block ends, rolled back on any error."""
+        with _translated(), self._engine.begin() as conn:
+            yield conn
+
     def ping(self) -> None:
-        try:
-            with self._engine.connect() as conn:
-                conn.execute(sa.text("SELECT 1"))
-        except SQLAlchemyError as exc:
-            raise StoreError(f"catalog unreachable: {exc}") from exc
+        with self._connect() as conn:
+            conn.execute(sa.text("SELECT 1"))
 
     # namespaces
 
@@ -244,10 +274,11 @@ class Catalog:
         spec: RouteSpec,
         settings: NamespaceSettings | None = None,
         created_at: float | None = None,
-    ) -> NamespaceInfo:
-        """Create a namespace; creating it again with the same spec returns it."""
+    ) -> tuple[NamespaceInfo, bool]:
+        """Create a namespace; returns it and True, or what exists under the name and
+        False (the caller compares)."""
         try:
-            with self._engine.begin() as conn:
+            with self._begin() as conn:
                 conn.execute(
                     namespaces.insert().values(
                         name=name,
@@ -257,29 +288,24 @@ class Catalog:
                         policy_version=0,
                     )
                 )
-        except IntegrityError:
-            existing = self.namespace(name)
-            if existing.spec != spec:
-                raise Conflict(
-                    f"namespace {name!r} exists with another route spec ({existing.spec})"
-                ) from None
-            return existing
-        return self.namespace(name)
+        except Conflict:
+            return self.namespace(name), False
+        return self.namespace(name), True
 
     def namespace(self, name: str) -> NamespaceInfo:
-        with self._engine.connect() as conn:
+        with self._connect() as conn:
             row = conn.execute(sa.select(namespaces).where(namespaces.c.name == name)).first()
         if row is None:
             raise NotFound(f"no namespace {name!r}")
         return _namespace(row)
 
     def list_namespaces(self) -> list[NamespaceInfo]:
-        with self._engine.connect() as conn:
+        with self._connect() as conn:
             rows = conn.execute(sa.select(namespaces).order_by(namespaces.c.name)).all()
         return [_namespace(r) for r in rows]
 
     def update_settings(self, name: str, settings: NamespaceSettings) -> NamespaceInfo:
-        with self._engine.begin() as conn:
+        with self._begin() as conn:
             done = conn.execute(
                 namespaces.update()
                 .where(namespaces.c.name == name)
@@ -291,7 +317,7 @@ class Catalog:
 
     def set_policy_version(self, name: str, version: int) -> NamespaceInfo:
         """Move the namespace's current policy version forward (never back)."""
-        with self._engine.begin() as conn:
+        with self._begin() as conn:
             row = conn.execute(
                 sa.select(namespaces.c.policy_version).where(namespaces.c.name == name)
             ).first()
@@ -308,7 +334,7 @@ class Catalog:
 
     def delete_namespace(self, name: str) -> list[str]:
         """Forget a namespace and its trajectories; returns its shard keys (to delete)."""
-        with self._engine.begin() as conn:
+        with self._begin() as conn:
             keys = list(
                 conn.execute(sa.select(shards.c.key).where(shards.c.namespace == name)).scalars()
             )
@@ -328,7 +354,7 @@ class Catalog:
         """Segments of the ids that exist, in start order (missing ids are absent)."""
         wanted = list(dict.fromkeys(ids))
         found: dict[str, list[TrajectoryEntry]] = defaultdict(list)
-        with self._engine.connect() as conn:
+        with self._connect() as conn:
             for begin in range(0, len(wanted), _BATCH):
                 part = wanted[begin : begin + _BATCH]
                 query = self._select(namespace).where(trajectories.c.trajectory_id.in_(part))
@@ -348,14 +374,14 @@ class Catalog:
         )
 
     def _entries(self, query: sa.Select[Any]) -> list[TrajectoryEntry]:
-        with self._engine.connect() as conn:
+        with self._connect() as conn:
             return [_from_row(row) for row in conn.execute(query)]
 
     def count(self, namespace: str) -> int:
         """Trajectories (not segments) in the namespace."""
         query = sa.select(sa.func.count()).select_from(trajectories)
         query = query.where(trajectories.c.namespace == namespace, trajectories.c.start == 0)
-        with self._engine.connect() as conn:
+        with self._connect() as conn:
             return int(conn.execute(query).scalar_one())
 
     def sampling_candidates(
@@ -379,14 +405,14 @@ class Catalog:
             query = query.where(oldest.c.oldest >= min_version)
         if max_times is not None:
             query = query.where(t.c.times_sampled < max_times)
-        with self._engine.connect() as conn:
+        with self._connect() as conn:
             return [(r.trajectory_id, r.group_id, r.created_at) for r in conn.execute(query)]
 
     def mark_sampled(self, namespace: str, ids: Sequence[str], max_times: int | None) -> list[str]:
         """Count one more sampling of each id still under `max_times`; returns those ids."""
         t = trajectories
         taken = []
-        with self._engine.begin() as conn:
+        with self._begin() as conn:
             for tid in ids:
                 query = t.update().where(
                     t.c.namespace == namespace, t.c.trajectory_id == tid, t.c.start == 0
@@ -401,7 +427,7 @@ class Catalog:
 
     def add_key(self, name: str, role: str, namespaces: list[str], digest: bytes) -> None:
         try:
-            with self._engine.begin() as conn:
+            with self._begin() as conn:
                 conn.execute(
                     api_keys.insert().values(
                         name=name,
@@ -411,7 +437,7 @@ class Catalog:
                         created_at=time.time(),
                     )
                 )
-        except IntegrityError:
+        except Conflict:
             raise Conflict(
                 f"an API key named {name!r} exists (revoked keys keep their name)"
             ) from None
@@ -420,7 +446,7 @@ class Catalog:
         query = sa.select(api_keys).order_by(api_keys.c.name)
         if active_only:
             query = query.where(api_keys.c.revoked_at.is_(None))
-        with self._engine.connect() as conn:
+        with self._connect() as conn:
             return [
                 ApiKeyRecord(
                     r.name, r.role, json.loads(r.namespaces), r.digest, r.created_at, r.revoked_at
@@ -429,7 +455,7 @@ class Catalog:
             ]
 
     def revoke_key(self, name: str) -> None:
-        with self._engine.begin() as conn:
+        with self._begin() as conn:
             done = conn.execute(
                 api_keys.update()
                 .where(api_keys.c.name == name, api_keys.c.revoked_at.is_(None))
@@ -451,7 +477,7 @@ class Catalog:
         `created_before`, or sampled `sampled_at_least` times."""
         t = trajectories
         victims: set[str] = set()
-        with self._engine.connect() as conn:
+        with self._connect() as conn:
             if min_version is not None:
                 query = sa.select(t.c.trajectory_id).where(
                     t.c.namespace == namespace, t.c.policy_version < min_version
@@ -468,7 +494,7 @@ class Catalog:
     def delete_trajectories(self, namespace: str, ids: Sequence[str]) -> int:
         """Forget trajectories (all their segments); returns segments removed."""
         removed = 0
-        with self._engine.begin() as conn:
+        with self._begin() as conn:
             for begin in range(0, len(ids), _BATCH):
                 part = list(ids[begin : begin + _BATCH])
                 query = trajectories.delete().where(
@@ -496,7 +522,7 @@ class Catalog:
         )
         if namespace is not None:
             query = query.where(s.c.namespace == namespace)
-        with self._engine.connect() as conn:
+        with self._connect() as conn:
             return [
                 ShardUsage(
                     r.key,
@@ -524,7 +550,7 @@ class Catalog:
         """
         t = trajectories
         try:
-            with self._engine.begin() as conn:
+            with self._begin() as conn:
                 taken = conn.execute(
                     t.delete().where(t.c.shard_key == old).returning(t.c.trajectory_id, t.c.start)
                 )
@@ -532,13 +558,13 @@ class Catalog:
                 moved = [e for e in entries if (e.trajectory_id, e.start) in still]
                 self._insert(conn, new, moved)
                 conn.execute(shards.update().where(shards.c.key == old).values(retired_at=now))
-        except IntegrityError as exc:
-            raise Conflict(f"compaction of {old} raced another: {exc.orig}") from exc
+        except Conflict as exc:
+            raise Conflict(f"compaction of {old} raced another: {exc}") from exc
         return len(moved)
 
     def retire_empty(self, key: str, now: float) -> bool:
         """Retire a shard no row points at (checked in the same transaction)."""
-        with self._engine.begin() as conn:
+        with self._begin() as conn:
             rows = conn.execute(
                 sa.select(sa.func.count())
                 .select_from(trajectories)
@@ -551,21 +577,21 @@ class Catalog:
 
     def retired_before(self, cutoff: float) -> list[str]:
         query = sa.select(shards.c.key).where(shards.c.retired_at < cutoff)
-        with self._engine.connect() as conn:
+        with self._connect() as conn:
             return list(conn.execute(query).scalars())
 
     def forget_shard(self, key: str) -> None:
-        with self._engine.begin() as conn:
+        with self._begin() as conn:
             conn.execute(shards.delete().where(shards.c.key == key))
 
     def shard_keys(self) -> set[str]:
-        with self._engine.connect() as conn:
+        with self._connect() as conn:
             return set(conn.execute(sa.select(shards.c.key)).scalars())
 
     # shards
 
     def shard(self, key: str) -> ShardInfo:
-        with self._engine.connect() as conn:
+        with self._connect() as conn:
             row = conn.execute(sa.select(shards).where(shards.c.key == key)).first()
         if row is None:
             raise NotFound(f"no shard {key!r} in the catalog")
@@ -573,13 +599,8 @@ class Catalog:
 
     def commit_shard(self, shard: ShardInfo, entries: Sequence[TrajectoryEntry]) -> None:
         """Record a stored shard and its rows in one transaction: all visible, or none."""
-        try:
-            with self._engine.begin() as conn:
-                self._insert(conn, shard, entries)
-        except IntegrityError as exc:
-            raise Conflict(f"trajectory segments already in the catalog: {exc.orig}") from exc
-        except SQLAlchemyError as exc:
-            raise StoreError(f"catalog commit failed: {exc}") from exc
+        with self._begin() as conn:
+            self._insert(conn, shard, entries)
 
     @staticmethod
     def _insert(conn: Connection, shard: ShardInfo, entries: Sequence[TrajectoryEntry]) -> None:
@@ -593,7 +614,7 @@ class Catalog:
         contents: Iterator[tuple[ShardInfo, list[TrajectoryEntry]]],
     ) -> None:
         """Empty the catalog and fill it again, in one transaction (used by rebuilds)."""
-        with self._engine.begin() as conn:
+        with self._begin() as conn:
             for table in (trajectories, shards, namespaces):
                 conn.execute(table.delete())
             for ns in spaces:

@@ -15,7 +15,8 @@ One pass (`Maintenance.run`), for every namespace:
 3. Collection: retired shards' objects are deleted once retired for `grace_seconds` (so
    reads that looked up the old rows still find them), then their catalog rows; objects
    under `shards/` that no catalog row names (a crash between upload and commit) are
-   deleted once older than `grace_seconds`.
+   deleted once older than `orphan_seconds`, far longer than any commit takes: a shard
+   uploaded by a replica whose catalog commit is still under way is not an orphan.
 
 Objects are deleted only after the catalog no longer points at them. The clock is
 injectable, for tests.
@@ -79,6 +80,7 @@ class Maintenance:
         clock: Callable[[], float] = time.time,
         compact_below: float = 0.5,
         grace_seconds: float = 600.0,
+        orphan_seconds: float = 3600.0,
     ) -> None:
         self.engine = engine
         self.catalog = engine.catalog
@@ -86,6 +88,7 @@ class Maintenance:
         self.clock = clock
         self.compact_below = compact_below
         self.grace_seconds = grace_seconds
+        self.orphan_seconds = orphan_seconds
         self.totals = MaintenanceReport()
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> MaintenanceReport:
@@ -197,8 +200,9 @@ class Maintenance:
             self.catalog.forget_shard(key)
             report.objects_deleted += 1
         known = self.catalog.shard_keys()
+        orphaned = self.clock() - self.orphan_seconds
         for info in self.store.list(SHARD_PREFIX):
-            if info.key not in known and info.modified < cutoff:
+            if info.key not in known and info.modified < orphaned:
                 self.store.delete(info.key)
                 report.orphans_deleted += 1
         # a tombstone matters while a shard holding its segments exists; compaction never

@@ -7,12 +7,16 @@ one namespace, up to `shard_bytes`; each checks ids against the catalog, writes 
 shard with a create-only put, commits the catalog rows in one transaction, and only
 then resolves the futures. A unit whose ids are in another committer's hands waits for
 that commit, so racing puts of one id are settled by the catalog check, never by two
-shards. A unit is all-or-nothing. Pending bytes are bounded by `buffer_bytes`: a caller
+shards. When another replica commits one of the ids first, the catalog refuses the
+whole shard: the units are settled again one by one (same content: acknowledged as a
+duplicate; other content: that unit alone gets `Conflict`) and the rest go into a new
+shard. A unit is all-or-nothing. Pending bytes are bounded by `buffer_bytes`: a caller
 waits for room, then gets `Backpressure`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -22,13 +26,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from r3store.catalog import Catalog, ShardInfo, TrajectoryEntry
-from r3store.errors import Backpressure, R3StoreError
+from r3store.errors import Backpressure, Conflict, R3StoreError
 from r3store.records import PutResult, Segment, settle
 from r3store.shard import BuiltShard, ShardRow, build_shard
 from r3store.spec import RouteSpec
 from r3store.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
+_RACES = 4  # commits of one batch that may lose a race to another replica
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,8 @@ class WriterConfig:
     row_group_bytes: int = 1 << 20
     commit_interval: float = 0.0
     buffer_bytes: int = 256 << 20
-    put_timeout: float = 30.0
+    put_timeout: float = 30.0  # waiting for buffer room, then `Backpressure`
+    commit_timeout: float = 60.0  # waiting for the commit, then `StoreError` (retry)
     committers: int = 2
 
 
@@ -246,62 +252,82 @@ class GroupCommitter:
             batch = self._take()
             if batch is None:
                 return
-            if not batch:
-                continue
-            try:
-                self._commit(batch)
-            except BaseException as exc:
-                log.exception("commit of %d units failed", len(batch))
-                error = (
-                    exc if isinstance(exc, R3StoreError) else R3StoreError(f"commit failed: {exc}")
-                )
+            if batch:
+                self._process(batch)
+            del batch  # not kept alive (its routes are large) while the next one is awaited
+
+    def _process(self, batch: list[_Unit]) -> None:
+        try:
+            self._commit(batch)
+        except BaseException as exc:
+            log.exception("commit of %d units failed", len(batch))
+            error = exc if isinstance(exc, R3StoreError) else R3StoreError(f"commit failed: {exc}")
+            for unit in batch:
+                if not unit.future.done():
+                    unit.future.set_exception(error)
+        finally:
+            with self._cond:
+                self.stats.pending_bytes -= sum(u.nbytes for u in batch)
                 for unit in batch:
-                    if not unit.future.done():
-                        unit.future.set_exception(error)
-            finally:
-                with self._cond:
-                    self.stats.pending_bytes -= sum(u.nbytes for u in batch)
-                    for unit in batch:
-                        self._inflight.difference_update(
-                            (unit.namespace, row.trajectory_id) for row in unit.rows
-                        )
-                    self._active -= 1
-                    self._cond.notify_all()
+                    self._inflight.difference_update(
+                        (unit.namespace, row.trajectory_id) for row in unit.rows
+                    )
+                self._active -= 1
+                self._cond.notify_all()
 
     def _commit(self, batch: list[_Unit]) -> None:
         started = time.monotonic()
         namespace, spec = batch[0].namespace, batch[0].spec
-        ids = [row.trajectory_id for unit in batch for row in unit.rows]
-        known = {
-            tid: [as_segment(e) for e in segments]
-            for tid, segments in self._catalog.lookup(namespace, ids).items()
-        }
-        to_write: list[ShardRow] = []
-        accepted: list[tuple[_Unit, list[PutResult]]] = []
-        for unit in batch:
-            try:
-                fresh, settled = settle_rows(unit.rows, known)
-            except R3StoreError as exc:  # a conflict or a bad append: this unit only
-                unit.future.set_exception(exc)
-                continue
-            for row in fresh:
-                known.setdefault(row.trajectory_id, []).append(as_segment(row))
-            to_write.extend(fresh)
-            accepted.append((unit, [settled[(r.trajectory_id, r.start)] for r in unit.rows]))
-        if to_write:
+        accepted = self._settle(batch)
+        for _attempt in range(_RACES):
+            to_write = [row for _unit, rows, _results in accepted for row in rows]
+            if not to_write:
+                break
             built = build_shard(
                 namespace, spec, to_write, self.config.row_group_bytes, created=self._clock()
             )
             self._store.put_if_absent(built.key, built.data)
             shard, entries = shard_records(namespace, built, to_write)
-            self._catalog.commit_shard(shard, entries)
+            try:
+                self._catalog.commit_shard(shard, entries)
+            except Conflict:
+                # another replica committed some of these ids first: the shard is an
+                # orphan nobody points at; settle every unit again, each on its own
+                with contextlib.suppress(R3StoreError):
+                    self._store.delete(built.key)
+                accepted = self._settle([unit for unit, _rows, _results in accepted])
+                continue
             if self._on_shard is not None:
                 self._on_shard(built)
             with self._cond:
                 self.stats.shards_written += 1
                 self.stats.rows_written += len(to_write)
                 self.stats.bytes_written += len(built.data)
+            break
+        else:
+            raise Conflict(f"commits to {namespace!r} kept racing other writers; retry")
         with self._cond:
             self.stats.commit_seconds_total += time.monotonic() - started
-        for unit, results in accepted:
+        for unit, _rows, results in accepted:
             unit.future.set_result(results)
+
+    def _settle(self, units: list[_Unit]) -> list[tuple[_Unit, list[ShardRow], list[PutResult]]]:
+        """Settle each unit against the catalog (and the units before it): a unit with a
+        conflict or a bad append fails alone; the others keep their fresh rows."""
+        namespace = units[0].namespace
+        ids = [row.trajectory_id for unit in units for row in unit.rows]
+        known = {
+            tid: [as_segment(e) for e in segments]
+            for tid, segments in self._catalog.lookup(namespace, ids).items()
+        }
+        accepted = []
+        for unit in units:
+            try:
+                fresh, settled = settle_rows(unit.rows, known)
+            except R3StoreError as exc:
+                unit.future.set_exception(exc)
+                continue
+            for row in fresh:
+                known.setdefault(row.trajectory_id, []).append(as_segment(row))
+            accepted.append((unit, fresh, [settled[(r.trajectory_id, r.start)] for r in unit.rows]))
+        return accepted

@@ -57,8 +57,8 @@ def test_sigkill_during_compaction(tmp_path: Path) -> None:
         with open_engine(tmp_path) as engine:
             check(engine, live)
     with open_engine(tmp_path) as engine:
-        Maintenance(engine, grace_seconds=0).run()
-        Maintenance(engine, grace_seconds=0).run()
+        Maintenance(engine, grace_seconds=0, orphan_seconds=0).run()
+        Maintenance(engine, grace_seconds=0, orphan_seconds=0).run()
         check(engine, live)
         known = engine.catalog.shard_keys()
         assert {o.key for o in engine.store.list(SHARD_PREFIX)} == known, "no orphans left"

@@ -115,7 +115,7 @@ def test_failed_compaction_changes_nothing(tmp_path: Path, make_engine) -> None:
         raise StoreError("the catalog went away mid-compaction")
 
     engine.catalog.replace_shard = crash  # type: ignore[method-assign]
-    report = Maintenance(engine, grace_seconds=0).run()
+    report = Maintenance(engine, grace_seconds=0, orphan_seconds=0).run()
     assert report.shards_compacted == 0
     check_all(engine, {"w3": writes["w3"]})
     # the new shard written before the failure is an orphan: collected, nothing else is
@@ -133,7 +133,7 @@ def test_orphans_older_than_the_grace_are_collected(tmp_path: Path, make_engine)
     old = tmp_path / "o" / SHARD_PREFIX / "ns" / "0000000000001-old.parquet"
     past = time.time() - 7200
     os.utime(old, (past, past))
-    report = Maintenance(engine, grace_seconds=3600).run()
+    report = Maintenance(engine, orphan_seconds=3600).run()
     assert report.orphans_deleted == 1
     names = sorted(p.name for p in (tmp_path / "o" / SHARD_PREFIX / "ns").iterdir())
     assert "0000000000001-old.parquet" not in names

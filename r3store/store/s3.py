@@ -130,7 +130,23 @@ class S3Store(ObjectStore):
             else:
                 self._multipart(full, memoryview(data), extra)
         except (ClientError, BotoCoreError) as exc:
-            raise translate(exc, key) from exc
+            error = translate(exc, key)
+            # boto3 retries a request whose answer was lost (a timeout, a dropped
+            # connection); when the first attempt had landed, the retry of a create-only
+            # put finds the object (412), or the completed multipart upload gone (404)
+            landed = conditional and isinstance(error, ObjectExists | ObjectNotFound)
+            if landed and self._holds(key, data):
+                return
+            raise error from exc
+
+    def _holds(self, key: str, data: bytes | memoryview) -> bool:
+        """Whether the object under `key` is exactly `data`."""
+        try:
+            if self.head(key).size != len(data):
+                return False
+            return self.get(key) == bytes(data)
+        except ObjectNotFound:
+            return False
 
     def _multipart(self, full: str, data: memoryview, extra: dict[str, Any]) -> None:
         upload = self._client.create_multipart_upload(Bucket=self.bucket, Key=full)

@@ -53,6 +53,28 @@ class Postgres:
         )
         return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{name}"
 
+    def allow_connections(self, name: str, allowed: bool) -> None:
+        """Let a database take connections, or refuse them and drop those it has: an
+        outage of that database, with the server still up."""
+        import sqlalchemy as sa
+
+        admin = sa.create_engine(self.url, isolation_level="AUTOCOMMIT")
+        try:
+            with admin.connect() as conn:
+                conn.execute(
+                    sa.text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS {str(allowed).lower()}')
+                )
+                if not allowed:
+                    conn.execute(
+                        sa.text(
+                            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                            "WHERE datname = :name"
+                        ),
+                        {"name": name},
+                    )
+        finally:
+            admin.dispose()
+
     def stop(self) -> None:
         subprocess.run(
             _as_postgres(
