@@ -22,8 +22,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from r3store import codec
-from r3store.catalog import Catalog, NamespaceInfo
-from r3store.errors import Conflict, InvalidInput, NotFound, ObjectExists, StalePolicy
+from r3store.catalog import Catalog, NamespaceInfo, TrajectoryEntry
+from r3store.errors import (
+    Conflict,
+    CorruptShard,
+    InvalidInput,
+    NotFound,
+    ObjectExists,
+    ObjectNotFound,
+    StalePolicy,
+    StoreError,
+)
 from r3store.policy import NamespaceSettings, is_stale, staleness_floor
 from r3store.reader import ReaderConfig, ShardReader
 from r3store.records import (
@@ -44,6 +53,17 @@ from r3store.writer import GroupCommitter, WriterConfig, WriterStats, as_segment
 
 NAMESPACE_PREFIX = "namespaces/"
 TOMBSTONE_PREFIX = "tombstones/"
+
+
+@dataclass(frozen=True)
+class EncodedPut:
+    """A put validated and encoded, not yet committed (`Engine.encode`)."""
+
+    namespace: str
+    spec: RouteSpec
+    fresh: list[ShardRow]  # the rows to store
+    results: dict[tuple[str, int], PutResult]  # per (id, start); fresh ones until committed
+    order: list[tuple[str, int]]  # the writes' order, for the answer
 
 
 @dataclass(frozen=True)
@@ -82,6 +102,25 @@ def manifest(info: NamespaceInfo) -> bytes:
             "created_at": info.created_at,
         }
     ).encode()
+
+
+def _same_namespace(
+    existing: NamespaceInfo, spec: RouteSpec, settings: NamespaceSettings
+) -> NamespaceInfo:
+    """`existing`, if a request to create it with `spec` and `settings` is a repeat."""
+    differ = [
+        f"{name} {getattr(existing.spec, name)!r}, not {getattr(spec, name)!r}"
+        for name in RouteSpec.__dataclass_fields__
+        if getattr(existing.spec, name) != getattr(spec, name)
+    ]
+    have, want = existing.settings.model_dump(), settings.model_dump()
+    differ += [f"{key} {have[key]!r}, not {want[key]!r}" for key in have if have[key] != want[key]]
+    if differ:
+        raise Conflict(
+            f"namespace {existing.name!r} exists with other settings: {'; '.join(differ)} "
+            "(change settings with PUT .../settings)"
+        )
+    return existing
 
 
 class Engine:
@@ -126,24 +165,37 @@ class Engine:
 
     def create_namespace(
         self, name: str, spec: RouteSpec, settings: NamespaceSettings | None = None
-    ) -> NamespaceInfo:
-        """Create a namespace (one RL run) with its fixed route spec.
+    ) -> tuple[NamespaceInfo, bool]:
+        """Create a namespace (one RL run) with its fixed route spec and its settings;
+        returns it and whether it was made now.
 
-        The manifest goes to the object store first (create-only), so a catalog rebuild
-        finds namespaces that hold no shards yet. The same call again is a no-op;
-        another spec under the same name is a `Conflict`.
+        The same call again is an idempotent success (`False`); an existing namespace
+        with another spec or other settings is a `Conflict` naming what differs. The
+        manifest goes to the object store first (create-only), so a catalog rebuild
+        finds namespaces that hold no shards yet.
         """
         check_namespace(name)
         settings = settings or NamespaceSettings()
+        try:
+            return _same_namespace(self.catalog.namespace(name), spec, settings), False
+        except NotFound:
+            pass
         info = NamespaceInfo(name, spec, self.clock(), 0, settings)
+        had_manifest = False
         try:
             self.store.put_if_absent(namespace_key(name), manifest(info))
-        except ObjectExists:
+        except ObjectExists:  # made elsewhere just now, or a catalog that lost it
             stored = json.loads(self.store.get(namespace_key(name)))
             if RouteSpec(**stored["spec"]) != spec:
                 raise Conflict(f"namespace {name!r} exists with another route spec") from None
             info = dataclasses.replace(info, created_at=float(stored["created_at"]))
-        return self.catalog.create_namespace(name, spec, settings, info.created_at)
+            had_manifest = True
+        made, created = self.catalog.create_namespace(name, spec, settings, info.created_at)
+        if not created:
+            return _same_namespace(made, spec, settings), False
+        if had_manifest:  # the manifest says what the catalog now holds
+            self.store.put(namespace_key(name), manifest(made))
+        return made, True
 
     def namespace(self, name: str) -> NamespaceInfo:
         return self.catalog.namespace(check_namespace(name))
@@ -229,11 +281,15 @@ class Engine:
         stored with the same content is acknowledged again (`created=False`) without a
         second copy; the same id and start with other content raises `Conflict`; routes
         older than the staleness window raise `StalePolicy`; a full write buffer raises
-        `Backpressure`.
+        `Backpressure`. The same as `commit(encode(namespace, writes))`.
         """
+        return self.commit(self.encode(namespace, writes))
+
+    def encode(self, namespace: str, writes: Sequence[TrajectoryWrite]) -> EncodedPut:
+        """The first half of `put`: check, validate and encode `writes` (and refuse
+        what the commit would). The result no longer refers to the writes' arrays, so
+        a caller can free them before the commit."""
         info = self.namespace(namespace)
-        if not writes:
-            return []
         seen: set[tuple[str, int]] = set()
         for write in writes:
             write.check()
@@ -250,15 +306,30 @@ class Engine:
                     f"than the window (current {info.policy_version}, "
                     f"max lag {info.settings.max_policy_lag})"
                 )
-        known = self.catalog.lookup(namespace, {w.trajectory_id for w in writes})
+        known = self.catalog.lookup(namespace, {w.trajectory_id for w in writes}) if writes else {}
         stored = {tid: [as_segment(e) for e in segments] for tid, segments in known.items()}
         writes = [self._inherit(w, stored, writes) for w in writes]
         rows = [self.prepare(info.spec, write) for write in writes]
         fresh, results = settle_rows(rows, stored)  # refuse now what the commit would
-        if fresh:
-            for result in self._writer.submit(namespace, info.spec, fresh).result():
+        order = [(r.trajectory_id, r.start) for r in rows]
+        return EncodedPut(namespace, info.spec, fresh, results, order)
+
+    def commit(self, put: EncodedPut) -> list[PutResult]:
+        """The second half of `put`: store the fresh rows and wait for the commit."""
+        results = dict(put.results)
+        if put.fresh:
+            future = self._writer.submit(put.namespace, put.spec, put.fresh)
+            try:
+                committed = future.result(timeout=self.config.writer.commit_timeout)
+            except TimeoutError:
+                raise StoreError(
+                    f"the commit did not finish within {self.config.writer.commit_timeout:g} s "
+                    "(the object store or catalog is slow); it may still land: retry, "
+                    "retries are idempotent"
+                ) from None
+            for result in committed:
                 results[(result.trajectory_id, result.start)] = result
-        return [results[(r.trajectory_id, r.start)] for r in rows]
+        return [results[key] for key in put.order]
 
     @staticmethod
     def _inherit(
@@ -306,16 +377,20 @@ class Engine:
         info = self.namespace(namespace)
         for tid in ids:
             check_id(tid)
-        found = self.catalog.lookup(namespace, ids)
-        stale = []
-        if not include_stale:
-            floor = staleness_floor(info.policy_version, info.settings)
+        floor = None if include_stale else staleness_floor(info.policy_version, info.settings)
+        stale: list[str] = []
+
+        def current() -> dict[str, list[TrajectoryEntry]]:
+            found = self.catalog.lookup(namespace, ids)
+            stale.clear()
             if floor is not None:
                 for tid, segments in list(found.items()):
                     if min(s.policy_version for s in segments) < floor:
                         stale.append(tid)
                         del found[tid]
-        reads = self._reader.read(found, info.spec, decode=decode)
+            return found
+
+        reads = self._read(current, info.spec, decode)
         items: list[TrajectoryRead | None] = [reads.get(tid) for tid in ids]
         missing = [tid for tid in dict.fromkeys(ids) if tid not in reads and tid not in stale]
         return Batch(list(ids), items, missing, stale)
@@ -351,6 +426,23 @@ class Engine:
         candidates = [Candidate(tid, group, created) for tid, group, created in rows]
         chosen = choose(candidates, n, strategy, whole_groups, random.Random(seed))
         taken = self.catalog.mark_sampled(namespace, chosen, limit)
-        found = self.catalog.lookup(namespace, taken)
-        reads = self._reader.read(found, info.spec, decode=decode)
+        reads = self._read(lambda: self.catalog.lookup(namespace, taken), info.spec, decode)
         return Batch(taken, [reads.get(tid) for tid in taken], [], [])
+
+    def _read(
+        self,
+        lookup: Callable[[], dict[str, list[TrajectoryEntry]]],
+        spec: RouteSpec,
+        decode: bool,
+    ) -> dict[str, TrajectoryRead]:
+        """Read what `lookup` finds. A shard that vanished between the lookup and the
+        read (compaction moved its rows, and its grace ran out) means the catalog has
+        moved on: look up again, once."""
+        try:
+            return self._reader.read(lookup(), spec, decode=decode)
+        except ObjectNotFound:
+            pass
+        try:
+            return self._reader.read(lookup(), spec, decode=decode)
+        except ObjectNotFound as exc:
+            raise CorruptShard(f"the catalog names a shard that is missing: {exc}") from exc

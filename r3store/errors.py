@@ -95,7 +95,13 @@ class Backpressure(R3StoreError):
 
 
 class StoreError(R3StoreError):
+    """The object store or the catalog failed or did not answer in time: retryable."""
+
     code = "store_error"
+
+    def __init__(self, message: str, retry_after: float = 2.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class CorruptShard(R3StoreError):

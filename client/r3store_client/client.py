@@ -6,8 +6,9 @@
 
 Pass `http=httpx.Client(transport=httpx.ASGITransport(app))`-style clients in tests. Only
 retryable failures are retried (connection errors, 429, 502, 503, 504), with
-exponential backoff and the server's Retry-After; uploads stay idempotent because the
-server acknowledges stored content again. Errors are the project's own exceptions
+exponential backoff and the server's Retry-After, and only for idempotent calls:
+uploads are (the server acknowledges stored content again), `sample` is not (it is
+sent again only if it never reached the server). Errors are the project's own exceptions
 (`r3store.errors`), chosen by the code the server sends. A pickled client (DataLoader
 workers) drops its connection and opens a new one on first use.
 """
@@ -31,6 +32,7 @@ from r3store.spec import RouteSpec
 from r3store.wire import CONTENT_TYPE, ReadFormat, decode_batch, encode_writes
 
 RETRY_STATUS = {429, 502, 503, 504}
+NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
 @dataclass(frozen=True)
@@ -106,19 +108,25 @@ class Client:
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
-    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        """Send a request, retrying what may succeed later; raise the server's error."""
+    def request(
+        self, method: str, path: str, *, idempotent: bool = True, **kwargs: Any
+    ) -> httpx.Response:
+        """Send a request, retrying what may succeed later; raise the server's error.
+
+        A request that is not `idempotent` (sampling counts each time it is answered)
+        is sent again only when it certainly never reached the server.
+        """
         headers = {**self._headers(), **kwargs.pop("headers", {})}
         for attempt in range(self.retry.attempts):
             last = attempt == self.retry.attempts - 1
             try:
                 response = self.http.request(method, path, headers=headers, **kwargs)
             except httpx.TransportError as exc:
-                if last:
+                if last or not (idempotent or isinstance(exc, NEVER_SENT)):
                     raise StoreError(f"r3store at {self.base_url} unreachable: {exc}") from exc
                 time.sleep(self.retry.delay(attempt))
                 continue
-            if response.status_code in RETRY_STATUS and not last:
+            if response.status_code in RETRY_STATUS and idempotent and not last:
                 after = response.headers.get("retry-after")
                 wait = float(after) if after and after.isdigit() else None
                 time.sleep(self.retry.delay(attempt, wait))
@@ -196,6 +204,13 @@ class Client:
         whole_groups: bool = False,
         seed: int | None = None,
     ) -> Batch:
+        """Take up to `n` trajectories; each counts toward the namespace's sampling cap.
+
+        Not retried after the server may have acted on it (a retry would count twice):
+        a `StoreError` here means the outcome is unknown.
+        """
         body = {"n": n, "strategy": str(strategy), "whole_groups": whole_groups, "seed": seed}
-        response = self.request("POST", f"/v1/namespaces/{namespace}/routes/sample", json=body)
+        response = self.request(
+            "POST", f"/v1/namespaces/{namespace}/routes/sample", json=body, idempotent=False
+        )
         return decode_batch(response.content)[1]

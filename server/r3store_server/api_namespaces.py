@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Path
-from starlette.concurrency import run_in_threadpool
+from fastapi import APIRouter, Path, Response
 
 from r3store.models import (
     NAME_PATTERN,
@@ -14,30 +13,46 @@ from r3store.models import (
     PolicyVersionSet,
 )
 from r3store.policy import NamespaceSettings
-from r3store_server.deps import EngineDep, KeyRingDep, PrincipalDep
+from r3store_server.deps import DeadlineDep, EngineDep, KeyRingDep, PrincipalDep
 from r3store_server.errors import ERROR_RESPONSES
 
 router = APIRouter(prefix="/v1/namespaces", tags=["namespaces"], responses=ERROR_RESPONSES)
 NamespacePath = Path(pattern=NAME_PATTERN, description="the namespace")
 
 
-@router.post("", status_code=201, response_model=NamespacePublic)
+@router.post(
+    "",
+    status_code=201,
+    response_model=NamespacePublic,
+    responses={200: {"model": NamespacePublic, "description": "it exists, identical"}},
+)
 async def create_namespace(
-    body: NamespaceCreate, engine: EngineDep, keys: KeyRingDep, who: PrincipalDep
+    body: NamespaceCreate,
+    response: Response,
+    engine: EngineDep,
+    keys: KeyRingDep,
+    who: PrincipalDep,
+    deadline: DeadlineDep,
 ) -> NamespacePublic:
-    """Create a namespace with its route spec (fixed) and settings. Admin."""
+    """Create a namespace with its route spec (fixed) and settings: 201. The same
+    request again answers 200; another spec or other settings under the name, 409.
+    Admin."""
     keys.authorize(who, "manage", body.name)
-    info = await run_in_threadpool(
+    info, created = await deadline.run(
         engine.create_namespace, body.name, body.spec.to_spec(), body.settings
     )
+    if not created:
+        response.status_code = 200
     return NamespacePublic.of(info)
 
 
 @router.get("", response_model=NamespaceList)
-async def list_namespaces(engine: EngineDep, keys: KeyRingDep, who: PrincipalDep) -> NamespaceList:
+async def list_namespaces(
+    engine: EngineDep, keys: KeyRingDep, who: PrincipalDep, deadline: DeadlineDep
+) -> NamespaceList:
     """The namespaces this key may see."""
     keys.authorize(who, "describe")
-    infos = await run_in_threadpool(engine.list_namespaces)
+    infos = await deadline.run(engine.list_namespaces)
     return NamespaceList(
         namespaces=[NamespacePublic.of(i) for i in infos if who.may("describe", i.name)]
     )
@@ -45,22 +60,30 @@ async def list_namespaces(engine: EngineDep, keys: KeyRingDep, who: PrincipalDep
 
 @router.get("/{namespace}", response_model=NamespacePublic)
 async def describe_namespace(
-    engine: EngineDep, keys: KeyRingDep, who: PrincipalDep, namespace: str = NamespacePath
+    engine: EngineDep,
+    keys: KeyRingDep,
+    who: PrincipalDep,
+    deadline: DeadlineDep,
+    namespace: str = NamespacePath,
 ) -> NamespacePublic:
     """Spec, settings, current policy version and trajectory count."""
     keys.authorize(who, "describe", namespace)
-    info = await run_in_threadpool(engine.namespace, namespace)
-    count = await run_in_threadpool(engine.catalog.count, namespace)
+    info = await deadline.run(engine.namespace, namespace)
+    count = await deadline.run(engine.catalog.count, namespace)
     return NamespacePublic.of(info, count)
 
 
 @router.delete("/{namespace}", response_model=NamespaceDeleted)
 async def delete_namespace(
-    engine: EngineDep, keys: KeyRingDep, who: PrincipalDep, namespace: str = NamespacePath
+    engine: EngineDep,
+    keys: KeyRingDep,
+    who: PrincipalDep,
+    deadline: DeadlineDep,
+    namespace: str = NamespacePath,
 ) -> NamespaceDeleted:
     """Delete a namespace, its trajectories and its objects. Admin."""
     keys.authorize(who, "manage", namespace)
-    deleted = await run_in_threadpool(engine.delete_namespace, namespace)
+    deleted = await deadline.run(engine.delete_namespace, namespace)
     return NamespaceDeleted(name=namespace, objects_deleted=deleted)
 
 
@@ -70,11 +93,12 @@ async def update_settings(
     engine: EngineDep,
     keys: KeyRingDep,
     who: PrincipalDep,
+    deadline: DeadlineDep,
     namespace: str = NamespacePath,
 ) -> NamespacePublic:
     """Replace the staleness, sampling and retention settings. Admin."""
     keys.authorize(who, "manage", namespace)
-    return NamespacePublic.of(await run_in_threadpool(engine.update_settings, namespace, body))
+    return NamespacePublic.of(await deadline.run(engine.update_settings, namespace, body))
 
 
 @router.put("/{namespace}/policy-version", response_model=NamespacePublic)
@@ -83,9 +107,10 @@ async def set_policy_version(
     engine: EngineDep,
     keys: KeyRingDep,
     who: PrincipalDep,
+    deadline: DeadlineDep,
     namespace: str = NamespacePath,
 ) -> NamespacePublic:
     """The trainer's current policy version; it only moves forward. Reader or admin."""
     keys.authorize(who, "policy", namespace)
-    info = await run_in_threadpool(engine.set_policy_version, namespace, body.policy_version)
+    info = await deadline.run(engine.set_policy_version, namespace, body.policy_version)
     return NamespacePublic.of(info)

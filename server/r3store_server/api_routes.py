@@ -6,20 +6,28 @@ acknowledgements.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
 from fastapi import APIRouter, Path, Request, Response
-from starlette.concurrency import run_in_threadpool
 
-from r3store.engine import Engine
-from r3store.errors import PayloadTooLarge, UnsupportedMediaType
+from r3store.errors import InvalidInput, PayloadTooLarge, UnsupportedMediaType
 from r3store.models import NAME_PATTERN, BatchRequest, PutItem, PutResponse, SampleRequest
 from r3store.records import Batch
 from r3store.spec import RouteSpec
 from r3store.wire import CONTENT_TYPE, ReadFormat, decode_writes, encode_batch
-from r3store_server.deps import EngineDep, KeyRingDep, MetricsDep, PrincipalDep, SettingsDep
+from r3store_server.deps import (
+    BudgetDep,
+    DeadlineDep,
+    EngineDep,
+    KeyRingDep,
+    MetricsDep,
+    PrincipalDep,
+    SettingsDep,
+)
 from r3store_server.errors import ERROR_RESPONSES
+from r3store_server.limits import UPLOAD_COST, MemoryBudget, Reservation
 
 router = APIRouter(prefix="/v1/namespaces", tags=["routes"], responses=ERROR_RESPONSES)
 NamespacePath = Path(pattern=NAME_PATTERN, description="the namespace")
@@ -38,21 +46,45 @@ UPLOAD_BODY: dict[str, Any] = {
 }
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused past `limit` bytes (413) before it is all read."""
+def is_upload(path: str) -> bool:
+    """Whether `path` is the upload endpoint (its body has its own, larger limit)."""
+    return path.startswith(router.prefix + "/") and path.endswith("/trajectories")
+
+
+async def read_body(
+    request: Request, limit: int, budget: MemoryBudget, wait: float
+) -> tuple[bytearray, Reservation]:
+    """The request body and its memory reservation: refused past `limit` bytes (413),
+    or when the upload budget has no room for it within `wait` seconds (429), before
+    it is read."""
     media = request.headers.get("content-type", "").split(";")[0].strip()
     if media != CONTENT_TYPE:
         raise UnsupportedMediaType(f"send the trajectories as {CONTENT_TYPE}, not {media!r}")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    header = request.headers.get("content-length")
+    declared = int(header) if header is not None and header.isdigit() else None
+    if declared is not None and declared > limit:
         raise PayloadTooLarge(f"the body has {declared} bytes; the limit is {limit}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"the body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    reservation = await budget.admit(UPLOAD_COST * (declared or 0), wait)
+    try:
+        body = bytearray(declared or 0)
+        size = 0
+        async for chunk in request.stream():
+            if size + len(chunk) > limit:
+                raise PayloadTooLarge(f"the body exceeds the limit of {limit} bytes")
+            if declared is None:
+                reservation.grow(UPLOAD_COST * len(chunk))
+                body += chunk
+            elif size + len(chunk) > declared:
+                raise InvalidInput(f"the body is longer than its Content-Length ({declared})")
+            else:
+                body[size : size + len(chunk)] = chunk
+            size += len(chunk)
+        if declared is not None and size != declared:
+            raise InvalidInput(f"the body has {size} bytes, not its Content-Length ({declared})")
+    except BaseException:
+        reservation.release()
+        raise
+    return body, reservation
 
 
 @router.post(
@@ -68,28 +100,40 @@ async def upload(
     who: PrincipalDep,
     settings: SettingsDep,
     metrics: MetricsDep,
+    budget: BudgetDep,
+    deadline: DeadlineDep,
     namespace: str = NamespacePath,
 ) -> PutResponse:
     """Store trajectories (or appended segments); answers after the durable commit.
 
     All rows of one request are stored, or none. A retry of stored content is
     acknowledged with `created: false`; other content under a stored id is a 409. A
-    full write buffer answers 429 with Retry-After. Writer or admin.
+    full write buffer, or uploads in flight past the memory budget, answer 429 with
+    Retry-After; a slow store answers 503 with Retry-After (the upload may still land:
+    retry it). Writer or admin.
     """
     keys.authorize(who, "write", namespace)
-    body = await read_body(request, settings.max_body_bytes)
+    spec = await deadline.run(engine.spec, namespace)
+    body, reservation = await deadline.wait(
+        read_body(request, settings.max_body_bytes, budget, settings.request_timeout / 2),
+        "reading the body",
+    )
     metrics.bytes_in.inc(len(body))
-    spec = await run_in_threadpool(engine.spec, namespace)
 
     def store() -> PutResponse:
         writes = decode_writes(body, spec)
+        token_layers = sum(w.num_tokens for w in writes) * spec.num_layers
+        encoded = engine.encode(namespace, writes)
+        del writes  # nothing refers to the body any more: its memory goes before the commit
+        with contextlib.suppress(BufferError):
+            body.clear()
         started = time.perf_counter()
-        results = engine.put(namespace, writes)
+        results = engine.commit(encoded)
         metrics.commit.observe(time.perf_counter() - started)
-        metrics.token_layers_in.inc(sum(w.num_tokens for w in writes) * spec.num_layers)
+        metrics.token_layers_in.inc(token_layers)
         return PutResponse(results=[PutItem(**r.__dict__) for r in results])
 
-    return await run_in_threadpool(store)
+    return await deadline.run(store, what="the upload", reservation=reservation)
 
 
 def _answer(batch: Batch, spec: RouteSpec, fmt: ReadFormat, metrics: Any) -> Response:
@@ -108,6 +152,7 @@ async def read_batch(
     keys: KeyRingDep,
     who: PrincipalDep,
     metrics: MetricsDep,
+    deadline: DeadlineDep,
     namespace: str = NamespacePath,
 ) -> Response:
     """The routes of the trajectories a trainer rank holds, in the order asked.
@@ -123,7 +168,7 @@ async def read_batch(
         )
         return _answer(batch, engine.spec(namespace), body.format, metrics)
 
-    return await run_in_threadpool(fetch)
+    return await deadline.run(fetch, what="the read")
 
 
 @router.post("/{namespace}/routes/sample", response_class=Response, responses=ARROW)
@@ -133,17 +178,19 @@ async def sample(
     keys: KeyRingDep,
     who: PrincipalDep,
     metrics: MetricsDep,
+    deadline: DeadlineDep,
     namespace: str = NamespacePath,
 ) -> Response:
     """Take up to `n` trajectories within the staleness window (FIFO or uniform,
-    optionally whole prompt groups); each counts toward `max_times_sampled`. Reader
-    or admin."""
+    optionally whole prompt groups); each counts toward `max_times_sampled`. Not
+    idempotent: a failed sample may have counted (the client does not retry it).
+    Reader or admin."""
     keys.authorize(who, "read", namespace)
 
-    def take(eng: Engine) -> Response:
-        batch = eng.sample(
+    def take() -> Response:
+        batch = engine.sample(
             namespace, body.n, body.strategy, body.whole_groups, decode=False, seed=body.seed
         )
-        return _answer(batch, eng.spec(namespace), body.format, metrics)
+        return _answer(batch, engine.spec(namespace), body.format, metrics)
 
-    return await run_in_threadpool(take, engine)
+    return await deadline.run(take, what="the sample")

@@ -15,20 +15,28 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
+from r3store import models
 from r3store.catalog import Catalog
 from r3store.engine import Engine
 from r3store.errors import R3StoreError
 from r3store.maintenance import Maintenance
 from r3store.models import Health
+from r3store.policy import NamespaceSettings, Retention
 from r3store.store import LocalStore, ObjectStore, S3Config, S3Store
-from r3store_server import api_namespaces, api_routes, errors
+from r3store_server import api_namespaces, api_routes, errors, openapi
 from r3store_server.auth import KeyRing
 from r3store_server.deps import KeyRingDep, PrincipalDep
+from r3store_server.limits import JSON_BODY_BYTES, Deadline, JsonBodyLimit, MemoryBudget
 from r3store_server.logs import request_id
 from r3store_server.metrics import Metrics
 from r3store_server.settings import Settings
 
 log = logging.getLogger("r3store.server")
+SCHEMA_MODELS = [
+    *(getattr(models, name) for name in models.__all__),
+    NamespaceSettings,
+    Retention,
+]
 
 
 def build_store(settings: Settings) -> ObjectStore:
@@ -44,13 +52,17 @@ def build_store(settings: Settings) -> ObjectStore:
             access_key_id=key_id,
             secret_access_key=secret,
             prefix=s3.prefix,
+            connect_timeout=s3.connect_timeout,
+            read_timeout=s3.read_timeout,
+            max_attempts=s3.max_attempts,
         )
     )
 
 
 def build_engine(settings: Settings) -> Engine:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    return Engine(build_store(settings), Catalog(settings.resolved_catalog_url()))
+    catalog = Catalog(settings.resolved_catalog_url(), timeout=settings.catalog_timeout)
+    return Engine(build_store(settings), catalog)
 
 
 async def _maintain(maintenance: Maintenance, interval: float) -> None:
@@ -85,7 +97,11 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         log.info("catalog: %s", settings.resolved_catalog_url().split("@")[-1])
         if not keyring.enabled:
             log.warning("authentication is OFF (embedded store on a loopback address)")
-        maintenance = Maintenance(app.state.engine, grace_seconds=settings.maintenance_grace)
+        maintenance = Maintenance(
+            app.state.engine,
+            grace_seconds=settings.maintenance_grace,
+            orphan_seconds=settings.maintenance_orphan_age,
+        )
         app.state.maintenance = maintenance
         app.state.metrics.watch_maintenance(maintenance)
         task = None
@@ -106,11 +122,16 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         version="0.1.0",
         summary="A routing replay buffer for MoE reinforcement learning",
         lifespan=lifespan,
+        redoc_url=None,  # open: /healthz, /readyz, /openapi.json and /docs only
+        swagger_ui_oauth2_redirect_url=None,
     )
+    openapi.install(app, SCHEMA_MODELS)
     app.state.settings = settings
     app.state.keyring = keyring
     app.state.metrics = Metrics()
+    app.state.budget = MemoryBudget(settings.upload_memory_bytes)
     errors.install(app)
+    app.add_middleware(JsonBodyLimit, is_upload=api_routes.is_upload, limit=JSON_BODY_BYTES)
     app.include_router(api_namespaces.router)
     app.include_router(api_routes.router)
 
@@ -159,11 +180,13 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         responses={503: {"model": Health, "description": "store or catalog unreachable"}},
     )
     async def readyz(request: Request) -> Health | JSONResponse:
-        """The object store and the catalog answer. Open to all."""
+        """The object store and the catalog answer, within `R3STORE_READINESS_TIMEOUT`.
+        Open to all."""
         eng: Engine = request.app.state.engine
+        deadline = Deadline(settings.readiness_timeout)
         try:
-            await run_in_threadpool(eng.store.ping)
-            await run_in_threadpool(eng.catalog.ping)
+            await deadline.run(eng.store.ping, what="the object store's readiness probe")
+            await deadline.run(eng.catalog.ping, what="the catalog's readiness probe")
         except R3StoreError as exc:
             body = Health(status="unavailable", detail=str(exc))
             return JSONResponse(body.model_dump(), status_code=503)

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from r3store.catalog import ApiKeyRecord
-from r3store.errors import Forbidden, Unauthorized
+from r3store.errors import Forbidden, R3StoreError, Unauthorized
 from r3store_server.settings import ApiKeyConfig, Role, Settings
+
+log = logging.getLogger("r3store.server")
 
 ROLES: dict[Role, set[str]] = {
     "writer": {"write", "describe"},
@@ -84,10 +87,18 @@ class KeyRing:
             return []
         with self._lock:
             if force or time.monotonic() - self._cached_at > self.refresh:
-                self._cached = [
-                    _Stored(r.digest, Principal(r.name, r.role, tuple(r.namespaces)))  # type: ignore[arg-type]
-                    for r in self._catalog()
-                ]
+                try:
+                    records = self._catalog()
+                except R3StoreError as exc:  # a catalog outage: keep the keys known so far
+                    if force:
+                        raise
+                    log.warning("cannot refresh API keys from the catalog: %s", exc)
+                    records = None
+                if records is not None:
+                    self._cached = [
+                        _Stored(r.digest, Principal(r.name, r.role, tuple(r.namespaces)))  # type: ignore[arg-type]
+                        for r in records
+                    ]
                 self._cached_at = time.monotonic()
             return self._cached
 

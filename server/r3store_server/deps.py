@@ -8,6 +8,7 @@ from fastapi import Depends, Request
 
 from r3store.engine import Engine
 from r3store_server.auth import KeyRing, Principal
+from r3store_server.limits import Deadline, MemoryBudget
 from r3store_server.metrics import Metrics
 from r3store_server.settings import Settings
 
@@ -32,6 +33,16 @@ def get_keyring(request: Request) -> KeyRing:
     return keyring
 
 
+def get_budget(request: Request) -> MemoryBudget:
+    budget: MemoryBudget = request.app.state.budget
+    return budget
+
+
+async def get_deadline(request: Request) -> Deadline:
+    """The request's deadline, counted from when its handler starts."""
+    return Deadline(get_settings(request).request_timeout)
+
+
 def get_principal(request: Request) -> Principal:
     keyring = get_keyring(request)
     presented = request.headers.get("x-api-key")
@@ -46,3 +57,5 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 KeyRingDep = Annotated[KeyRing, Depends(get_keyring)]
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
+BudgetDep = Annotated[MemoryBudget, Depends(get_budget)]
+DeadlineDep = Annotated[Deadline, Depends(get_deadline)]

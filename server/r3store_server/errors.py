@@ -48,7 +48,7 @@ def install(app: FastAPI) -> None:
         status = status_of(exc)
         request.state.error_code = exc.code
         headers = {}
-        if isinstance(exc, errors.Backpressure):
+        if isinstance(exc, errors.Backpressure | errors.StoreError):
             headers["Retry-After"] = str(max(1, round(exc.retry_after)))
         if status == 401:
             headers["WWW-Authenticate"] = "Bearer"
@@ -66,7 +66,9 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        code = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(
+            exc.status_code, "http_error"
+        )
         request.state.error_code = code
         return JSONResponse(body(code, str(exc.detail)), status_code=exc.status_code)
 

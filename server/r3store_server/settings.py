@@ -18,6 +18,8 @@ from typing import Literal
 from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from r3store_server.limits import UPLOAD_COST
+
 Role = Literal["writer", "reader", "admin"]
 
 
@@ -33,6 +35,9 @@ class S3Settings(BaseModel):
     access_key_id_file: Path | None = None
     secret_access_key_file: Path | None = None
     prefix: str = ""
+    connect_timeout: float = Field(5.0, gt=0, description="seconds to connect to S3")
+    read_timeout: float = Field(10.0, gt=0, description="seconds S3 may take to answer")
+    max_attempts: int = Field(3, ge=1, le=10, description="tries of each S3 request")
 
     def credentials(self) -> tuple[str | None, str | None]:
         """(access key id, secret key): from the values, else from the files."""
@@ -88,8 +93,39 @@ class Settings(BaseSettings):
         60.0, ge=0, description="seconds between retention and compaction passes; 0: off"
     )
     maintenance_grace: float = Field(
-        600.0, ge=0, description="seconds before retired shards and orphans are deleted"
+        600.0, ge=0, description="seconds a retired shard stays readable before deletion"
     )
+    maintenance_orphan_age: float = Field(
+        3600.0,
+        ge=60,
+        description="seconds before an object no catalog row names is deleted "
+        "(longer than any commit takes)",
+    )
+    request_timeout: float = Field(
+        30.0, gt=0, description="seconds a request may take before it answers 503"
+    )
+    readiness_timeout: float = Field(
+        3.0, gt=0, description="seconds /readyz waits for the store and the catalog"
+    )
+    catalog_timeout: float = Field(
+        10.0, gt=0, description="seconds a catalog call may wait (connection, lock, query)"
+    )
+    upload_memory_bytes: int = Field(
+        768 << 20,
+        ge=1 << 20,
+        description=f"memory for uploads in flight ({UPLOAD_COST}x each body); "
+        "beyond it uploads answer 429",
+    )
+
+    @model_validator(mode="after")
+    def _budget_fits_a_body(self) -> Settings:
+        if self.upload_memory_bytes < UPLOAD_COST * self.max_body_bytes:
+            raise ValueError(
+                f"R3STORE_UPLOAD_MEMORY_BYTES ({self.upload_memory_bytes}) must be at least "
+                f"{UPLOAD_COST}x R3STORE_MAX_BODY_BYTES ({self.max_body_bytes}), or the "
+                "largest upload could never be admitted"
+            )
+        return self
 
     @property
     def embedded(self) -> bool:
