@@ -1,4 +1,4 @@
-"""Run the benchmarks: `python -m bench [--quick] [--only codec,engine,memory]`."""
+"""Run the benchmarks: `python -m bench [--quick] [--only codec,engine,...,hardening]`."""
 
 from __future__ import annotations
 
@@ -6,7 +6,14 @@ import argparse
 import time
 from pathlib import Path
 
-from bench import catalog_bench, codec_bench, engine_bench, http_bench, memory_bench
+from bench import (
+    catalog_bench,
+    codec_bench,
+    engine_bench,
+    hardening_bench,
+    http_bench,
+    memory_bench,
+)
 from bench.figures import Figure, print_table, write_json
 from r3store.testing import seaweedfs
 
@@ -16,12 +23,13 @@ RESULTS = Path(__file__).parent / "results" / "latest.json"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
-    parser.add_argument("--only", default="codec,engine,http,catalog,memory")
+    parser.add_argument("--only", default="codec,engine,http,catalog,memory,hardening")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     sections = set(args.only.split(","))
     started = time.perf_counter()
     figures: list[Figure] = []
+    details: dict[str, object] = {}
     if "codec" in sections:
         print("codec ...", flush=True)
         figures += codec_bench.run(tokens=1024 if args.quick else 4096)
@@ -38,9 +46,14 @@ def main() -> None:
     if "memory" in sections:
         print("memory ...", flush=True)
         figures += memory_bench.run((1 << 28) if args.quick else (4 << 30))
+    if "hardening" in sections:
+        print("hardening (fuzzing uploads, then upload memory) ...", flush=True)
+        more, detail = hardening_bench.run(quick=args.quick)
+        figures += more
+        details.update(detail)
     print()
     print_table(figures)
-    write_json(figures, args.out, time.perf_counter() - started)
+    write_json(figures, args.out, time.perf_counter() - started, details)
     print(f"\nwrote {args.out}")
 
 

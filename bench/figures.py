@@ -48,12 +48,15 @@ def print_table(figures: list[Figure]) -> None:
         print(f"{f.name:<58} {f.value:12.4g} {f.unit:<16} {base:>12} {ratio:>7}  {f.target or ''}")
 
 
-def write_json(figures: list[Figure], path: Path, seconds: float) -> None:
+def write_json(
+    figures: list[Figure], path: Path, seconds: float, details: dict[str, object] | None = None
+) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"python": platform.python_version(), "cpu_count": __import__("os").cpu_count()},
         "seconds": round(seconds, 1),
         "figures": [{**asdict(f), "ratio": f.ratio} for f in figures],
+        **({"details": details} if details else {}),
     }
     path.write_text(json.dumps(doc, indent=2) + "\n")
