@@ -1,0 +1,457 @@
+"""Rollout Routing Replay through Megatron-Core's own `RouterReplay` (torch and
+megatron-core required; both imported only here).
+
+Megatron-Core (`TransformerConfig(moe_enable_routing_replay=True)`) gives every
+`TopKRouter` a `RouterReplay` instance, kept in the process-wide list
+`RouterReplay.global_router_replay_instances` in build order; `set_replay_data` takes
+one `[tokens, top_k]` index tensor per instance, in the order that rank's router sees
+its tokens. Getting that order wrong trains on the wrong experts without an error, so
+it is computed here from the layout the trainer uses (docs/replay.md states the rules):
+
+- `sbhd`: the router sees `[s, b]` flattened sequence-major (token `s * b + j`).
+- `thd` (packed sequences): `[t, 1]`; sequence `i` occupies `[cu_seqlens_padded[i],
+  cu_seqlens_padded[i + 1])`, its real tokens first, then padding.
+- context parallelism (cp > 1): each sequence (sbhd: the whole batch's sequence axis)
+  is cut into `2 * cp` chunks and rank `r` keeps chunks `r` and `2 * cp - 1 - r`, as
+  `megatron.core.utils.get_batch_on_this_cp_rank` does; for thd, per sequence.
+- sequence parallelism: each tensor-parallel rank's router sees its contiguous slice of
+  the (context-parallel local) sequence axis, as `scatter_to_sequence_parallel_region`.
+- pipeline parallelism: a stage holds only its MoE layers' routers (virtual stages
+  chunk by chunk; dense layers have none); each is mapped to r3store's layer axis by
+  its global layer number.
+
+Token-layers without a recorded route (padding, the last sampled token, a prompt the
+engine did not route) are given to Megatron as `-1` rows, and replay falls back to the
+live router for exactly those rows; they are never replayed as expert 0.
+
+    replay = MegatronReplay(model, spec)              # checks the model against the spec
+    layout = TokenLayout.sbhd(lengths, seq_len=4096, parallel=Parallel.of_this_rank())
+    with replay.micro_batch(routes, layout) as step:  # clears, loads, REPLAY_FORWARD
+        loss = forward(model, batch)
+        step.backward(loss)                           # REPLAY_BACKWARD, then backward
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from r3store.errors import InvalidRoutes
+from r3store.spec import RouteSpec
+from r3store_client.tensors import RouteTensors
+
+
+def _megatron() -> Any:
+    try:
+        from megatron.core.transformer.moe import router, router_replay
+    except ImportError as exc:  # pragma: no cover - exercised without megatron-core only
+        raise ImportError(
+            "r3store_client.megatron needs megatron-core (pip install megatron-core)"
+        ) from exc
+    return types.SimpleNamespace(
+        TopKRouter=router.TopKRouter,
+        RouterReplay=router_replay.RouterReplay,
+        Action=router_replay.RouterReplayAction,
+    )
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """This rank's place in the tensor- and context-parallel groups.
+
+    `Parallel(tp_size=2, tp_rank=1, sequence_parallel=True, cp_size=2, cp_rank=0)`;
+    `Parallel.of_this_rank(config)` reads Megatron's `parallel_state`.
+    """
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    sequence_parallel: bool = False
+    cp_size: int = 1
+    cp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        for size, rank, what in (
+            (self.tp_size, self.tp_rank, "tp"),
+            (self.cp_size, self.cp_rank, "cp"),
+        ):
+            if size < 1 or not 0 <= rank < size:
+                raise ValueError(f"{what} rank {rank} is not in [0, {size})")
+
+    @classmethod
+    def of_this_rank(cls, sequence_parallel: bool) -> Parallel:
+        from megatron.core import parallel_state
+
+        return cls(
+            tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+            sequence_parallel=sequence_parallel,
+            cp_size=parallel_state.get_context_parallel_world_size(),
+            cp_rank=parallel_state.get_context_parallel_rank(),
+        )
+
+
+def _cp_chunks(length: int, cp_size: int, cp_rank: int, what: str) -> torch.Tensor:
+    """Offsets within a `length`-long sequence kept by context-parallel rank `cp_rank`."""
+    if cp_size == 1:
+        return torch.arange(length)
+    if length % (2 * cp_size):
+        raise ValueError(f"{what} ({length}) is not a multiple of 2 * cp = {2 * cp_size}")
+    chunk = length // (2 * cp_size)
+    first, second = cp_rank, 2 * cp_size - 1 - cp_rank
+    return torch.cat(
+        [
+            torch.arange(first * chunk, (first + 1) * chunk),
+            torch.arange(second * chunk, (second + 1) * chunk),
+        ]
+    )
+
+
+def _sp_slice(count: int, parallel: Parallel, what: str) -> slice:
+    if not parallel.sequence_parallel or parallel.tp_size == 1:
+        return slice(0, count)
+    if count % parallel.tp_size:
+        raise ValueError(f"{what} ({count}) is not a multiple of tp = {parallel.tp_size}")
+    per = count // parallel.tp_size
+    return slice(parallel.tp_rank * per, (parallel.tp_rank + 1) * per)
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """The tokens one rank's routers see, in their order: `sequence[n]`, `token[n]` name
+    the micro-batch sequence and its token (both -1 for padding). `lengths` are the
+    sequences' real token counts, checked against the routes."""
+
+    sequence: torch.Tensor
+    token: torch.Tensor
+    lengths: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.sequence.numel())
+
+    @classmethod
+    def sbhd(
+        cls,
+        lengths: Sequence[int],
+        seq_len: int,
+        parallel: Parallel = Parallel(),
+        first: Sequence[int] | None = None,
+    ) -> TokenLayout:
+        """A `[s, b]` batch of `seq_len` positions; sequence `j` starts at position
+        `first[j]` (0: right padding) and has `lengths[j]` tokens."""
+        lengths = tuple(int(n) for n in lengths)
+        first = tuple(int(f) for f in first) if first is not None else (0,) * len(lengths)
+        if len(first) != len(lengths):
+            raise ValueError("give one first position per sequence")
+        for j, (n, f) in enumerate(zip(lengths, first, strict=True)):
+            if f < 0 or f + n > seq_len:
+                raise ValueError(f"sequence {j} ({n} tokens from {f}) does not fit {seq_len}")
+        positions = _cp_chunks(seq_len, parallel.cp_size, parallel.cp_rank, "the sequence length")
+        positions = positions[_sp_slice(positions.numel(), parallel, "the local sequence length")]
+        batch = len(lengths)
+        s = positions.repeat_interleave(batch)  # sequence-major: [s, b] flattened
+        b = torch.arange(batch).repeat(positions.numel())
+        starts = torch.tensor(first, dtype=torch.long)[b]
+        ends = starts + torch.tensor(lengths, dtype=torch.long)[b]
+        real = (s >= starts) & (s < ends)
+        return cls(torch.where(real, b, -1), torch.where(real, s - starts, -1), lengths)
+
+    @classmethod
+    def thd(
+        cls,
+        lengths: Sequence[int],
+        cu_seqlens_padded: Sequence[int] | torch.Tensor | None = None,
+        parallel: Parallel = Parallel(),
+    ) -> TokenLayout:
+        """Packed sequences: sequence `i` holds `lengths[i]` real tokens at the start of
+        `[cu_seqlens_padded[i], cu_seqlens_padded[i + 1])` (default: no padding)."""
+        lengths = tuple(int(n) for n in lengths)
+        if cu_seqlens_padded is None:
+            bounds = [0]
+            for n in lengths:
+                bounds.append(bounds[-1] + n)
+        else:
+            bounds = [int(x) for x in torch.as_tensor(cu_seqlens_padded).tolist()]
+        if len(bounds) != len(lengths) + 1 or bounds[0] != 0:
+            raise ValueError(
+                "cu_seqlens_padded must start at 0 and have one entry per sequence + 1"
+            )
+        sequences, tokens = [], []
+        for i, n in enumerate(lengths):
+            padded = bounds[i + 1] - bounds[i]
+            if padded < n:
+                raise ValueError(f"sequence {i}: {n} tokens do not fit its {padded} packed slots")
+            offsets = _cp_chunks(
+                padded, parallel.cp_size, parallel.cp_rank, f"sequence {i}'s padded length"
+            )
+            real = offsets < n
+            sequences.append(torch.where(real, i, -1))
+            tokens.append(torch.where(real, offsets, -1))
+        sequence = torch.cat(sequences) if sequences else torch.zeros(0, dtype=torch.long)
+        token = torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long)
+        local = _sp_slice(sequence.numel(), parallel, "the local packed length")
+        return cls(sequence[local], token[local], lengths)
+
+
+def layer_indices(
+    routes: RouteTensors, layout: TokenLayout, layers: Sequence[int]
+) -> list[torch.Tensor]:
+    """Per MoE layer in `layers` (indices into the routes' layer axis), the `[N, K]`
+    int64 expert ids of the tokens `layout` names, in its order; `-1` rows where no
+    route was recorded (or for padding). A token-layer with fewer than K experts cannot
+    be replayed by Megatron's top-k and is refused."""
+    if routes.ids.dim() != 4:
+        raise InvalidRoutes("Megatron replay takes padded routes [B, T, L, K]")
+    length = routes.ids.shape[1]
+    have = tuple(int(n) for n in routes.lengths.tolist())
+    if len(have) != len(layout.lengths):
+        raise InvalidRoutes(
+            f"routes do not line up with the batch: the batch has {len(layout.lengths)} "
+            f"sequences, the routes {len(have)}"
+        )
+    for i, (ours, theirs) in enumerate(zip(have, layout.lengths, strict=True)):
+        if ours != theirs:
+            raise InvalidRoutes(
+                f"routes do not line up with the batch: sequence {i} has {theirs} tokens "
+                f"in the batch but {ours} in the routes"
+            )
+    real = layout.sequence >= 0
+    seq = layout.sequence.clamp(min=0)
+    tok = layout.token.clamp(min=0, max=max(length - 1, 0))
+    ids = routes.ids[seq, tok]  # [N, L, K]
+    valid = routes.valid[seq, tok] & real[:, None, None]
+    full = valid.all(dim=-1)  # [N, L]
+    partial = valid.any(dim=-1) & ~full
+    if bool(partial.any()):
+        n, layer = (int(x) for x in partial.nonzero()[0])
+        raise InvalidRoutes(
+            f"sequence {int(layout.sequence[n])}, token {int(layout.token[n])}, layer "
+            f"{layer} has fewer than top_k experts: Megatron's top-k cannot replay it"
+        )
+    out = []
+    for layer in layers:
+        chosen = ids[:, layer, :].to(torch.int64)
+        out.append(torch.where(full[:, layer, None], chosen, torch.full_like(chosen, -1)))
+    return out
+
+
+def _replay_topk(
+    self: Any,
+    scores: torch.Tensor,
+    topk: int,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    default_compute_topk: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`RouterReplay.get_replay_topk` with a fallback: `-1` rows take the live router's
+    top-k; the others are replayed exactly as Megatron does (scores gathered at the
+    replayed experts)."""
+    action = self.router_replay_action
+    replaying = action in (self._r3_actions.REPLAY_FORWARD, self._r3_actions.REPLAY_BACKWARD)
+    if not replaying:
+        result: tuple[torch.Tensor, torch.Tensor] = self._r3_original(
+            scores, topk, num_groups, group_topk, default_compute_topk
+        )
+        return result
+    if action == self._r3_actions.REPLAY_FORWARD:
+        indices = self.target_topk_idx
+    else:
+        indices = self.replay_backward_list.pop(0)
+    if indices is None:
+        raise RuntimeError("router replay is on but no routes were loaded for this layer")
+    indices = indices.to(scores.device)
+    if indices.shape != (scores.shape[0], topk):
+        raise InvalidRoutes(
+            f"a router sees {scores.shape[0]} tokens with top-{topk}; the replayed routes "
+            f"are {list(indices.shape)}"
+        )
+    live = (indices < 0).any(dim=-1, keepdim=True)
+    if bool(live.any()):
+        _probs, chosen = default_compute_topk(scores, topk, num_groups, group_topk)
+        indices = torch.where(live, chosen, indices)
+    return scores.gather(1, indices), indices
+
+
+class MegatronReplay:
+    """Megatron-Core's `RouterReplay` driven with r3store's routes, for one model.
+
+    `model` is a module or the list of virtual-pipeline chunks this rank holds.
+    Attaching checks the routers against `spec` (top-k, experts, MoE layer count;
+    configurations under which Megatron would skip or alter replay are refused) and
+    makes the process-wide instance list exactly this model's routers, so instances of
+    a temporary model built earlier can neither leak nor shift the layer order.
+    `layers[i]` is the r3store layer of this rank's i-th router (default: from the
+    routers' global layer numbers and the config's MoE layer pattern).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | Sequence[nn.Module],
+        spec: RouteSpec,
+        layers: Sequence[int] | None = None,
+    ) -> None:
+        self._m = _megatron()
+        chunks = [model] if isinstance(model, nn.Module) else list(model)
+        routers = [
+            m for chunk in chunks for m in chunk.modules() if isinstance(m, self._m.TopKRouter)
+        ]
+        if not routers:
+            raise ValueError("the model has no Megatron TopKRouter (no MoE layer on this rank?)")
+        config = routers[0].config
+        self._check(config, spec)
+        missing = [r.layer_number for r in routers if r.router_replay is None]
+        if missing:
+            raise ValueError(
+                f"routers of layers {missing} have no RouterReplay: build the model with "
+                "TransformerConfig(moe_enable_routing_replay=True)"
+            )
+        self.spec = spec
+        self.routers = routers
+        self.layers = list(layers) if layers is not None else self._layer_map(config, spec, routers)
+        if len(self.layers) != len(routers):
+            raise ValueError(f"{len(self.layers)} layers given for {len(routers)} routers")
+        bad = [layer for layer in self.layers if not 0 <= layer < spec.num_layers]
+        if bad:
+            raise ValueError(f"layers {bad} are outside the routes' {spec.num_layers} layers")
+        self.instances = [r.router_replay for r in routers]
+        registry = self._m.RouterReplay.global_router_replay_instances
+        registry[:] = list(self.instances)  # this model's, in build order; nothing else
+        for instance in self.instances:
+            instance.__dict__.pop("get_replay_topk", None)  # attached before: start afresh
+            instance._r3_original = instance.get_replay_topk
+            instance._r3_actions = self._m.Action
+            instance.get_replay_topk = types.MethodType(_replay_topk, instance)
+
+    @staticmethod
+    def _check(config: Any, spec: RouteSpec) -> None:
+        problems = []
+        if config.moe_router_topk != spec.top_k:
+            problems.append(f"top-k {config.moe_router_topk} (routes: {spec.top_k})")
+        if config.num_moe_experts != spec.num_experts:
+            problems.append(f"{config.num_moe_experts} experts (routes: {spec.num_experts})")
+        if getattr(config, "moe_router_fusion", False):
+            problems.append("moe_router_fusion (the fused top-k bypasses replay)")
+        if config.moe_router_load_balancing_type == "sinkhorn" or (
+            isinstance(config.moe_router_load_balancing_type, list)
+            and "sinkhorn" in config.moe_router_load_balancing_type
+        ):
+            problems.append("sinkhorn routing (it bypasses replay)")
+        if getattr(config, "moe_router_force_load_balancing", False):
+            problems.append("moe_router_force_load_balancing (random logits, for benchmarks)")
+        if config.moe_expert_capacity_factor is not None:
+            problems.append(
+                "moe_expert_capacity_factor (token dropping would drop replayed experts)"
+            )
+        if problems:
+            raise ValueError("the model does not match the routes: " + "; ".join(problems))
+
+    @staticmethod
+    def _layer_map(config: Any, spec: RouteSpec, routers: list[Any]) -> list[int]:
+        """r3store layer of each router: its position among the model's MoE layers when
+        the routes hold only MoE layers, its layer number when they hold every layer."""
+        freq = config.moe_layer_freq
+        if isinstance(freq, int):
+            pattern = [1 if i % freq == 0 else 0 for i in range(config.num_layers)]
+        else:
+            pattern = list(freq)
+        moe_numbers = [i + 1 for i, is_moe in enumerate(pattern) if is_moe]
+        numbers = [r.layer_number for r in routers]
+        if spec.num_layers == len(moe_numbers):
+            where = {n: i for i, n in enumerate(moe_numbers)}
+            unknown = [n for n in numbers if n not in where]
+            if unknown:
+                raise ValueError(f"routers of layers {unknown} are not MoE layers of the config")
+            return [where[n] for n in numbers]
+        if spec.num_layers == config.num_layers:
+            return [n - 1 for n in numbers]
+        raise ValueError(
+            f"the routes have {spec.num_layers} layers; the model has {len(moe_numbers)} "
+            f"MoE layers of {config.num_layers}: give `layers` explicitly"
+        )
+
+    def detach(self) -> None:
+        """Give the routers back their own top-k and leave the instance list empty."""
+        for instance in self.instances:
+            instance.__dict__.pop("get_replay_topk", None)  # Megatron's own method again
+            instance.clear_indices()
+            instance.clear_router_replay_action()
+        registry = self._m.RouterReplay.global_router_replay_instances
+        registry[:] = [r for r in registry if r not in self.instances]
+
+    def indices(self, routes: RouteTensors, layout: TokenLayout) -> list[torch.Tensor]:
+        """What `set_replay_data` gets: one `[N, K]` tensor per router of this rank."""
+        return layer_indices(routes, layout, self.layers)
+
+    def load(self, routes: RouteTensors, layout: TokenLayout, device: Any = None) -> None:
+        """Clear what earlier micro-batches left, load this one's routes, and replay
+        them in the forward pass (`REPLAY_FORWARD`)."""
+        data = self.indices(routes, layout)
+        if device is not None:
+            data = [d.to(device, non_blocking=True) for d in data]
+        self._m.RouterReplay.clear_global_indices()
+        self._m.RouterReplay.set_replay_data(data)
+        self._m.RouterReplay.set_global_router_replay_action(self._m.Action.REPLAY_FORWARD)
+
+    def before_backward(self) -> None:
+        """Recomputation during backward replays the same routes (`REPLAY_BACKWARD`)."""
+        self._m.RouterReplay.set_global_router_replay_action(self._m.Action.REPLAY_BACKWARD)
+
+    def finish(self) -> None:
+        self._m.RouterReplay.clear_global_indices()
+        self._m.RouterReplay.clear_global_router_replay_action()
+
+    @contextmanager
+    def micro_batch(
+        self, routes: RouteTensors, layout: TokenLayout, device: Any = None
+    ) -> Iterator[MicroBatch]:
+        self.load(routes, layout, device)
+        try:
+            yield MicroBatch(self)
+        finally:
+            self.finish()
+
+    @contextmanager
+    def record(self) -> Iterator[list[torch.Tensor]]:
+        """Let the live routers choose and record their top-k (`RECORD`); the list is
+        filled with one `[N, K]` tensor per router when the block ends."""
+        recorded: list[torch.Tensor] = []
+        self._m.RouterReplay.clear_global_indices()
+        self._m.RouterReplay.set_global_router_replay_action(self._m.Action.RECORD)
+        try:
+            yield recorded
+            recorded.extend(self._m.RouterReplay.get_recorded_data())
+        finally:
+            self.finish()
+
+
+@dataclass
+class MicroBatch:
+    replay: MegatronReplay
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward with recomputation replaying this micro-batch's routes."""
+        self.replay.before_backward()
+        loss.backward()  # type: ignore[no-untyped-call]
+
+
+def gather_recorded(
+    recorded: Sequence[torch.Tensor], layout: TokenLayout, layers: Sequence[int], spec: RouteSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `layer_indices` for what one rank's routers recorded: `[B, T, L, K]`
+    ids (int32) and a `[B, T, L]` mask of the token-layers this rank saw."""
+    batch = len(layout.lengths)
+    length = max(layout.lengths, default=0)
+    ids = torch.zeros((batch, length, spec.num_layers, spec.top_k), dtype=torch.int32)
+    seen = torch.zeros((batch, length, spec.num_layers), dtype=torch.bool)
+    real = layout.sequence >= 0
+    seq, tok = layout.sequence[real], layout.token[real]
+    for data, layer in zip(recorded, layers, strict=True):
+        ids[seq, tok, layer] = data[real].to(torch.int32).cpu()
+        seen[seq, tok, layer] = True
+    return ids, seen
