@@ -1,52 +1,51 @@
-"""Router replay on tiny HF transformers MoE models built from configs (no downloads)."""
+"""Router replay on tiny HF transformers MoE models built from configs (no downloads):
+every family replay knows replays its own routes to identical outputs, replays drifted
+routers onto exactly the given experts with gradient reaching the router, and any
+other router is refused."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
-from transformers import (
-    MixtralConfig,
-    MixtralForCausalLM,
-    OlmoeConfig,
-    OlmoeForCausalLM,
-    Qwen3MoeConfig,
-    Qwen3MoeForCausalLM,
-)
+import transformers
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from r3store_client.replay import RouterReplay, same_sets, sigmoid_gate, softmax_gate
+from hf_tiny import COMMON, TINY
+from r3store.errors import InvalidRoutes
+from r3store_client.hf_routers import FAMILIES
+from r3store_client.replay import RouterReplay
 from r3store_client.tensors import RouteTensors
 
+KNOWN = [name for name, (_t, _m, router, _k) in TINY.items() if router in FAMILIES]
+UNKNOWN = [name for name, (_t, _m, router, _k) in TINY.items() if router not in FAMILIES]
+BIASES = ("e_score_correction_bias", "expert_bias")
 
-def tiny(kind: str) -> torch.nn.Module:
+
+def tiny(name: str, dtype: torch.dtype = torch.float32) -> Any:
+    model_type, auto, _router, kwargs = TINY[name]
+    config = CONFIG_MAPPING[model_type](**{**COMMON, **kwargs})
     torch.manual_seed(0)
-    common = dict(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    if kind == "qwen3_moe":
-        config = Qwen3MoeConfig(
-            **common,
-            moe_intermediate_size=16,
-            num_experts=16,
-            num_experts_per_tok=4,
-            norm_topk_prob=True,
-            head_dim=8,
-        )
-        model = Qwen3MoeForCausalLM(config)
-    elif kind == "olmoe":
-        config = OlmoeConfig(**common, num_experts=16, num_experts_per_tok=4, norm_topk_prob=False)
-        model = OlmoeForCausalLM(config)
-    else:
-        config = MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2)
-        model = MixtralForCausalLM(config)
-    for p in model.parameters():  # random init; routers visible enough to disagree
-        torch.nn.init.normal_(p, std=0.3)
+    model = getattr(transformers, auto).from_config(config, dtype=dtype)
+    with torch.no_grad():  # routers visible enough to disagree; biases that matter
+        for module in model.modules():
+            if type(module).__name__ == TINY[name][2]:
+                for p in module.parameters():
+                    p.normal_(0.0, 0.5)
+            for buffer_name, buffer in module.named_buffers(recurse=False):
+                if buffer_name in BIASES or buffer_name.endswith("correction_bias"):
+                    buffer.normal_(0.0, 0.05)
+            for param_name, param in module.named_parameters(recurse=False):
+                if param_name in BIASES or param_name.endswith("correction_bias"):
+                    param.normal_(0.0, 0.05)
     return model.eval()
+
+
+def run(model: Any, tokens: torch.Tensor) -> torch.Tensor:
+    out = model(input_ids=tokens)
+    result: torch.Tensor = out.logits if hasattr(out, "logits") else out.last_hidden_state
+    return result
 
 
 def routes_of(ids: torch.Tensor) -> RouteTensors:
@@ -57,106 +56,125 @@ def routes_of(ids: torch.Tensor) -> RouteTensors:
     )
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "olmoe"])
-def test_recorded_routes_replay_exactly(kind: str) -> None:
-    model = tiny(kind)
-    replayer = RouterReplay(model)
-    tokens = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad(), replayer.record() as recorded:
-        first = model(tokens).logits
-    ids = recorded.ids
-    assert ids.shape[:3] == (2, 10, replayer.num_layers)
+def chosen_by_routers(replayer: RouterReplay) -> tuple[list[torch.Tensor], list[Any]]:
+    seen: list[torch.Tensor] = []
+    handles = [
+        r.register_forward_hook(lambda _m, _i, out: seen.append(out[2].clone()))
+        for r in replayer.routers
+    ]
+    return seen, handles
 
-    # replaying the recorded routes into a second run gives the first run's outputs
-    with torch.no_grad(), replayer.replay(routes_of(ids)):
-        again = model(tokens).logits
-    assert torch.allclose(first, again, atol=1e-5)
-    assert replayer.agreement == [1.0] * replayer.num_layers
 
-    # a trainer whose routers drifted: replay makes every layer use exactly the
-    # replayed experts (checked at the experts' input), whatever its routers say
+def drift(replayer: RouterReplay) -> None:
     with torch.no_grad():
         for router in replayer.routers:
-            router.weight.add_(torch.randn_like(router.weight) * 0.5)
-    used: list[torch.Tensor] = []
-    blocks = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
-    handles = [
-        b.register_forward_pre_hook(lambda _m, args: used.append(args[1].clone())) for b in blocks
-    ]
-    try:
-        with torch.no_grad():
-            drifted = model(tokens).logits
-        live_used = list(used)
-        used.clear()
-        with torch.no_grad(), replayer.replay(routes_of(ids)):
-            replayed = model(tokens).logits
-    finally:
-        for h in handles:
-            h.remove()
-    for layer, chosen in enumerate(used):
-        assert torch.equal(chosen.reshape(2, 10, -1).to(torch.int32), ids[:, :, layer])
+            for p in router.parameters():
+                p.add_(torch.randn_like(p))
+
+
+TOKENS = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("name", KNOWN)
+def test_a_family_replays_itself_exactly(name: str) -> None:
+    model = tiny(name)
+    replayer = RouterReplay(model)
+    with torch.no_grad(), replayer.record() as recorded:
+        first = run(model, TOKENS)
+    ids = recorded.ids
+    assert ids.shape[:3] == (2, 8, replayer.num_layers)
+    with torch.no_grad(), replayer.replay(routes_of(ids)):
+        again = run(model, TOKENS)
+    assert torch.equal(first, again)  # the model's own gate, bit for bit
+    assert replayer.agreement == [1.0] * replayer.num_layers
+
+    # routers that drifted: each one runs exactly the replayed experts
+    drift(replayer)
+    with torch.no_grad():
+        drifted = run(model, TOKENS)
+    seen, handles = chosen_by_routers(replayer)
+    with torch.no_grad(), replayer.replay(routes_of(ids)):
+        replayed = run(model, TOKENS)
+    for handle in handles:
+        handle.remove()
+    for layer, chosen in enumerate(seen):
+        assert torch.equal(chosen.reshape(2, 8, -1).to(torch.int32), ids[:, :, layer])
     assert min(replayer.agreement) < 1.0, "the drifted routers disagree somewhere"
-    assert any(not torch.equal(a, b) for a, b in zip(live_used, used, strict=True))
-    assert not torch.allclose(drifted, replayed)
+    assert not torch.equal(drifted, replayed)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "minimax_m2", "deepseek_v3", "lfm2_moe", "jamba"])
+def test_exact_in_bfloat16(name: str) -> None:
+    model = tiny(name, torch.bfloat16)
+    replayer = RouterReplay(model)
+    with torch.no_grad(), replayer.record() as recorded:
+        first = run(model, TOKENS)
+    with torch.no_grad(), replayer.replay(routes_of(recorded.ids)):
+        again = run(model, TOKENS)
+    assert torch.equal(first, again)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_the_router_learns_under_replay(name: str) -> None:
+    model = tiny(name).train()
+    replayer = RouterReplay(model)
+    with torch.no_grad(), replayer.record() as recorded:
+        run(model, TOKENS)
+    experts = replayer.experts[0]
+    forced = (recorded.ids + 1) % experts  # experts the live router did not pick...
+    forced[..., 1] = (forced[..., 0] + 1) % experts  # ...distinct within each row
+    with replayer.replay(routes_of(forced)):
+        run(model, TOKENS).float().pow(2).mean().backward()
+    for router in replayer.routers:
+        grads = [p.grad for p in router.parameters() if p.requires_grad]
+        assert grads
+        assert all(g is not None and float(g.abs().sum()) > 0 for g in grads)
 
 
 def test_unrecorded_token_layers_fall_back_to_the_live_router() -> None:
     model = tiny("qwen3_moe")
     replayer = RouterReplay(model)
-    tokens = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(2))
     with torch.no_grad(), replayer.record() as recorded:
-        first = model(tokens).logits
+        first = run(model, TOKENS)
     ids = recorded.ids
-    other = (ids + 1) % 16  # different experts everywhere
-    valid = torch.zeros(ids.shape, dtype=torch.bool)  # ...but nothing recorded
-    with torch.no_grad(), replayer.replay(RouteTensors(other, valid, torch.tensor([6]))):
-        out = model(tokens).logits
-    assert torch.allclose(first, out, atol=1e-5)
+    other = (ids + 1) % replayer.experts[0]
+    valid = torch.ones(ids.shape, dtype=torch.bool)
+    valid[1, 4:] = False  # the engine recorded nothing here...
+    mixed = torch.where(valid, ids, other)  # ...and these would be wrong if replayed
+    with torch.no_grad(), replayer.replay(RouteTensors(mixed, valid, torch.tensor([8, 8]))):
+        out = run(model, TOKENS)
+    assert torch.equal(first, out)
 
 
-def test_router_gets_gradient_under_replay() -> None:
-    model = tiny("mixtral").train()
+def test_partial_routes_are_refused() -> None:
+    model = tiny("mixtral")
     replayer = RouterReplay(model)
-    tokens = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad(), replayer.record() as recorded:
-        model(tokens)
-    drifted = (recorded.ids + 3) % 8  # experts the live router does not pick
-    with replayer.replay(routes_of(drifted)):
-        model(tokens).logits.sum().backward()
-    for router in replayer.routers:
-        assert router.weight.grad is not None
-        assert router.weight.grad.abs().sum() > 0
-    # the gradient reaches a replayed expert's logit even when the live top-k dropped
-    # it; gathering from the live router's sparse top-k output would give it none
-    logits = torch.tensor([[3.0, 2.0, 1.0, -2.0]], requires_grad=True)
-    replayed = torch.tensor([[0, 3]])  # expert 3 drifted out of the live top-2
-    assert not same_sets(logits.topk(2).indices, replayed).all()
-    expert_out = torch.tensor([[1.0, 5.0]])  # what the two experts would contribute
-    (softmax_gate(logits, replayed) * expert_out).sum().backward()
-    assert logits.grad is not None
-    assert logits.grad[0, 3] != 0
-    ours = softmax_gate(logits.detach(), replayed)
-    wrong = torch.tensor([[3.0, 2.0, 1.0, -2.0]], requires_grad=True)
-    sparse = torch.zeros(1, 4).scatter(1, wrong.topk(2).indices, wrong.softmax(-1).topk(2).values)
-    from_sparse = sparse.gather(1, replayed)
-    assert ours[0, 1] > 0
-    assert from_sparse[0, 1] == 0, "the sparse path silently zeroes the drifted expert"
-    (from_sparse * expert_out).sum().backward()
-    assert wrong.grad is not None
-    # expert 3 contributes more (5 > 1): the R3 gate pushes its logit up; the sparse
-    # path cannot see it at all and only pushes it down through the softmax's sum
-    assert logits.grad[0, 3] > 0
-    assert wrong.grad[0, 3] <= 0
+    ids = torch.zeros((1, 8, replayer.num_layers, 2), dtype=torch.int32)
+    ids[..., 1] = 1
+    valid = torch.ones(ids.shape, dtype=torch.bool)
+    valid[0, 3, 1, 1] = False
+    partial = RouteTensors(ids, valid, torch.tensor([8]))
+    with pytest.raises(InvalidRoutes, match="token 3, layer 1 has fewer than K"):
+        replayer.replay(partial).__enter__()
 
 
-def test_gates() -> None:
-    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
-    ids = torch.tensor([[1, 3]])
-    w = softmax_gate(logits, ids)
-    want = torch.softmax(torch.tensor([1.0, -1.0]), dim=0)
-    assert torch.allclose(w[0], want)
-    unnormalised = softmax_gate(logits, ids, normalize=False)
-    assert torch.allclose(unnormalised[0], torch.softmax(logits, -1)[0, [1, 3]])
-    s = sigmoid_gate(logits, ids, normalize=True, scaling=2.5)
-    raw = torch.sigmoid(torch.tensor([1.0, -1.0]))
-    assert torch.allclose(s[0], raw / raw.sum() * 2.5)
+def test_routes_of_another_shape_are_refused() -> None:
+    model = tiny("olmoe")
+    replayer = RouterReplay(model)
+    with pytest.raises(InvalidRoutes, match=r"the model has 2 MoE layers"):
+        replayer.replay(routes_of(torch.zeros((1, 8, 3, 2), dtype=torch.int32))).__enter__()
+    too_big = torch.zeros((1, 8, 2, 2), dtype=torch.int32)
+    too_big[..., 0] = 9  # 4 experts
+    with pytest.raises(InvalidRoutes, match="experts the model does not have"):
+        replayer.replay(routes_of(too_big)).__enter__()
+    short = routes_of(torch.tensor([[[[0, 1], [1, 2]]] * 4]))  # 4 tokens for an input of 8
+    with pytest.raises(RuntimeError, match="not one"), torch.no_grad(), replayer.replay(short):
+        run(model, TOKENS)
+
+
+@pytest.mark.parametrize("name", UNKNOWN)
+def test_unknown_routers_are_refused(name: str) -> None:
+    model = tiny(name)
+    with pytest.raises(ValueError, match="is not one replay knows the gate of") as caught:
+        RouterReplay(model)
+    assert "Qwen3MoeTopKRouter" in str(caught.value)  # the list of the known ones

@@ -1,14 +1,14 @@
-"""Rollout Routing Replay in the trainer (torch required).
+"""Rollout Routing Replay in HF transformers models (torch required).
 
-The R3 gate: the trainer runs the experts the engine chose, with gate weights computed
-from *its own* router logits restricted to those experts, so the router still learns.
-Weights come from the full dense logits, gathered at the replayed experts, never from
-the live top-k's sparse output (whose zeros would silently kill the gradient of an
-expert the trainer's router no longer ranks in its top-k).
-
-`RouterReplay(model)` finds HF transformers MoE routers (Qwen3-MoE, Mixtral, OLMoE: the
-`...TopKRouter` modules returning `(logits, weights, indices)`), in layer order, and
-hooks them:
+R3: the trainer runs the experts the engine chose, with gate weights its own router
+computes from its own logits at those experts, so the router still learns. Routers
+differ in their gate (softmax or sigmoid, renormalised or not, correction biases that
+only choose, group-limited top-k, scaling factors, float32 or the model's dtype), and a
+replay that applies the wrong one changes the model's output without an error. So
+`RouterReplay` does not re-implement any gate: it runs each router's own forward and
+replaces only its final top-k over all experts with the replayed experts (the values
+gathered from the very tensor the router ranks). It hooks only the router classes it
+knows (`r3store_client.hf_routers.FAMILIES`) and refuses any other model.
 
     replayer = RouterReplay(model)
     with replayer.replay(routes):          # RouteTensors [B, T, L, K] matching the input
@@ -16,15 +16,19 @@ hooks them:
     replayer.agreement                     # per layer: live top-k == replayed set
     with replayer.record() as recorded:    # capture the live routes instead
         model(input_ids)
-    recorded.ids                           # [B, T, L, K]
+    recorded.ids                           # [B, T, L, K], in each router's slot order
 
-Token-layers with no recorded route fall back to the live router; empty slots of a
-partial route get weight zero.
+Routers see the batch flattened row-major: token `b * T + t`. Token-layers with no
+recorded route fall back to the live router. A token-layer with fewer than K experts
+cannot be replayed by a top-k router and is refused. Replay is exact in `eval()`;
+in training, routers with jitter (Mixtral, MiniMax) perturb their own logits first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,42 +36,111 @@ from typing import Any
 import torch
 from torch import nn
 
+from r3store.errors import InvalidRoutes
+from r3store_client.hf_routers import FAMILIES, Family, supported
 from r3store_client.tensors import RouteTensors
 
 
-def softmax_gate(logits: torch.Tensor, ids: torch.Tensor, normalize: bool = True) -> torch.Tensor:
-    """Qwen/Mixtral/OLMoE-style weights of the replayed experts `ids` `[N, K]`:
-    softmax over all experts' logits, gathered at `ids`, renormalised over the k when
-    `normalize` (that is, a softmax over the replayed experts' logits)."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights = probs.gather(-1, ids.long())
-    if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
-    return weights
+def router_family(module: nn.Module) -> Family | None:
+    return FAMILIES.get(type(module).__name__)
 
 
-def sigmoid_gate(
-    logits: torch.Tensor,
-    ids: torch.Tensor,
-    normalize: bool = True,
-    scaling: float = 1.0,
-) -> torch.Tensor:
-    """DeepSeek-style weights: sigmoid scores of the replayed experts, normalised over the
-    k and scaled by the routed scaling factor. (The selection bias only chooses experts;
-    replay chooses them instead, so it plays no part here.)"""
-    scores = torch.sigmoid(logits.float()).gather(-1, ids.long())
-    if normalize:
-        scores = scores / scores.sum(dim=-1, keepdim=True).clamp_min(1e-20)
-    return scores * scaling
+def looks_like_router(module: nn.Module) -> bool:
+    """A module named like a router, known or not (to refuse unknown ones)."""
+    name = type(module).__name__
+    gate = name.endswith("Gate") and hasattr(module, "top_k")  # not a recurrent forget gate
+    return name in FAMILIES or "Router" in name or name.endswith("Gating") or gate
 
 
-def is_router(module: nn.Module) -> bool:
-    return type(module).__name__.endswith("TopKRouter") and hasattr(module, "top_k")
+def _experts(router: nn.Module, family: Family) -> int:
+    weight: Any = functools.reduce(getattr, family.weight.split("."), router)
+    return int(weight.shape[0])
 
 
 def same_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """`[N]` bool: the rows of `a` and `b` `[N, K]` hold the same experts."""
     return (a.sort(dim=-1).values == b.long().sort(dim=-1).values).all(dim=-1)
+
+
+_ORIGINAL_TOPK = torch.topk
+_ORIGINAL_TENSOR_TOPK = torch.Tensor.topk
+
+
+@dataclass
+class _Substitution:
+    """One router call's replacement of its final top-k: `ids` `[N, K]` where `live`
+    rows keep the router's own choice."""
+
+    experts: int
+    ids: torch.Tensor
+    live: torch.Tensor
+    thread: int = field(default_factory=threading.get_ident)
+    chosen: torch.Tensor | None = None  # what the router ends up with
+    own: torch.Tensor | None = None  # what it would have chosen
+    matches: int = 0
+
+    def applies(self, scores: torch.Tensor, k: int, dim: int, largest: bool) -> bool:
+        return (
+            threading.get_ident() == self.thread
+            and scores.dim() == 2
+            and scores.shape == (self.ids.shape[0], self.experts)
+            and k == self.ids.shape[1]
+            and dim in (-1, 1)
+            and largest
+        )
+
+    def topk(self, scores: torch.Tensor, k: int, dim: int, largest: bool, sorted: bool) -> Any:
+        own = _ORIGINAL_TOPK(scores, k, dim=dim, largest=largest, sorted=sorted)
+        if not self.applies(scores, k, dim, largest):
+            return own
+        self.matches += 1
+        ids = self.ids.to(scores.device)
+        ids = torch.where(self.live.to(scores.device)[:, None], own.indices, ids)
+        self.own, self.chosen = own.indices, ids
+        return torch.return_types.topk((scores.gather(-1, ids), ids))
+
+
+_active = threading.local()
+
+
+def _topk(
+    scores: torch.Tensor,
+    k: int,
+    dim: int = -1,
+    largest: bool = True,
+    sorted: bool = True,
+    **kwargs: Any,
+) -> Any:
+    substitution: _Substitution | None = getattr(_active, "substitution", None)
+    if substitution is None or kwargs:
+        return _ORIGINAL_TOPK(scores, k, dim=dim, largest=largest, sorted=sorted, **kwargs)
+    return substitution.topk(scores, k, dim, largest, sorted)
+
+
+_patch_lock = threading.Lock()
+_patch_users = 0
+
+
+@contextmanager
+def _topk_substituted(substitution: _Substitution) -> Iterator[_Substitution]:
+    """`torch.topk` and `Tensor.topk` route this thread's calls through `substitution`
+    while the block runs."""
+    global _patch_users
+    with _patch_lock:
+        if _patch_users == 0:
+            torch.topk = _topk  # type: ignore[assignment]
+            torch.Tensor.topk = _topk  # type: ignore[method-assign,assignment]
+        _patch_users += 1
+    _active.substitution = substitution
+    try:
+        yield substitution
+    finally:
+        _active.substitution = None
+        with _patch_lock:
+            _patch_users -= 1
+            if _patch_users == 0:
+                torch.topk = _ORIGINAL_TOPK
+                torch.Tensor.topk = _ORIGINAL_TENSOR_TOPK  # type: ignore[method-assign]
 
 
 @dataclass
@@ -86,45 +159,121 @@ class Recorded:
 class RouterReplay:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.routers = [m for m in model.modules() if is_router(m)]
+        unknown = sorted(
+            {
+                type(m).__name__
+                for m in model.modules()
+                if looks_like_router(m) and router_family(m) is None
+            }
+        )
+        if unknown:
+            raise ValueError(
+                f"router {', '.join(unknown)} is not one replay knows the gate of "
+                f"(known: {supported()})"
+            )
+        self.routers = [m for m in model.modules() if router_family(m) is not None]
         if not self.routers:
-            raise ValueError("no MoE routers (`...TopKRouter` modules) found in the model")
+            raise ValueError(f"no MoE router replay knows in the model (known: {supported()})")
+        if getattr(model, "use_kernels", False):
+            raise ValueError(
+                "the model uses hub kernels (use_kernels), which replace MoE blocks and "
+                "routers: replay cannot reach them"
+            )
+        self.experts = [_experts(r, router_family(r)) for r in self.routers]  # type: ignore[arg-type]
         self.agreement: list[float] = []
         self._routes: RouteTensors | None = None
         self._recorded: Recorded | None = None
         self._agree: list[tuple[int, int]] = []
+        self._calls: list[int] = []
 
     @property
     def num_layers(self) -> int:
         return len(self.routers)
 
     @contextmanager
-    def _hooked(self) -> Iterator[None]:
-        handles = [
-            router.register_forward_hook(self._hook(layer))
-            for layer, router in enumerate(self.routers)
-        ]
+    def _wrapped(
+        self, make: Callable[[int, Callable[..., Any]], Callable[..., Any]]
+    ) -> Iterator[None]:
+        """Each router's forward replaced by `make(layer, original)` inside the block."""
+        originals = [router.forward for router in self.routers]
+        for layer, router in enumerate(self.routers):
+            router.forward = make(layer, originals[layer])
         try:
             yield
         finally:
-            for handle in handles:
-                handle.remove()
+            for router in self.routers:
+                router.__dict__.pop("forward", None)
 
     @contextmanager
     def replay(self, routes: RouteTensors) -> Iterator[RouterReplay]:
         """Make every MoE layer run the replayed experts for the forward passes inside."""
         if routes.ids.dim() != 4 or routes.ids.shape[2] != self.num_layers:
-            raise ValueError(
-                f"routes {tuple(routes.ids.shape)} do not match [B, T, {self.num_layers}, K]"
+            raise InvalidRoutes(
+                f"routes {tuple(routes.ids.shape)} do not match [B, T, {self.num_layers}, K]: "
+                f"the model has {self.num_layers} MoE layers"
             )
+        full = routes.valid.all(dim=-1)
+        partial = routes.valid.any(dim=-1) & ~full
+        if bool(partial.any()):
+            b, t, layer = (int(x) for x in partial.nonzero()[0])
+            raise InvalidRoutes(
+                f"sequence {b}, token {t}, layer {layer} has fewer than K experts: a top-k "
+                "router cannot replay it"
+            )
+        too_big = [
+            layer
+            for layer, experts in enumerate(self.experts)
+            if bool((routes.ids[:, :, layer] >= experts).any())
+        ]
+        if too_big:
+            raise InvalidRoutes(f"routes of layers {too_big} name experts the model does not have")
         self._routes = routes
         self._agree = [(0, 0)] * self.num_layers
+        self._calls = [0] * self.num_layers
         try:
-            with self._hooked():
+            with self._wrapped(self._replaying):
                 yield self
+            never = [layer for layer, calls in enumerate(self._calls) if calls == 0]
+            if never:
+                raise RuntimeError(
+                    f"the routers of layers {never} were not called while replaying: something "
+                    "(a hub kernel, a custom MoE block) routes around them"
+                )
         finally:
             self._routes = None
             self.agreement = [n / d if d else 1.0 for n, d in self._agree]
+
+    def _replaying(self, layer: int, original: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            routes = self._routes
+            assert routes is not None
+            k = routes.ids.shape[-1]
+            ids = routes.ids[:, :, layer, :].reshape(-1, k).long()
+            recorded = routes.valid[:, :, layer, :].reshape(-1, k).all(dim=-1)
+            substitution = _Substitution(self.experts[layer], ids, ~recorded)
+            with _topk_substituted(substitution):
+                out = original(*args, **kwargs)
+            router = self.routers[layer]
+            if substitution.matches != 1:
+                raise RuntimeError(
+                    f"{type(router).__name__} (layer {layer}) made {substitution.matches} top-{k} "
+                    f"choices over {self.experts[layer]} experts for {ids.shape[0]} tokens, "
+                    "not one: its input does not match the routes, or it routes in a way "
+                    "replay cannot reproduce"
+                )
+            assert substitution.chosen is not None
+            assert substitution.own is not None
+            if not torch.equal(out[2], substitution.chosen):
+                raise RuntimeError(
+                    f"{type(router).__name__} (layer {layer}) ignored the replayed top-k"
+                )
+            self._calls[layer] += 1
+            agree = int((same_sets(substitution.own, ids) & recorded.to(ids.device)).sum())
+            n, d = self._agree[layer]
+            self._agree[layer] = (n + agree, d + int(recorded.sum()))
+            return out
+
+        return forward
 
     @contextmanager
     def record(self) -> Iterator[Recorded]:
@@ -137,40 +286,18 @@ class RouterReplay:
                     recorded.shape = (int(value.shape[0]), int(value.shape[1]))
                     return
 
+        def recording(layer: int, original: Callable[..., Any]) -> Callable[..., Any]:
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                out = original(*args, **kwargs)
+                recorded.layers.append(out[2].detach().clone())
+                return out
+
+            return forward
+
         handle = self.model.register_forward_pre_hook(shape_of, with_kwargs=True)
         try:
-            with self._hooked():
+            with self._wrapped(recording):
                 yield recorded
         finally:
             handle.remove()
             self._recorded = None
-
-    def _hook(self, layer: int) -> Any:
-        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-            logits, weights, live = output
-            if self._recorded is not None:
-                self._recorded.layers.append(live.detach().clone())
-                return output
-            if self._routes is None:
-                return output
-            ids = self._routes.ids[:, :, layer, :].reshape(-1, live.shape[-1]).to(live.device)
-            valid = self._routes.valid[:, :, layer, :].reshape(-1, live.shape[-1]).to(live.device)
-            if ids.shape[0] != live.shape[0]:
-                raise ValueError(
-                    f"layer {layer}: routes cover {ids.shape[0]} tokens, "
-                    f"the input has {live.shape[0]}"
-                )
-            recorded = valid.any(dim=-1)  # token-layers with a route; others stay live
-            normalize = bool(getattr(module, "norm_topk_prob", True))
-            replayed = softmax_gate(logits, ids, normalize).to(weights.dtype)
-            replayed = replayed * valid.to(replayed.dtype)
-            full = valid.all(dim=-1)
-            agree = int((same_sets(live, ids) & full).sum())
-            n, d = self._agree[layer]
-            self._agree[layer] = (n + agree, d + int(full.sum()))
-            keep = recorded.unsqueeze(-1)
-            out_ids = torch.where(keep, ids.to(live.dtype), live)
-            out_weights = torch.where(keep, replayed, weights)
-            return logits, out_weights, out_ids
-
-        return hook
