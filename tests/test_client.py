@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import io
 import pickle
 import time
 from collections.abc import Iterator
@@ -56,14 +57,13 @@ def test_sglang_converter_with_its_wire_format() -> None:
     write = from_sglang("s", meta, prompt + output, L, K, group_id="g")
     assert (write.num_tokens, write.start, write.group_id) == (12, 0, "g")
     assert np.array_equal(write.topk, ids)
-    # a later turn, asked with routed_experts_start_len: rows [12, 20 - 1)
+    # a later turn, asked with routed_experts_start_len=12 (not echoed): rows [12, 19)
     turn = uniform_topk(rng, 7, L, E, K).astype("<i4")
-    meta2 = {
-        "routed_experts": base64.b64encode(turn.tobytes()).decode(),
-        "routed_experts_start_len": 12,
-    }
-    appended = from_sglang("s", meta2, 20, L, K)
+    meta2 = {"routed_experts": base64.b64encode(turn.tobytes()).decode()}
+    appended = from_sglang("s", meta2, 20, L, K, start=12)
     assert (appended.start, appended.num_tokens) == (12, 8)
+    with pytest.raises(InvalidRoutes, match="was the start given"):
+        from_sglang("s", meta2, 20, L, K)  # without the start, the rows do not line up
     with pytest.raises(InvalidRoutes, match="not whole rows"):
         from_sglang("s", {"routed_experts": base64.b64encode(b"\x00" * 10).decode()}, 3, L, K)
     with pytest.raises(InvalidRoutes, match="return_routed_experts"):
@@ -72,11 +72,40 @@ def test_sglang_converter_with_its_wire_format() -> None:
         from_sglang("s", meta, 3, L, K)
 
 
+def test_engines_emit_dense_layers_as_zeros() -> None:
+    """Both engines emit every decoder layer; DeepSeek's first dense ones are zeros."""
+    rng = np.random.default_rng(2)
+    moe = uniform_topk(rng, 9, L, E, K).astype("<i4")
+    engine = np.concatenate([np.zeros((9, 1, K), "<i4"), moe], axis=1)  # layer 0 dense
+    meta = {"routed_experts": base64.b64encode(engine.tobytes()).decode()}
+    with pytest.raises(InvalidRoutes, match="layer 0 is all zeros: a dense layer"):
+        from_sglang("d", meta, 10, L + 1, K)
+    write = from_sglang("d", meta, 10, L + 1, K, moe_layers=range(1, L + 1))
+    assert np.array_equal(write.topk, moe)
+    with pytest.raises(InvalidRoutes, match="layer 0 is all zeros"):
+        from_vllm("d", engine.astype(np.uint8), 10)
+    assert np.array_equal(from_vllm("d", engine, 10, moe_layers=[1, 2, 3, 4]).topk, moe)
+    with pytest.raises(InvalidRoutes, match="not among the engine's 5 layers"):
+        from_vllm("d", engine, 10, moe_layers=[5])
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int16", "int32", "int64"])
+def test_vllm_converter_takes_every_integer_dtype(dtype: str) -> None:
+    rng = np.random.default_rng(1)
+    ids = uniform_topk(rng, 9, L, E, K).astype(dtype)
+    assert from_vllm("v", ids, 10).topk.dtype == np.dtype(dtype)
+    # the OpenAI server's form: base64 of an .npy file
+    buffer = io.BytesIO()
+    np.save(buffer, ids, allow_pickle=False)
+    served = from_vllm("v", base64.b64encode(buffer.getvalue()).decode(), 10)
+    assert np.array_equal(served.topk, ids)
+    # a later turn asked with routed_experts_prompt_start=10: rows [10, 14)
+    turn = from_vllm("v", ids[:4], 15, prompt_start=10)
+    assert (turn.start, turn.num_tokens) == (10, 5)
+
+
 def test_other_converters() -> None:
     rng = np.random.default_rng(1)
-    for dtype in (np.uint8, np.uint16):
-        ids = uniform_topk(rng, 9, L, E, K).astype(dtype)
-        assert from_vllm("v", ids, 10).topk.dtype == dtype
     layers = [torch.from_numpy(uniform_topk(rng, 6, 1, E, K)[:, 0]) for _ in range(L)]
     write = from_hf_router("h", layers)
     assert write.topk.shape == (6, L, K)
@@ -85,6 +114,10 @@ def test_other_converters() -> None:
     assert from_mask("m", np.zeros((3, L, 8), np.uint8), 4).mask.shape == (3, L, 8)
     with pytest.raises(InvalidRoutes):
         from_vllm("v", np.zeros((3, L), np.uint8), 4)
+    with pytest.raises(InvalidRoutes, match="integers"):
+        from_vllm("v", np.zeros((3, L, K), np.float32), 4)
+    with pytest.raises(InvalidRoutes, match=r"\.npy"):
+        from_vllm("v", base64.b64encode(b"not npy").decode(), 4)
 
 
 def test_writer_to_server_to_reader(client: Client, namespace: str) -> None:

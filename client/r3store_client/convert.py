@@ -1,10 +1,23 @@
 """From what inference engines emit to `TrajectoryWrite`s, without torch.
 
-- SGLang (`return_routed_experts=True`): `meta_info["routed_experts"]`, base64 of
-  little-endian int32 `[rows, L, K]`, covering tokens `[routed_experts_start_len,
-  seqlen - 1)`: the last sampled token is never routed. A later turn asked with
-  `routed_experts_start_len` equal to the stored length appends a segment.
-- vLLM: `routed_experts` as a uint8 or uint16 numpy array `[T - 1, L, K]`.
+Checked against the engines' sources (SGLang 0.5.23; vLLM 0.33.0, commit 4ba787ec9):
+
+- SGLang (`return_routed_experts=True`): `meta_info["routed_experts"]` is base64 of the
+  raw little-endian int32 bytes of `[rows, num_hidden_layers, top_k]`
+  (`srt/managers/detokenizer_manager.py`, `_b64_encode_per_request`). The rows cover
+  tokens `[routed_experts_start_len, seqlen - 1)`: the prompt is included, the last
+  sampled token never ran a forward pass (`srt/state_capturer/base.py`, `get_topk`).
+  `routed_experts_start_len` is a request field (`srt/managers/io_struct.py`) that the
+  response does not echo: pass it as `start`.
+- vLLM (`enable_return_routed_experts`): `CompletionOutput.routed_experts`, a numpy array
+  `[num_tokens - 1 - routed_experts_prompt_start, total_num_hidden_layers, top_k]`,
+  uint8 for up to 256 experts, else uint16 (`fused_moe/routed_experts_capturer.py`);
+  builds differ (int32 transit buffers, int16 sinks), so any integer dtype is taken,
+  its values checked as sent. The OpenAI server sends it as base64 of an `.npy` file.
+- Both engines emit every decoder layer, dense ones as rows of zeros (indistinguishable
+  from expert 0), and logical expert ids (before EPLB remapping). A namespace holds the
+  MoE layers only: pass `moe_layers`, the engine layers that are MoE; a dense layer
+  left in is refused, never stored as expert 0.
 - HF transformers routers: per MoE layer, top-k ids `[T, K]` (a list of arrays or tensors).
 - Plain top-k id arrays (numpy, or torch via `.numpy()`) and bit-packed masks.
 """
@@ -13,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import io
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,10 +43,55 @@ def _numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
+def moe_only(ids: np.ndarray, moe_layers: Sequence[int] | None) -> np.ndarray:
+    """`[rows, layers, K]` engine routes with only the MoE layers kept (all if None).
+
+    A layer whose every row is all zeros is a dense layer (engines leave those rows
+    zero): with K > 1 zeros cannot be a real route, so keeping one is refused.
+    """
+    if moe_layers is not None:
+        layers = list(moe_layers)
+        bad = [i for i in layers if not 0 <= i < ids.shape[1]]
+        if bad:
+            raise InvalidRoutes(
+                f"moe_layers {bad} are not among the engine's {ids.shape[1]} layers"
+            )
+        ids = ids[:, layers]
+    if ids.shape[0] and ids.shape[2] > 1:
+        zero = np.flatnonzero(~ids.reshape(ids.shape[0], ids.shape[1], -1).any(axis=(0, 2)))
+        if zero.size:
+            raise InvalidRoutes(
+                f"layer {int(zero[0])} is all zeros: a dense layer, which engines fill with "
+                "zeros; pass moe_layers (the engine layers that are MoE)"
+            )
+    return ids
+
+
+def _segment(
+    trajectory_id: str,
+    ids: np.ndarray,
+    total_tokens: int,
+    start: int,
+    engine: str,
+    **meta: Any,
+) -> TrajectoryWrite:
+    num_tokens = total_tokens - start
+    if start < 0 or num_tokens < 1:
+        raise InvalidRoutes(f"start {start} is not inside the {total_tokens} tokens")
+    if ids.shape[0] not in (num_tokens, num_tokens - 1):
+        raise InvalidRoutes(
+            f"{engine} sent {ids.shape[0]} rows for tokens [{start}, {total_tokens}); "
+            f"expected {num_tokens - 1} (was the start given?)"
+        )
+    return TrajectoryWrite(trajectory_id, num_tokens, topk=ids, start=start, **meta)
+
+
 def sglang_routes(
     meta_info: Mapping[str, Any], num_layers: int, top_k: int
 ) -> tuple[np.ndarray, int]:
-    """`(ids [rows, L, K] int32, start)` from an SGLang response's `meta_info`."""
+    """`(ids [rows, num_layers, K] int32, start)` from an SGLang response's `meta_info`
+    (`num_layers`: the model's `num_hidden_layers`, dense ones included; `start`: the
+    echoed `routed_experts_start_len` if any, else 0)."""
     encoded = meta_info.get("routed_experts")
     if not isinstance(encoded, str):
         raise InvalidRoutes(
@@ -58,32 +117,64 @@ def from_sglang(
     total_tokens: int,
     num_layers: int,
     top_k: int,
+    *,
+    start: int | None = None,
+    moe_layers: Sequence[int] | None = None,
     **meta: Any,
 ) -> TrajectoryWrite:
-    """A write (or, with `routed_experts_start_len`, an appended segment) from SGLang.
+    """A write (or, from `start > 0`, an appended segment) from an SGLang response.
 
-    `total_tokens` is the sequence length, prompt and output together.
+    `total_tokens` is the sequence length, prompt and output together; `num_layers`
+    the model's `num_hidden_layers`; `start` the `routed_experts_start_len` the request
+    asked for (SGLang does not echo it); `moe_layers` the MoE layers to keep.
     """
-    ids, start = sglang_routes(meta_info, num_layers, top_k)
-    num_tokens = total_tokens - start
-    if ids.shape[0] not in (num_tokens, num_tokens - 1):
+    ids, echoed = sglang_routes(meta_info, num_layers, top_k)
+    return _segment(
+        trajectory_id,
+        moe_only(ids, moe_layers),
+        total_tokens,
+        echoed if start is None else start,
+        "SGLang",
+        **meta,
+    )
+
+
+def vllm_routes(routed_experts: Any) -> np.ndarray:
+    """vLLM's `routed_experts` as an array: a numpy array (the Python API) or the OpenAI
+    server's base64 of an `.npy` file; any integer dtype, `[rows, layers, K]`."""
+    if isinstance(routed_experts, str):
+        try:
+            ids: np.ndarray = np.load(
+                io.BytesIO(base64.b64decode(routed_experts, validate=True)), allow_pickle=False
+            )
+        except (binascii.Error, ValueError, OSError) as exc:
+            raise InvalidRoutes(f"routed_experts is not base64 of an .npy array: {exc}") from None
+    else:
+        ids = _numpy(routed_experts)
+    if ids.dtype.kind not in "iu" or ids.ndim != 3:
         raise InvalidRoutes(
-            f"SGLang sent {ids.shape[0]} rows for tokens [{start}, {total_tokens}); "
-            f"expected {num_tokens - 1}"
+            f"vLLM routed_experts must be [rows, layers, K] integers, got {ids.dtype} "
+            f"{list(ids.shape)}"
         )
-    return TrajectoryWrite(trajectory_id, num_tokens, topk=ids, start=start, **meta)
+    return ids
 
 
 def from_vllm(
-    trajectory_id: str, routed_experts: Any, num_tokens: int, **meta: Any
+    trajectory_id: str,
+    routed_experts: Any,
+    num_tokens: int,
+    *,
+    prompt_start: int = 0,
+    moe_layers: Sequence[int] | None = None,
+    **meta: Any,
 ) -> TrajectoryWrite:
-    """A write from vLLM's `routed_experts` array (uint8 or uint16 `[T - 1, L, K]`)."""
-    ids = _numpy(routed_experts)
-    if ids.dtype not in (np.uint8, np.uint16, np.int32, np.int64) or ids.ndim != 3:
-        raise InvalidRoutes(
-            f"vLLM routed_experts must be [T-1, L, K] uint8/uint16, got {ids.dtype} {ids.shape}"
-        )
-    return TrajectoryWrite(trajectory_id, num_tokens, topk=ids, **meta)
+    """A write (or, from `prompt_start > 0`, an appended segment) from vLLM.
+
+    `num_tokens` is the sequence length, prompt and output together; `prompt_start` the
+    request's `routed_experts_prompt_start`; `moe_layers` the MoE layers to keep.
+    """
+    ids = moe_only(vllm_routes(routed_experts), moe_layers)
+    return _segment(trajectory_id, ids, num_tokens, prompt_start, "vLLM", **meta)
 
 
 def from_hf_router(
