@@ -177,6 +177,25 @@ def test_recomputation_replays_this_micro_batch(model: Any, recompute: dict[str,
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
 
+    # a pipeline schedule: both forwards, then both backwards (recomputation pops the
+    # micro-batches in the order queued)
+    recomputing.zero_grad()
+    replay.new_step()
+    losses = []
+    for tokens, micro in zip((first, second), routes, strict=True):
+        replay.queue(micro, layout)
+        losses.append(forward(recomputing, tokens).float().pow(2).mean())
+    replay.before_backward()
+    for loss in losses:
+        loss.backward()
+    both = grads_of(recomputing)
+    recomputing.zero_grad()
+    for tokens, micro in zip((first, second), routes, strict=True):
+        with replay.micro_batch(micro, layout) as step:
+            step.backward(forward(recomputing, tokens).float().pow(2).mean())
+    for a, b in zip(both, grads_of(recomputing), strict=True):
+        torch.testing.assert_close(a, b)
+
     # without clearing in between, the recomputation of the second micro-batch pops the
     # routes the first one queued: the mistake the adapter prevents
     recomputing.zero_grad()

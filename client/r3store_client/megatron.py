@@ -391,10 +391,20 @@ class MegatronReplay:
     def load(self, routes: RouteTensors, layout: TokenLayout, device: Any = None) -> None:
         """Clear what earlier micro-batches left, load this one's routes, and replay
         them in the forward pass (`REPLAY_FORWARD`)."""
+        self.new_step()
+        self.queue(routes, layout, device)
+
+    def new_step(self) -> None:
+        """Forget every queued micro-batch (start of a training step)."""
+        self._m.RouterReplay.clear_global_indices()
+
+    def queue(self, routes: RouteTensors, layout: TokenLayout, device: Any = None) -> None:
+        """Load a micro-batch's routes without forgetting earlier ones, for pipeline
+        schedules that run several forwards before their backwards: the forward replays
+        the latest, recomputation during backward takes them in the order queued."""
         data = self.indices(routes, layout)
         if device is not None:
             data = [d.to(device, non_blocking=True) for d in data]
-        self._m.RouterReplay.clear_global_indices()
         self._m.RouterReplay.set_replay_data(data)
         self._m.RouterReplay.set_global_router_replay_action(self._m.Action.REPLAY_FORWARD)
 
