@@ -214,3 +214,23 @@ class ServerProcess:
     def stop(self) -> None:
         stop_server(self.process)
         self.log.close()
+
+
+@contextmanager
+def replicas(
+    tmp: Path, seaweed: SeaweedFS, catalog_url: str, env: dict[str, str] | None = None
+) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    """Two server processes sharing one bucket prefix and one catalog database."""
+    (tmp / "a").mkdir()
+    (tmp / "b").mkdir()
+    a = ServerProcess(tmp / "a", seaweed, catalog_url=catalog_url, env=env)
+    try:
+        b = ServerProcess(tmp / "b", seaweed, prefix=a.prefix, catalog_url=catalog_url, env=env)
+    except BaseException:
+        a.stop()
+        raise
+    try:
+        yield a, b
+    finally:
+        a.stop()
+        b.stop()

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from helpers import SPEC, expected_ids, make_write
-from http_helpers import KEYS, SPEC_JSON, ServerProcess
+from http_helpers import KEYS, SPEC_JSON, replicas
 from r3store.catalog import Catalog
 from r3store.engine import Engine
 from r3store.maintenance import Maintenance
@@ -52,45 +52,38 @@ def test_engine_on_postgres(pg_url: str, seaweed: SeaweedFS) -> None:
 def test_two_servers_share_one_bucket_and_database(
     tmp_path: Path, seaweed: SeaweedFS, pg_url: str
 ) -> None:
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    a = ServerProcess(tmp_path / "a", seaweed, catalog_url=pg_url)
-    b = ServerProcess(tmp_path / "b", seaweed, prefix=a.prefix, catalog_url=pg_url)
-    try:
-        with httpx.Client(headers=ADMIN, timeout=60) as http:
-            body = {
-                "name": "ns",
-                "spec": SPEC_JSON,
-                "settings": {"retention": {"keep_versions": 1}},
-            }
-            assert http.post(f"{a.url}/v1/namespaces", json=body).status_code == 201
-            old = [make_write(f"old{i}", policy_version=0) for i in range(6)]
-            live = [make_write(f"live{i}", policy_version=1) for i in range(4)]
-            for server, writes in ((a, old[:3] + live[:2]), (b, old[3:] + live[2:])):
-                r = http.post(
-                    f"{server.url}/v1/namespaces/ns/trajectories",
-                    content=encode_writes(writes),
-                    headers={"Content-Type": CONTENT_TYPE},
-                )
-                assert r.status_code == 200, r.text
-            # writes through one are read through the other
-            ids = [w.trajectory_id for w in old + live]
-            for server in (a, b):
-                got = decode_batch(
-                    http.post(
-                        f"{server.url}/v1/namespaces/ns/routes/batch", json={"ids": ids}
-                    ).content
-                )[1]
-                assert got.missing == []
-            assert (
-                http.put(
-                    f"{b.url}/v1/namespaces/ns/policy-version", json={"policy_version": 1}
-                ).status_code
-                == 200
+    with (
+        replicas(tmp_path, seaweed, pg_url) as (a, b),
+        httpx.Client(headers=ADMIN, timeout=60) as http,
+    ):
+        body = {
+            "name": "ns",
+            "spec": SPEC_JSON,
+            "settings": {"retention": {"keep_versions": 1}},
+        }
+        assert http.post(f"{a.url}/v1/namespaces", json=body).status_code == 201
+        old = [make_write(f"old{i}", policy_version=0) for i in range(6)]
+        live = [make_write(f"live{i}", policy_version=1) for i in range(4)]
+        for server, writes in ((a, old[:3] + live[:2]), (b, old[3:] + live[2:])):
+            r = http.post(
+                f"{server.url}/v1/namespaces/ns/trajectories",
+                content=encode_writes(writes),
+                headers={"Content-Type": CONTENT_TYPE},
             )
-    finally:
-        a.stop()
-        b.stop()
+            assert r.status_code == 200, r.text
+        # writes through one are read through the other
+        ids = [w.trajectory_id for w in old + live]
+        for server in (a, b):
+            got = decode_batch(
+                http.post(f"{server.url}/v1/namespaces/ns/routes/batch", json={"ids": ids}).content
+            )[1]
+            assert got.missing == []
+        assert (
+            http.put(
+                f"{b.url}/v1/namespaces/ns/policy-version", json={"policy_version": 1}
+            ).status_code
+            == 200
+        )
     # retention and compaction on two replicas at once delete nothing live
     engines = [Engine(seaweed.new_store(a.prefix), Catalog(pg_url)) for _ in range(2)]
     try:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from helpers import SPEC, expected_ids, make_write
-from http_helpers import KEYS, SPEC_JSON, ServerProcess
+from http_helpers import KEYS, SPEC_JSON, ServerProcess, replicas
 from r3store.catalog import Catalog
 from r3store.engine import Engine, EngineConfig
 from r3store.errors import Conflict
@@ -121,10 +121,6 @@ def test_two_replicas_on_postgres(
     spurious 409, no acknowledged upload lost."""
     pg_url = postgres_server.database(f"r3_{uuid.uuid4().hex[:12]}")
     env = {"R3STORE_MAINTENANCE_INTERVAL": "1", "R3STORE_MAINTENANCE_GRACE": "0"}
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    a = ServerProcess(tmp_path / "a", seaweed, catalog_url=pg_url, env=env)
-    b = ServerProcess(tmp_path / "b", seaweed, prefix=a.prefix, catalog_url=pg_url, env=env)
     statuses: Counter[int] = Counter()
     acked: dict[str, TrajectoryWrite] = {}
     lock = threading.Lock()
@@ -142,77 +138,74 @@ def test_two_replicas_on_postgres(
                     acked[w.trajectory_id] = w
         return r
 
-    try:
-        with httpx.Client(headers=ADMIN, timeout=60) as http:
-            body = {
-                "name": "ns",
-                "spec": SPEC_JSON,
-                "settings": {"retention": {"keep_versions": 1}},
-            }
-            assert http.post(f"{a.url}/v1/namespaces", json=body).status_code == 201
-            assert http.post(f"{b.url}/v1/namespaces", json=body).status_code == 200
-            old = [make_write(f"old{i}", policy_version=0) for i in range(12)]
-            assert upload(http, a.url, old[:6]).status_code == 200
-            assert upload(http, b.url, old[6:]).status_code == 200
-            r = http.put(f"{a.url}/v1/namespaces/ns/policy-version", json={"policy_version": 1})
-            assert r.status_code == 200  # the old ones now go: retention, then compaction
+    with (
+        replicas(tmp_path, seaweed, pg_url, env) as (a, b),
+        httpx.Client(headers=ADMIN, timeout=60) as http,
+    ):
+        body = {
+            "name": "ns",
+            "spec": SPEC_JSON,
+            "settings": {"retention": {"keep_versions": 1}},
+        }
+        assert http.post(f"{a.url}/v1/namespaces", json=body).status_code == 201
+        assert http.post(f"{b.url}/v1/namespaces", json=body).status_code == 200
+        old = [make_write(f"old{i}", policy_version=0) for i in range(12)]
+        assert upload(http, a.url, old[:6]).status_code == 200
+        assert upload(http, b.url, old[6:]).status_code == 200
+        r = http.put(f"{a.url}/v1/namespaces/ns/policy-version", json={"policy_version": 1})
+        assert r.status_code == 200  # the old ones now go: retention, then compaction
 
-            def distinct(server: ServerProcess, name: str) -> None:
+        def distinct(server: ServerProcess, name: str) -> None:
+            with httpx.Client(headers=ADMIN, timeout=60) as own:
+                for i in range(15):
+                    upload(own, server.url, [make_write(f"{name}-{i}", policy_version=1)])
+
+        def same_pair(i: int) -> None:
+            write = make_write(f"same-{i}", policy_version=1)
+            barrier = threading.Barrier(2)
+            answers: list[httpx.Response] = []
+
+            def one(server: ServerProcess) -> None:
                 with httpx.Client(headers=ADMIN, timeout=60) as own:
-                    for i in range(15):
-                        upload(own, server.url, [make_write(f"{name}-{i}", policy_version=1)])
+                    barrier.wait()
+                    answers.append(upload(own, server.url, [write]))
 
-            def same_pair(i: int) -> None:
-                write = make_write(f"same-{i}", policy_version=1)
-                barrier = threading.Barrier(2)
-                answers: list[httpx.Response] = []
-
-                def one(server: ServerProcess) -> None:
-                    with httpx.Client(headers=ADMIN, timeout=60) as own:
-                        barrier.wait()
-                        answers.append(upload(own, server.url, [write]))
-
-                pair = [threading.Thread(target=one, args=(s,)) for s in (a, b)]
-                for t in pair:
-                    t.start()
-                for t in pair:
-                    t.join(60)
-                created = [
-                    r.json()["results"][0]["created"] for r in answers if r.status_code == 200
-                ]
-                assert sorted(created) == [False, True], [r.text for r in answers]
-
-            workers = [
-                threading.Thread(target=distinct, args=(a, "a")),
-                threading.Thread(target=distinct, args=(b, "b")),
-            ]
-            for t in workers:
+            pair = [threading.Thread(target=one, args=(s,)) for s in (a, b)]
+            for t in pair:
                 t.start()
-            for i in range(20):
-                same_pair(i)
-            for t in workers:
-                t.join(120)
-            assert statuses[409] == 0, statuses
-            assert set(statuses) == {200}, statuses
-            live = sorted(tid for tid in acked if not tid.startswith("old"))
-            assert len(live) == 2 * 15 + 20
-            for _ in range(100):  # maintenance runs every second on both replicas
-                r = http.post(f"{a.url}/v1/namespaces/ns/routes/batch", json={"ids": ["old0"]})
-                if decode_batch(r.content)[1].missing:
-                    break
-                time.sleep(0.2)
-            for server in (a, b):
-                r = http.post(
-                    f"{server.url}/v1/namespaces/ns/routes/batch", json={"ids": [*live, "old0"]}
-                )
-                assert r.status_code == 200, r.text
-                batch = decode_batch(r.content)[1]
-                assert batch.missing == ["old0"]  # dropped by retention, as configured
-                for tid, item in zip(live, batch.items, strict=False):
-                    assert np.array_equal(item.routes.to_topk(), expected_ids(acked[tid]))
-    finally:
-        a.stop()
-        b.stop()
+            for t in pair:
+                t.join(60)
+            created = [r.json()["results"][0]["created"] for r in answers if r.status_code == 200]
+            assert sorted(created) == [False, True], [r.text for r in answers]
+
+        workers = [
+            threading.Thread(target=distinct, args=(a, "a")),
+            threading.Thread(target=distinct, args=(b, "b")),
+        ]
+        for t in workers:
+            t.start()
+        for i in range(20):
+            same_pair(i)
+        for t in workers:
+            t.join(120)
+        assert statuses[409] == 0, statuses
+        assert set(statuses) == {200}, statuses
+        live = sorted(tid for tid in acked if not tid.startswith("old"))
+        assert len(live) == 2 * 15 + 20
+        for _ in range(100):  # maintenance runs every second on both replicas
+            r = http.post(f"{a.url}/v1/namespaces/ns/routes/batch", json={"ids": ["old0"]})
+            if decode_batch(r.content)[1].missing:
+                break
+            time.sleep(0.2)
+        for server in (a, b):
+            r = http.post(
+                f"{server.url}/v1/namespaces/ns/routes/batch", json={"ids": [*live, "old0"]}
+            )
+            assert r.status_code == 200, r.text
+            batch = decode_batch(r.content)[1]
+            assert batch.missing == ["old0"]  # dropped by retention, as configured
+            for tid, item in zip(live, batch.items, strict=False):
+                assert np.array_equal(item.routes.to_topk(), expected_ids(acked[tid]))
     logs = [(tmp_path / d / f"server-{s.port}.log").read_text() for d, s in (("a", a), ("b", b))]
     assert any('"msg": "maintenance"' in log for log in logs)  # it ran, and dropped the old
 
