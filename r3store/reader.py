@@ -119,7 +119,7 @@ class ShardReader:
     def remember(self, built: BuiltShard) -> None:
         """Keep a just-written shard's bytes for reads that follow (not one so large that
         it would push out most of the others)."""
-        if len(built.data) <= self.config.cache_bytes // 4:
+        if len(built.data) <= self.config.cache_bytes // 2:
             self._recent.put(built.key, built.data, len(built.data))
 
     def _fetch(self, key: str, byte_range: ByteRange) -> bytes:

@@ -26,6 +26,7 @@ from typing import TypeVar
 
 import anyio
 import anyio.to_thread
+import pyarrow
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -90,8 +91,9 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 
 def trim_heap() -> None:
-    """Give the heap's free pages back to the operating system (glibc keeps the memory
-    of a large upload's temporaries otherwise)."""
+    """Give free memory back to the operating system: Arrow's pool and glibc's heap keep
+    the memory of a large upload's temporaries otherwise."""
+    pyarrow.default_memory_pool().release_unused()
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

@@ -2,13 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import sys
-
-# Large uploads pass through this process; their memory must go back to the system
-# afterwards. Arrow's default pool (mimalloc) keeps it, and is chosen when pyarrow
-# loads: ask for the system allocator before anything imports pyarrow.
-os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
 
 import uvicorn
 
