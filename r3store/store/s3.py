@@ -45,7 +45,7 @@ class S3Config:
 
 
 def translate(exc: Exception, key: str) -> R3StoreError:
-    """The one place where boto errors become the project's."""
+    """What a boto error means, as the project's error."""
     if isinstance(exc, ClientError):
         code = str(exc.response.get("Error", {}).get("Code", ""))
         status = str(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
@@ -55,6 +55,15 @@ def translate(exc: Exception, key: str) -> R3StoreError:
             return ObjectExists(f"object {key!r} already exists")
         return StoreError(f"S3 {code or status} on {key!r}: {exc}")
     return StoreError(f"S3 unreachable on {key!r}: {exc}")
+
+
+@contextlib.contextmanager
+def _translated(key: str) -> Iterator[None]:
+    """The one boundary where boto errors become the project's."""
+    try:
+        yield
+    except (ClientError, BotoCoreError) as exc:
+        raise translate(exc, key) from exc
 
 
 class S3Store(ObjectStore):
@@ -106,14 +115,13 @@ class S3Store(ObjectStore):
         args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._key(key)}
         if byte_range is not None:
             args["Range"] = f"bytes={byte_range.start}-{byte_range.end - 1}"
-        try:
+        with _translated(key):
             body = self._client.get_object(**args)["Body"]
             try:
-                return body.read()
+                data: bytes = body.read()
             finally:
                 body.close()
-        except (ClientError, BotoCoreError) as exc:
-            raise translate(exc, key) from exc
+        return data
 
     def put(self, key: str, data: bytes | memoryview) -> None:
         self._upload(key, data, conditional=False)
@@ -125,19 +133,17 @@ class S3Store(ObjectStore):
         full = self._key(key)
         extra: dict[str, Any] = {"IfNoneMatch": "*"} if conditional else {}
         try:
-            if len(data) <= self.config.multipart_threshold:
-                self._client.put_object(Bucket=self.bucket, Key=full, Body=bytes(data), **extra)
-            else:
-                self._multipart(full, memoryview(data), extra)
-        except (ClientError, BotoCoreError) as exc:
-            error = translate(exc, key)
+            with _translated(key):
+                if len(data) <= self.config.multipart_threshold:
+                    self._client.put_object(Bucket=self.bucket, Key=full, Body=bytes(data), **extra)
+                else:
+                    self._multipart(full, memoryview(data), extra)
+        except (ObjectExists, ObjectNotFound):
             # boto3 retries a request whose answer was lost (a timeout, a dropped
             # connection); when the first attempt had landed, the retry of a create-only
             # put finds the object (412), or the completed multipart upload gone (404)
-            landed = conditional and isinstance(error, ObjectExists | ObjectNotFound)
-            if landed and self._holds(key, data):
-                return
-            raise error from exc
+            if not (conditional and self._holds(key, data)):
+                raise
 
     def _holds(self, key: str, data: bytes | memoryview) -> bool:
         """Whether the object under `key` is exactly `data`."""
@@ -178,46 +184,36 @@ class S3Store(ObjectStore):
             raise
 
     def head(self, key: str) -> ObjectInfo:
-        try:
+        with _translated(key):
             meta = self._client.head_object(Bucket=self.bucket, Key=self._key(key))
-        except (ClientError, BotoCoreError) as exc:
-            raise translate(exc, key) from exc
         return ObjectInfo(key, int(meta["ContentLength"]), meta["LastModified"].timestamp())
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         paginator = self._client.get_paginator("list_objects_v2")
-        try:
+        with _translated(prefix):
             for page in paginator.paginate(Bucket=self.bucket, Prefix=self._prefix + prefix):
                 for item in page.get("Contents", []):
                     key = item["Key"][len(self._prefix) :]
                     yield ObjectInfo(key, int(item["Size"]), item["LastModified"].timestamp())
-        except (ClientError, BotoCoreError) as exc:
-            raise translate(exc, prefix) from exc
 
     def delete(self, key: str) -> None:
-        try:
+        with contextlib.suppress(ObjectNotFound), _translated(key):
             self._client.delete_object(Bucket=self.bucket, Key=self._key(key))
-        except (ClientError, BotoCoreError) as exc:
-            err = translate(exc, key)
-            if not isinstance(err, ObjectNotFound):
-                raise err from exc
 
     def ping(self) -> None:
-        try:
+        with _translated(self.bucket):
             self._probe.head_bucket(Bucket=self.bucket)
-        except (ClientError, BotoCoreError) as exc:
-            raise StoreError(f"cannot reach {self.description}: {exc}") from exc
 
     def create_bucket(self) -> None:
         """Create the bucket if it does not exist (for tests and first runs)."""
-        try:
-            self._client.create_bucket(Bucket=self.bucket)
-        except ClientError as exc:
-            code = exc.response.get("Error", {}).get("Code", "")
-            if code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
-                raise translate(exc, self.bucket) from exc
-        except BotoCoreError as exc:
-            raise translate(exc, self.bucket) from exc
+        with _translated(self.bucket):
+            try:
+                self._client.create_bucket(Bucket=self.bucket)
+            except ClientError as exc:
+                code = exc.response.get("Error", {}).get("Code", "")
+                if code in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                    return
+                raise
 
     def close(self) -> None:
         self._client.close()
