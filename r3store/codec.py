@@ -1,6 +1,6 @@
 """The storage encoding of one trajectory's routes.
 
-Chosen by measurement (see `bench/bench_codec.py` and docs/format.md): sorted ids in
+Chosen by measurement (see `bench/codec_bench.py` and docs/format.md): sorted ids in
 layer-major order compress best with zstd, because each layer's expert popularity
 differs and consecutive tokens of one layer repeat sets. Three streams, each a zstd
 frame:
@@ -254,21 +254,10 @@ def _unzstd(blob: bytes, expected: int, what: str) -> bytes:
     return data
 
 
-def decode(
-    encoded: EncodedRoutes | tuple[bytes, bytes | None, bytes | None, int],
-    spec: RouteSpec,
-    num_tokens: int,
-) -> Routes:
+def decode(encoded: EncodedRoutes, spec: RouteSpec, num_tokens: int) -> Routes:
     """Decode storage streams back into canonical `Routes` (ids as a layer-major view)."""
-    if isinstance(encoded, EncodedRoutes):
-        ids_z, counts_z, order_z, transform = (
-            encoded.ids,
-            encoded.counts,
-            encoded.order,
-            int(encoded.transform),
-        )
-    else:
-        ids_z, counts_z, order_z, transform = encoded
+    ids_z, counts_z, order_z = encoded.ids, encoded.counts, encoded.order
+    transform = int(encoded.transform)
     layers, k = spec.num_layers, spec.top_k
     shape = (layers, num_tokens, k)
     n_ids = layers * num_tokens * k

@@ -17,13 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-import numpy as np
-
 from r3store import codec
-from r3store.catalog import TrajectoryEntry
+from r3store.catalog_types import TrajectoryEntry
 from r3store.codec import EncodedRoutes
-from r3store.records import SegmentRead, TrajectoryRead
-from r3store.routes import Routes
+from r3store.records import SegmentRead, TrajectoryRead, assemble
 from r3store.shard import BuiltShard, Span
 from r3store.spec import RouteSpec
 from r3store.store.base import ByteRange, ObjectStore
@@ -155,36 +152,25 @@ class ShardReader:
 
         def finish(segments: list[TrajectoryEntry]) -> TrajectoryRead:
             encoded = [stored(e) for e in segments]
-            routes = None
-            if decode:
-                parts = [
+            first = segments[0]
+            reads = [
+                SegmentRead(e.start, e.num_tokens, e.policy_version, None if decode else s)
+                for e, s in zip(segments, encoded, strict=True)
+            ]
+            identity = (first.trajectory_id, first.group_id, first.prompt_len)
+            if not decode:
+                return assemble(reads, identity)
+            return assemble(
+                reads,
+                identity,
+                [
                     codec.decode(s, spec, e.num_tokens)
                     for s, e in zip(encoded, segments, strict=True)
-                ]
-                routes = Routes.concat(parts)
-            first = segments[0]
-            tokens = None
-            if decode and any(s.tokens is not None for s in encoded):
-                tokens = np.concatenate(
-                    [
-                        np.full(e.num_tokens, -1, np.int32)
-                        if s.tokens is None
-                        else codec.decode_tokens(s.tokens, e.num_tokens)
-                        for s, e in zip(encoded, segments, strict=True)
-                    ]
-                )
-            return TrajectoryRead(
-                trajectory_id=first.trajectory_id,
-                group_id=first.group_id,
-                policy_version=min(e.policy_version for e in segments),
-                num_tokens=sum(e.num_tokens for e in segments),
-                prompt_len=first.prompt_len,
-                segments=[
-                    SegmentRead(e.start, e.num_tokens, e.policy_version, None if decode else s)
-                    for e, s in zip(segments, encoded, strict=True)
                 ],
-                routes=routes,
-                token_ids=tokens,
+                [
+                    None if s.tokens is None else codec.decode_tokens(s.tokens, e.num_tokens)
+                    for s, e in zip(encoded, segments, strict=True)
+                ],
             )
 
         return {item.trajectory_id: item for item in self._pool.map(finish, found.values())}

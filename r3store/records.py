@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,3 +189,33 @@ class Batch:
     @property
     def lengths(self) -> list[int | None]:
         return [None if item is None else item.num_tokens for item in self.items]
+
+
+def assemble(
+    segments: Sequence[SegmentRead],
+    identity: tuple[str, str | None, int],
+    routes: Sequence[Routes] | None = None,
+    tokens: Sequence[npt.NDArray[np.int32] | None] | None = None,
+) -> TrajectoryRead:
+    """One trajectory from its segments in token order: `identity` is its id, group and
+    prompt length; `routes` and `tokens` are each segment's, when decoded. Token ids
+    are -1 where a segment came without them (None when none had any)."""
+    trajectory_id, group_id, prompt_len = identity
+    joined = None
+    if tokens is not None and any(t is not None for t in tokens):
+        joined = np.concatenate(
+            [
+                np.full(s.num_tokens, -1, np.int32) if t is None else t.astype(np.int32)
+                for s, t in zip(segments, tokens, strict=True)
+            ]
+        )
+    return TrajectoryRead(
+        trajectory_id=trajectory_id,
+        group_id=group_id,
+        policy_version=min(s.policy_version for s in segments),
+        num_tokens=sum(s.num_tokens for s in segments),
+        prompt_len=prompt_len,
+        segments=list(segments),
+        routes=None if routes is None else Routes.concat(list(routes)),
+        token_ids=joined,
+    )

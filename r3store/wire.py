@@ -8,10 +8,8 @@ docs/api.md lists every column. Shared by the server and the client.
 from __future__ import annotations
 
 import json
-import os
-import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from enum import StrEnum
 from typing import Any
 
@@ -22,8 +20,8 @@ from r3store import codec
 from r3store.codec import EncodedRoutes, Transform
 from r3store.errors import InvalidInput, InvalidRoutes
 from r3store.ipc import read_table
-from r3store.records import Batch, SegmentRead, TrajectoryRead, TrajectoryWrite
-from r3store.routes import Routes, to_mask
+from r3store.records import Batch, SegmentRead, TrajectoryRead, TrajectoryWrite, assemble
+from r3store.routes import Routes, from_mask, to_mask
 from r3store.spec import RouteSpec
 
 WIRE_VERSION = "1"
@@ -303,45 +301,35 @@ def encode_batch(batch: Batch, spec: RouteSpec, fmt: ReadFormat) -> bytes:
     return _stream(table.replace_schema_metadata(meta))
 
 
-def decode_batch(body: bytes, decode: bool = True) -> tuple[RouteSpec, Batch]:
-    """Parse a read response into the spec and a `Batch` (routes decoded unless asked not)."""
+def decode_batch(
+    body: bytes, decode: bool = True, executor: Executor | None = None
+) -> tuple[RouteSpec, Batch]:
+    """Parse a read response into the spec and a `Batch` (routes decoded unless asked
+    not; trajectories decoded in parallel on `executor` if given: zstd and numpy
+    release the GIL)."""
     table = read_table(body)
-    meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
-    if meta.get("r3store.wire_version") != WIRE_VERSION:
-        raise InvalidInput(
-            f"wire version {meta.get('r3store.wire_version')!r} is not {WIRE_VERSION!r}"
-        )
-    spec = RouteSpec.from_json(meta["r3store.route_spec"])
-    fmt = ReadFormat(meta["r3store.format"])
-    rows = table.to_pylist()
+    try:
+        meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+        version = meta.get("r3store.wire_version")
+        if version != WIRE_VERSION:
+            raise InvalidInput(f"wire version {version!r} is not {WIRE_VERSION!r}")
+        spec = RouteSpec.from_json(meta["r3store.route_spec"])
+        fmt = ReadFormat(meta["r3store.format"])
+        ids = json.loads(meta["r3store.ids"])
+        missing, stale = json.loads(meta["r3store.missing"]), json.loads(meta["r3store.stale"])
+    except (UnicodeDecodeError, KeyError, ValueError) as exc:
+        raise InvalidInput(f"the body is not an r3store read answer: {exc}") from None
     by_id: dict[str, list[dict[str, Any]]] = {}
-    for row in rows:
+    for row in table.to_pylist():
         by_id.setdefault(row["trajectory_id"], []).append(row)
     work = list(by_id.values())
-    if decode and len(work) > 1:  # numpy and zstd release the GIL: decode in parallel
-        done = list(_pool().map(lambda segs: _trajectory(segs, spec, fmt, decode), work))
+    if decode and executor is not None and len(work) > 1:
+        done = list(executor.map(lambda segs: _trajectory(segs, spec, fmt, decode), work))
     else:
         done = [_trajectory(segs, spec, fmt, decode) for segs in work]
     reads = {item.trajectory_id: item for item in done}
-    ids = json.loads(meta["r3store.ids"])
     items: list[TrajectoryRead | None] = [reads.get(tid) for tid in ids]
-    return spec, Batch(
-        ids, items, json.loads(meta["r3store.missing"]), json.loads(meta["r3store.stale"])
-    )
-
-
-_decoders: ThreadPoolExecutor | None = None
-_decoders_lock = threading.Lock()
-
-
-def _pool() -> ThreadPoolExecutor:
-    global _decoders
-    with _decoders_lock:
-        if _decoders is None:
-            _decoders = ThreadPoolExecutor(
-                min(8, os.cpu_count() or 1), thread_name_prefix="r3store-decode"
-            )
-        return _decoders
+    return spec, Batch(ids, items, missing, stale)
 
 
 def _trajectory(
@@ -352,6 +340,8 @@ def _trajectory(
         n = row["num_tokens"]
         stored = None
         if fmt is ReadFormat.ENCODED:
+            if row["route_transform"] not in set(Transform):
+                raise InvalidInput(f"unknown route transform {row['route_transform']!r}")
             stored = EncodedRoutes(
                 row["route_ids"],
                 row["route_counts"],
@@ -360,32 +350,24 @@ def _trajectory(
                 b"",
                 row["token_ids"],
             )
-            if decode:
-                parts.append(codec.decode(stored, spec, n))
-            tok = None if row["token_ids"] is None else codec.decode_tokens(row["token_ids"], n)
-        else:
-            if decode:
-                parts.append(_plain_routes(row, spec, fmt, n))
-            tok = None if row["token_ids"] is None else np.frombuffer(row["token_ids"], "<i4")
-        tokens.append(np.full(n, -1, np.int32) if tok is None else tok.astype(np.int32))
         segments.append(SegmentRead(row["start"], n, row["policy_version"], stored))
-    has_tokens = any(row["token_ids"] is not None for row in rows)
+        if not decode:
+            continue
+        blob = row["token_ids"]
+        if stored is not None:
+            parts.append(codec.decode(stored, spec, n))
+            tokens.append(None if blob is None else codec.decode_tokens(blob, n))
+        else:
+            parts.append(_plain_routes(row, spec, fmt, n))
+            tokens.append(None if blob is None else np.frombuffer(blob, "<i4"))
     first = rows[0]
-    return TrajectoryRead(
-        trajectory_id=first["trajectory_id"],
-        group_id=first["group_id"],
-        policy_version=min(row["policy_version"] for row in rows),
-        num_tokens=sum(row["num_tokens"] for row in rows),
-        prompt_len=first["prompt_len"],
-        segments=segments,
-        routes=Routes.concat(parts) if decode else None,
-        token_ids=np.concatenate(tokens) if has_tokens else None,
-    )
+    identity = (first["trajectory_id"], first["group_id"], first["prompt_len"])
+    if not decode:
+        return assemble(segments, identity)
+    return assemble(segments, identity, parts, tokens)
 
 
 def _plain_routes(row: dict[str, Any], spec: RouteSpec, fmt: ReadFormat, n: int) -> Routes:
-    from r3store.routes import from_mask
-
     if fmt is ReadFormat.MASK:
         mask = np.frombuffer(row["route_ids"], np.uint8).reshape(
             n, spec.num_layers, spec.mask_bytes

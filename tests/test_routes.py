@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -19,7 +21,7 @@ EXPERTS = [8, 64, 128, 256, 384]
 @st.composite
 def routed(draw: st.DrawFn) -> tuple[RouteSpec, np.ndarray, int]:
     experts = draw(st.sampled_from(EXPERTS))
-    k = draw(st.integers(1, 8))
+    k = draw(st.integers(1, min(16, experts)))  # past 8, ordered routes keep raw positions
     spec = RouteSpec(
         num_layers=draw(st.integers(1, 4)),
         num_experts=experts,
@@ -75,6 +77,20 @@ def test_topk_round_trips_through_storage(case: tuple[RouteSpec, np.ndarray, int
         assert np.array_equal(back.counts, routes.counts)
     if num_tokens > ids.shape[0]:
         assert (routes.counts[-1] == 0).all(), "the engine's missing last row has no route"
+
+
+@settings(max_examples=60, deadline=None)
+@given(routed().filter(lambda case: case[0].top_k > 8), st.booleans())
+def test_wide_top_k_round_trips(case: tuple[RouteSpec, np.ndarray, int], ordered: bool) -> None:
+    """K > 8: the order of an ordered namespace is stored as raw positions, not ranks."""
+    spec, ids, num_tokens = case
+    spec = dataclasses.replace(spec, ordered=ordered)
+    routes = from_topk(ids, spec, num_tokens)
+    want = expected_topk(spec, ids, num_tokens)
+    encoded = codec.encode(routes, spec)
+    assert (encoded.order is not None) == ordered
+    back = codec.decode(encoded, spec, num_tokens)
+    assert np.array_equal(back.to_topk(dtype=np.int64), want)
 
 
 @settings(max_examples=200, deadline=None)
@@ -243,8 +259,9 @@ def test_corrupt_streams_raise() -> None:
     routes = from_topk(good_ids(), SPEC, 5)
     encoded = codec.encode(routes, SPEC)
     with pytest.raises(CorruptShard):
-        codec.decode((encoded.ids[:-3], None, None, 0), SPEC, 5)
+        codec.decode(dataclasses.replace(encoded, ids=encoded.ids[:-3]), SPEC, 5)
     with pytest.raises(CorruptShard):
-        codec.decode((encoded.ids, None, None, 0), SPEC, 6)
-    with pytest.raises(CorruptShard):
-        codec.decode((encoded.ids, None, None, 9), SPEC, 5)
+        codec.decode(encoded, SPEC, 6)
+    unknown = dataclasses.replace(encoded, transform=9)  # type: ignore[arg-type]
+    with pytest.raises(CorruptShard, match="unknown route transform"):
+        codec.decode(unknown, SPEC, 5)

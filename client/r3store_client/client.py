@@ -15,9 +15,11 @@ workers) drops its connection and opens a new one on first use.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +80,7 @@ class Client:
         self.retry = retry or Retry()
         self._http = http
         self._own_http = http is None
+        self._decoders: ThreadPoolExecutor | None = None
 
     # connection
 
@@ -88,10 +91,22 @@ class Client:
             self._own_http = True
         return self._http
 
+    @property
+    def decoders(self) -> ThreadPoolExecutor:
+        """Threads that decode read answers (zstd and numpy release the GIL)."""
+        if self._decoders is None:
+            self._decoders = ThreadPoolExecutor(
+                min(8, os.cpu_count() or 1), thread_name_prefix="r3store-decode"
+            )
+        return self._decoders
+
     def close(self) -> None:
         if self._http is not None and self._own_http:
             self._http.close()
         self._http = None
+        if self._decoders is not None:
+            self._decoders.shutdown(wait=False)
+            self._decoders = None
 
     def __enter__(self) -> Client:
         return self
@@ -101,8 +116,9 @@ class Client:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_http"] = None  # connections do not cross processes
+        state["_http"] = None  # connections and threads do not cross processes
         state["_own_http"] = True
+        state["_decoders"] = None
         return state
 
     def _headers(self) -> dict[str, str]:
@@ -194,7 +210,7 @@ class Client:
         """Like `get_batch`, with the namespace's route spec."""
         body = {"ids": list(ids), "include_stale": include_stale, "format": str(fmt)}
         response = self.request("POST", f"/v1/namespaces/{namespace}/routes/batch", json=body)
-        return decode_batch(response.content)
+        return decode_batch(response.content, executor=self.decoders)
 
     def sample(
         self,
@@ -213,4 +229,4 @@ class Client:
         response = self.request(
             "POST", f"/v1/namespaces/{namespace}/routes/sample", json=body, idempotent=False
         )
-        return decode_batch(response.content)[1]
+        return decode_batch(response.content, executor=self.decoders)[1]

@@ -2,9 +2,11 @@
 current one computes (torch required).
 
     reader = TrainerReader(client, "run1", layout="padded")
+    replayer = RouterReplay(model)                    # r3store_client.replay
     mine = rank_slice(global_ids, rank, world_size)
     for routes in reader.iterate(micro_batches(mine, 4)):
-        with replay(model, routes.to("cuda")): loss = model(...)
+        with replayer.replay(routes.to("cuda")):
+            loss = model(...)
 """
 
 from __future__ import annotations

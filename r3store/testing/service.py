@@ -10,8 +10,6 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-import httpx
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -51,6 +49,8 @@ def start_server(
 def wait_ready(process: subprocess.Popen[bytes], url: str, timeout: float = 30.0) -> None:
     """Return once the server at `url` answers `/readyz`; RuntimeError if it exits or
     stays silent for `timeout` seconds."""
+    import httpx  # test and benchmark support only: the library does not need it
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:

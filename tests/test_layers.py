@@ -1,0 +1,40 @@
+"""What importing each part loads: a trainer importing the client loads no database, S3
+or web framework; the replay modules not even the HTTP client; the CLI no web app.
+(`make lint` enforces the import contracts statically; this checks what really loads.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ["sqlalchemy", "boto3", "botocore", "fastapi", "starlette", "uvicorn", "httpx", "torch"]
+
+
+def loaded(code: str) -> set[str]:
+    probe = f"import sys\n{code}\nimport json\nprint(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
+    )
+    modules = set(json.loads(out.stdout.splitlines()[-1]))
+    return {name for name in HEAVY if name in modules}
+
+
+@pytest.mark.parametrize(
+    ("code", "allowed"),
+    [
+        (
+            "from r3store_client import Client, RolloutWriter\nimport r3store_client.convert",
+            {"httpx"},
+        ),
+        ("import r3store_client.replay\nimport r3store_client.tensors", {"torch"}),
+        ("import r3store_client.megatron", {"torch"}),
+        ("import r3store.wire, r3store.models, r3store.records", set()),
+        ("import r3store_server.cli", {"sqlalchemy", "boto3", "botocore"}),
+    ],
+    ids=["client", "replay", "megatron", "wire", "cli"],
+)
+def test_imports_load_only_what_they_need(code: str, allowed: set[str]) -> None:
+    assert loaded(code) <= allowed
