@@ -11,10 +11,9 @@ from bench.engine_bench import READ_BATCH, SPEC, Workload
 from bench.figures import Figure, median_of, timed
 from r3store.catalog import Catalog
 from r3store.engine import Engine
-from r3store.maintenance import Maintenance
+from r3store.keys import SHARD_PREFIX
 from r3store.policy import NamespaceSettings, Retention
 from r3store.records import TrajectoryWrite
-from r3store.shard import SHARD_PREFIX
 from r3store.store import LocalStore
 from r3store.testing import postgres
 
@@ -33,12 +32,12 @@ def _fill(engine: Engine, work: Workload) -> None:
         )
 
 
-def _measure(engine: Engine, work: Workload) -> dict[str, float]:
+def _measure(engine: Engine, catalog: Catalog, work: Workload) -> dict[str, float]:
     batches = [work.ids[i : i + READ_BATCH] for i in range(0, len(work.ids), READ_BATCH)]
 
     def lookups() -> None:
         for b in batches * 10:
-            engine.catalog.lookup("bench", b)
+            catalog.lookup("bench", b)
 
     def reads() -> None:
         for b in batches:
@@ -61,10 +60,11 @@ def run(count: int = 128, tokens: int = 2048) -> list[Figure]:
             "PostgreSQL": pg.database(f"bench_{uuid.uuid4().hex[:8]}"),
         }
         for label, url in urls.items():
-            engine = Engine(LocalStore(tmp / f"objects-{label}"), Catalog(url))
+            catalog = Catalog(url)
+            engine = Engine(LocalStore(tmp / f"objects-{label}"), catalog)
             try:
                 _fill(engine, work)
-                results[label] = _measure(engine, work)
+                results[label] = _measure(engine, catalog, work)
             finally:
                 engine.close()
     for key, unit, name in (
@@ -89,7 +89,7 @@ def run(count: int = 128, tokens: int = 2048) -> list[Figure]:
         before = sum(o.size for o in store.list(SHARD_PREFIX))
         engine.update_settings("bench", NamespaceSettings(retention=Retention(keep_versions=1)))
         engine.set_policy_version("bench", 3)
-        report = Maintenance(engine, grace_seconds=0).run()
+        report = engine.maintenance(grace_seconds=0).run()
         after = sum(o.size for o in store.list(SHARD_PREFIX))
     finally:
         engine.close()

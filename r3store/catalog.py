@@ -16,13 +16,19 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
+from r3store.catalog_types import (
+    ApiKeyRecord,
+    NamespaceInfo,
+    ShardInfo,
+    ShardUsage,
+    TrajectoryEntry,
+)
 from r3store.errors import Conflict, InvalidInput, NotFound, StoreError
 from r3store.policy import NamespaceSettings
 from r3store.shard import RouteSpans, Span
@@ -94,76 +100,6 @@ api_keys = sa.Table(
 )
 
 _BATCH = 500  # ids per IN (...) query
-
-
-@dataclass(frozen=True)
-class ApiKeyRecord:
-    """A key made with `r3store keys create`: only its SHA-256 digest is kept."""
-
-    name: str
-    role: str
-    namespaces: list[str]
-    digest: bytes
-    created_at: float
-    revoked_at: float | None
-
-
-@dataclass(frozen=True)
-class NamespaceInfo:
-    name: str
-    spec: RouteSpec
-    created_at: float
-    policy_version: int
-    settings: NamespaceSettings
-
-
-@dataclass(frozen=True)
-class ShardInfo:
-    key: str
-    namespace: str
-    size: int
-    num_rows: int
-    route_bytes: int
-    created_at: float
-    retired_at: float | None = None
-
-
-@dataclass(frozen=True)
-class ShardUsage:
-    """How much of a live shard the catalog still points at."""
-
-    key: str
-    namespace: str
-    size: int
-    route_bytes: int  # of all rows as written
-    live_rows: int
-    live_bytes: int  # route bytes of the rows still pointing here
-    created_at: float
-
-    @property
-    def live_fraction(self) -> float:
-        return self.live_bytes / self.route_bytes if self.route_bytes else 0.0
-
-
-@dataclass(frozen=True)
-class TrajectoryEntry:
-    """One segment's catalog row: its metadata and where its routes lie."""
-
-    namespace: str
-    trajectory_id: str
-    start: int
-    group_id: str | None
-    policy_version: int
-    num_tokens: int
-    prompt_len: int
-    digest: bytes
-    route_bytes: int
-    shard_key: str
-    row_group: int
-    row_index: int
-    created_at: float
-    spans: RouteSpans
-    times_sampled: int = 0
 
 
 _SPAN_COLUMNS = ("ids", "counts", "order", "tokens")
@@ -376,6 +312,18 @@ class Catalog:
     def _entries(self, query: sa.Select[Any]) -> list[TrajectoryEntry]:
         with self._connect() as conn:
             return [_from_row(row) for row in conn.execute(query)]
+
+    def count_by_version(self, namespace: str) -> dict[int, int]:
+        """Trajectories by the policy version of their first segment."""
+        t = trajectories
+        query = (
+            sa.select(t.c.policy_version, sa.func.count())
+            .where(t.c.namespace == namespace, t.c.start == 0)
+            .group_by(t.c.policy_version)
+            .order_by(t.c.policy_version)
+        )
+        with self._connect() as conn:
+            return {int(v): int(n) for v, n in conn.execute(query)}
 
     def count(self, namespace: str) -> int:
         """Trajectories (not segments) in the namespace."""

@@ -20,9 +20,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from r3store import codec
-from r3store.catalog import Catalog, NamespaceInfo, TrajectoryEntry
+from r3store.catalog import Catalog
+from r3store.catalog_types import ApiKeyRecord, NamespaceInfo, NamespaceUsage, TrajectoryEntry
 from r3store.errors import (
     Conflict,
     CorruptShard,
@@ -33,8 +35,11 @@ from r3store.errors import (
     StalePolicy,
     StoreError,
 )
+from r3store.keys import TOMBSTONE_PREFIX, namespace_key
+from r3store.maintenance import Maintenance
 from r3store.policy import NamespaceSettings, is_stale, staleness_floor
 from r3store.reader import ReaderConfig, ShardReader
+from r3store.rebuild import RebuildReport, rebuild_catalog
 from r3store.records import (
     Batch,
     PutResult,
@@ -50,9 +55,6 @@ from r3store.shard import ShardRow
 from r3store.spec import RouteSpec
 from r3store.store.base import ObjectStore
 from r3store.writer import GroupCommitter, WriterConfig, WriterStats, as_segment, settle_rows
-
-NAMESPACE_PREFIX = "namespaces/"
-TOMBSTONE_PREFIX = "tombstones/"
 
 
 @dataclass(frozen=True)
@@ -71,10 +73,6 @@ class EngineConfig:
     writer: WriterConfig = field(default_factory=WriterConfig)
     reader: ReaderConfig = field(default_factory=ReaderConfig)
     compression_level: int = codec.DEFAULT_LEVEL
-
-
-def namespace_key(name: str) -> str:
-    return f"{NAMESPACE_PREFIX}{name}.json"
 
 
 def _salt(write: TrajectoryWrite) -> bytes:
@@ -123,6 +121,16 @@ def _same_namespace(
     return existing
 
 
+def _canonical(spec: RouteSpec, write: TrajectoryWrite) -> Routes:
+    """The routes of a checked write, validated against `spec`, in canonical form."""
+    try:
+        if write.topk is not None:
+            return from_topk(write.topk, spec, write.num_tokens)
+        return from_mask(write.mask, spec, write.num_tokens)
+    except InvalidInput as exc:
+        raise type(exc)(f"{write.trajectory_id}: {exc}") from None
+
+
 class Engine:
     def __init__(
         self,
@@ -132,8 +140,8 @@ class Engine:
         clock: Callable[[], float] = time.time,
     ) -> None:
         """`clock` stamps commits (retention's time to live reads it); tests inject one."""
-        self.store = store
-        self.catalog = catalog
+        self._store = store
+        self._catalog = catalog
         self.config = config or EngineConfig()
         self.clock = clock
         self._reader = ShardReader(store, self.config.reader)
@@ -148,8 +156,8 @@ class Engine:
         self._writer.flush()
         self._writer.close()
         self._reader.close()
-        self.catalog.close()
-        self.store.close()
+        self._catalog.close()
+        self._store.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -160,6 +168,60 @@ class Engine:
     @property
     def writer_stats(self) -> WriterStats:
         return self._writer.stats
+
+    # operations: what the server and the CLI need of the store and the catalog
+
+    @property
+    def store_description(self) -> str:
+        return self._store.description
+
+    def ping(self) -> None:
+        """`StoreError` unless both the object store and the catalog answer."""
+        self._store.ping()
+        self._catalog.ping()
+
+    def count(self, namespace: str) -> int:
+        """Trajectories in the namespace."""
+        return self._catalog.count(check_namespace(namespace))
+
+    def usage(self, namespace: str) -> NamespaceUsage:
+        """Trajectories by policy version, shards and their live and dead bytes."""
+        self.namespace(namespace)  # NotFound for unknown names
+        shards = self._catalog.shard_usage(namespace)
+        return NamespaceUsage(
+            trajectories=self._catalog.count(namespace),
+            shards=len(shards),
+            shard_bytes=sum(u.size for u in shards),
+            live_route_bytes=sum(u.live_bytes for u in shards),
+            dead_route_bytes=sum(u.route_bytes - u.live_bytes for u in shards),
+            by_policy_version=self._catalog.count_by_version(namespace),
+        )
+
+    def add_key(self, name: str, role: str, namespaces: list[str], digest: bytes) -> None:
+        self._catalog.add_key(name, role, namespaces, digest)
+
+    def list_keys(self, active_only: bool = False) -> list[ApiKeyRecord]:
+        return self._catalog.list_keys(active_only)
+
+    def revoke_key(self, name: str) -> None:
+        self._catalog.revoke_key(name)
+
+    def maintenance(self, **options: Any) -> Maintenance:
+        """Retention, compaction and collection over this engine's store and catalog
+        (`grace_seconds=`, `orphan_seconds=`, `clock=`, `compact_below=`)."""
+        return Maintenance(
+            self._store,
+            self._catalog,
+            self.spec,
+            row_group_bytes=self.config.writer.row_group_bytes,
+            **options,
+        )
+
+    def rebuild(self, progress: Callable[[int, int], None] | None = None) -> RebuildReport:
+        """Make the catalog again from the object store alone (the source of truth)."""
+        with self._lock:
+            self._specs.clear()
+        return rebuild_catalog(self._store, self._catalog, progress)
 
     # namespaces
 
@@ -177,43 +239,43 @@ class Engine:
         check_namespace(name)
         settings = settings or NamespaceSettings()
         try:
-            return _same_namespace(self.catalog.namespace(name), spec, settings), False
+            return _same_namespace(self._catalog.namespace(name), spec, settings), False
         except NotFound:
             pass
         info = NamespaceInfo(name, spec, self.clock(), 0, settings)
         had_manifest = False
         try:
-            self.store.put_if_absent(namespace_key(name), manifest(info))
+            self._store.put_if_absent(namespace_key(name), manifest(info))
         except ObjectExists:  # made elsewhere just now, or a catalog that lost it
-            stored = json.loads(self.store.get(namespace_key(name)))
+            stored = json.loads(self._store.get(namespace_key(name)))
             if RouteSpec(**stored["spec"]) != spec:
                 raise Conflict(f"namespace {name!r} exists with another route spec") from None
             info = dataclasses.replace(info, created_at=float(stored["created_at"]))
             had_manifest = True
-        made, created = self.catalog.create_namespace(name, spec, settings, info.created_at)
+        made, created = self._catalog.create_namespace(name, spec, settings, info.created_at)
         if not created:
             return _same_namespace(made, spec, settings), False
         if had_manifest:  # the manifest says what the catalog now holds
-            self.store.put(namespace_key(name), manifest(made))
+            self._store.put(namespace_key(name), manifest(made))
         return made, True
 
     def namespace(self, name: str) -> NamespaceInfo:
-        return self.catalog.namespace(check_namespace(name))
+        return self._catalog.namespace(check_namespace(name))
 
     def list_namespaces(self) -> list[NamespaceInfo]:
-        return self.catalog.list_namespaces()
+        return self._catalog.list_namespaces()
 
     def update_settings(self, name: str, settings: NamespaceSettings) -> NamespaceInfo:
-        info = self.catalog.update_settings(check_namespace(name), settings)
-        self.store.put(namespace_key(name), manifest(info))
+        info = self._catalog.update_settings(check_namespace(name), settings)
+        self._store.put(namespace_key(name), manifest(info))
         return info
 
     def set_policy_version(self, name: str, version: int) -> NamespaceInfo:
         """The trainer's current policy version; it only moves forward."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise InvalidInput(f"policy version must be a non-negative integer, got {version!r}")
-        info = self.catalog.set_policy_version(check_namespace(name), version)
-        self.store.put(namespace_key(name), manifest(info))
+        info = self._catalog.set_policy_version(check_namespace(name), version)
+        self._store.put(namespace_key(name), manifest(info))
         return info
 
     def delete_namespace(self, name: str) -> int:
@@ -221,13 +283,13 @@ class Engine:
 
         The catalog forgets everything first; objects go only after that.
         """
-        keys = self.catalog.delete_namespace(check_namespace(name))
+        keys = self._catalog.delete_namespace(check_namespace(name))
         with self._lock:
             self._specs.pop(name, None)
-        tombstones = [info.key for info in self.store.list(f"{TOMBSTONE_PREFIX}{name}/")]
+        tombstones = [info.key for info in self._store.list(f"{TOMBSTONE_PREFIX}{name}/")]
         for key in [*keys, *tombstones]:
-            self.store.delete(key)
-        self.store.delete(namespace_key(name))
+            self._store.delete(key)
+        self._store.delete(namespace_key(name))
         return len(keys) + len(tombstones) + 1
 
     def spec(self, name: str) -> RouteSpec:
@@ -245,16 +307,12 @@ class Engine:
     def prepare_routes(spec: RouteSpec, write: TrajectoryWrite) -> Routes:
         """Validate one trajectory against `spec` and return its canonical routes."""
         write.check()
-        try:
-            if write.topk is not None:
-                return from_topk(write.topk, spec, write.num_tokens)
-            return from_mask(write.mask, spec, write.num_tokens)
-        except InvalidInput as exc:
-            raise type(exc)(f"{write.trajectory_id}: {exc}") from None
+        return _canonical(spec, write)
 
     def prepare(self, spec: RouteSpec, write: TrajectoryWrite) -> ShardRow:
-        """Validate and encode one segment (pure CPU work, done in the caller's thread)."""
-        routes = self.prepare_routes(spec, write)
+        """Validate and encode one checked segment (pure CPU work, in the caller's
+        thread)."""
+        routes = _canonical(spec, write)
         encoded = codec.encode(
             routes,
             spec,
@@ -269,7 +327,6 @@ class Engine:
             policy_version=write.policy_version,
             num_tokens=write.num_tokens,
             prompt_len=write.prompt_len,
-            digest=encoded.digest,
             routes=encoded,
         )
 
@@ -306,7 +363,7 @@ class Engine:
                     f"than the window (current {info.policy_version}, "
                     f"max lag {info.settings.max_policy_lag})"
                 )
-        known = self.catalog.lookup(namespace, {w.trajectory_id for w in writes}) if writes else {}
+        known = self._catalog.lookup(namespace, {w.trajectory_id for w in writes}) if writes else {}
         stored = {tid: [as_segment(e) for e in segments] for tid, segments in known.items()}
         writes = [self._inherit(w, stored, writes) for w in writes]
         rows = [self.prepare(info.spec, write) for write in writes]
@@ -381,7 +438,7 @@ class Engine:
         stale: list[str] = []
 
         def current() -> dict[str, list[TrajectoryEntry]]:
-            found = self.catalog.lookup(namespace, ids)
+            found = self._catalog.lookup(namespace, ids)
             stale.clear()
             if floor is not None:
                 for tid, segments in list(found.items()):
@@ -422,11 +479,11 @@ class Engine:
         info = self.namespace(namespace)
         limit = info.settings.max_times_sampled
         floor = staleness_floor(info.policy_version, info.settings)
-        rows = self.catalog.sampling_candidates(namespace, floor, limit)
+        rows = self._catalog.sampling_candidates(namespace, floor, limit)
         candidates = [Candidate(tid, group, created) for tid, group, created in rows]
         chosen = choose(candidates, n, strategy, whole_groups, random.Random(seed))
-        taken = self.catalog.mark_sampled(namespace, chosen, limit)
-        reads = self._read(lambda: self.catalog.lookup(namespace, taken), info.spec, decode)
+        taken = self._catalog.mark_sampled(namespace, chosen, limit)
+        reads = self._read(lambda: self._catalog.lookup(namespace, taken), info.spec, decode)
         return Batch(taken, [reads.get(tid) for tid in taken], [], [])
 
     def _read(

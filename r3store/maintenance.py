@@ -28,20 +28,16 @@ import dataclasses
 import json
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from r3store.engine import TOMBSTONE_PREFIX, Engine
+from r3store.catalog import Catalog
 from r3store.errors import ObjectNotFound, R3StoreError
-from r3store.shard import SHARD_PREFIX, ShardRow, Span, build_shard
+from r3store.keys import SHARD_PREFIX, TOMBSTONE_PREFIX, tombstone_key
+from r3store.shard import ShardRow, Span, build_shard
+from r3store.spec import RouteSpec
 from r3store.store.base import ObjectStore
 from r3store.writer import shard_records
-
-
-def tombstone_key(namespace: str, now: float) -> str:
-    """`tombstones/<namespace>/<ms>-<uuid>.json`: segments retention dropped."""
-    return f"{TOMBSTONE_PREFIX}{namespace}/{int(now * 1000):013d}-{uuid.uuid4().hex}.json"
 
 
 def read_tombstones(store: ObjectStore) -> set[tuple[str, str, int, bytes]]:
@@ -73,18 +69,25 @@ class MaintenanceReport:
 
 
 class Maintenance:
+    """Passes over one store and its catalog; `Engine.maintenance()` makes one for the
+    engine's. `spec(namespace)` gives a namespace's route spec."""
+
     def __init__(
         self,
-        engine: Engine,
+        store: ObjectStore,
+        catalog: Catalog,
+        spec: Callable[[str], RouteSpec],
         *,
+        row_group_bytes: int = 1 << 20,
         clock: Callable[[], float] = time.time,
         compact_below: float = 0.5,
         grace_seconds: float = 600.0,
         orphan_seconds: float = 3600.0,
     ) -> None:
-        self.engine = engine
-        self.catalog = engine.catalog
-        self.store = engine.store
+        self.catalog = catalog
+        self.store = store
+        self.spec = spec
+        self.row_group_bytes = row_group_bytes
         self.clock = clock
         self.compact_below = compact_below
         self.grace_seconds = grace_seconds
@@ -163,7 +166,7 @@ class Maintenance:
         if not entries:
             return
         data = self.store.get(key)
-        spec = self.engine.spec(namespace)
+        spec = self.spec(namespace)
 
         def read(span: Span) -> bytes:
             return data[span.offset : span.end]
@@ -179,11 +182,10 @@ class Maintenance:
                     e.policy_version,
                     e.num_tokens,
                     e.prompt_len,
-                    e.digest,
                     stream,
                 )
             )
-        built = build_shard(namespace, spec, rows, self.engine.config.writer.row_group_bytes)
+        built = build_shard(namespace, spec, rows, self.row_group_bytes)
         self.store.put_if_absent(built.key, built.data)
         shard, fresh = shard_records(namespace, built, rows)
         moved = [  # the rows keep when they were stored and how often they were sampled

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from r3store.catalog import NamespaceInfo
+from r3store.catalog_types import NamespaceInfo
 from r3store.policy import MAX_POLICY_VERSION, NamespaceSettings
 from r3store.sampling import Strategy
 from r3store.spec import MAX_EXPERTS, MAX_LAYERS, MAX_TOP_K, RouteSpec

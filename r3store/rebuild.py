@@ -10,13 +10,14 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from r3store.catalog import Catalog, NamespaceInfo, ShardInfo, TrajectoryEntry
+from r3store.catalog import Catalog
+from r3store.catalog_types import NamespaceInfo, ShardInfo, TrajectoryEntry
 from r3store.codec import EncodedRoutes, Transform
-from r3store.engine import NAMESPACE_PREFIX
 from r3store.errors import CorruptShard, R3StoreError
+from r3store.keys import NAMESPACE_PREFIX, SHARD_PREFIX
 from r3store.maintenance import read_tombstones
 from r3store.policy import NamespaceSettings
-from r3store.shard import META_CREATED, SHARD_PREFIX, locate_rows, places_of, shard_spec
+from r3store.shard import META_CREATED, locate_rows, places_of, shard_spec
 from r3store.spec import RouteSpec
 from r3store.store.base import ObjectStore
 

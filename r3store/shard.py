@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import io
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ import pyarrow.parquet as pq
 
 from r3store.codec import EncodedRoutes, Transform
 from r3store.errors import CorruptShard
+from r3store.keys import shard_key
 from r3store.spec import RouteSpec
 
 FORMAT_VERSION = "1"
@@ -29,7 +29,6 @@ META_FORMAT = b"r3store.format_version"
 META_SPEC = b"r3store.route_spec"
 META_NAMESPACE = b"r3store.namespace"
 META_CREATED = b"r3store.created_at"
-SHARD_PREFIX = "shards/"
 
 SCHEMA = pa.schema(
     [
@@ -64,8 +63,12 @@ class ShardRow:
     policy_version: int
     num_tokens: int  # tokens in this segment
     prompt_len: int
-    digest: bytes
     routes: EncodedRoutes
+
+    @property
+    def digest(self) -> bytes:
+        """The content digest of the segment (its routes' and metadata's)."""
+        return self.routes.digest
 
 
 @dataclass(frozen=True)
@@ -125,12 +128,6 @@ class BuiltShard:
     created_at: float
 
 
-def new_shard_key(namespace: str, now: float | None = None) -> str:
-    """A unique, time-ordered key: `shards/<namespace>/<ms since epoch>-<uuid>.parquet`."""
-    ms = int((time.time() if now is None else now) * 1000)
-    return f"{SHARD_PREFIX}{namespace}/{ms:013d}-{uuid.uuid4().hex}.parquet"
-
-
 def _table(namespace: str, rows: Sequence[ShardRow]) -> pa.Table:
     return pa.table(
         {
@@ -163,7 +160,7 @@ def build_shard(
     if not rows:
         raise ValueError("a shard needs at least one row")
     created = time.time() if created is None else created
-    key = new_shard_key(namespace, created)
+    key = shard_key(namespace, created)
     metadata = {
         META_FORMAT: FORMAT_VERSION.encode(),
         META_SPEC: spec.to_json().encode(),

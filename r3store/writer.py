@@ -25,7 +25,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from r3store.catalog import Catalog, ShardInfo, TrajectoryEntry
+from r3store.catalog import Catalog
+from r3store.catalog_types import ShardInfo, TrajectoryEntry
 from r3store.errors import Backpressure, Conflict, R3StoreError
 from r3store.records import PutResult, Segment, settle
 from r3store.shard import BuiltShard, ShardRow, build_shard

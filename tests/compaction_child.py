@@ -10,14 +10,13 @@ from pathlib import Path
 
 from r3store.catalog import Catalog
 from r3store.engine import Engine
-from r3store.maintenance import Maintenance
 from r3store.store import LocalStore
 
 
 def main() -> None:
     data = Path(sys.argv[1])
     engine = Engine(LocalStore(data / "objects"), Catalog(f"sqlite:///{data / 'catalog.db'}"))
-    maintenance = Maintenance(engine, grace_seconds=0)
+    maintenance = engine.maintenance(grace_seconds=0)
     sys.stdout.write("READY\n")
     sys.stdout.flush()
     while True:

@@ -1,15 +1,21 @@
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from r3store.catalog import Catalog
-from r3store.engine import Engine, EngineConfig
+from helpers import MakeEngine
 from r3store.store import LocalStore, ObjectStore
 from r3store.testing import postgres, seaweedfs
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that needs the SeaweedFS server is marked `s3` (`-m "not s3"` skips
+    them)."""
+    for item in items:
+        if "seaweed" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.s3)
 
 
 @pytest.fixture(scope="session")
@@ -38,18 +44,9 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ObjectStor
 
 
 @pytest.fixture
-def make_engine(tmp_path: Path) -> Iterator[object]:
-    """`make_engine(store, config=None)`: an engine with a SQLite catalog in tmp_path."""
-    engines: list[Engine] = []
-
-    def make(
-        store: ObjectStore, config: EngineConfig | None = None, db: str = "catalog.db"
-    ) -> Engine:
-        engine = Engine(store, Catalog(f"sqlite:///{tmp_path / db}"), config)
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        with contextlib.suppress(Exception):  # already closed by the test
-            engine.close()
+def make_engine(tmp_path: Path) -> Iterator[MakeEngine]:
+    """`make_engine(store, config=None)`: an engine with a SQLite catalog in tmp_path;
+    `make_engine.catalog()` opens that catalog again, behind the engine's back."""
+    made = MakeEngine(tmp_path)
+    yield made
+    made.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -12,8 +13,11 @@ from pathlib import Path
 
 import numpy as np
 
+from r3store.catalog import Catalog
+from r3store.engine import Engine, EngineConfig
 from r3store.records import TrajectoryWrite
 from r3store.spec import RouteSpec
+from r3store.store import ObjectStore
 from r3store.testing.synthetic import uniform_topk
 
 SPEC = RouteSpec(num_layers=4, num_experts=64, top_k=4)
@@ -60,3 +64,35 @@ def run_and_kill(script: Path, args: list[str], seconds: float) -> str:
             return child.stdout.read().decode()
         finally:
             child.kill()
+
+
+class MakeEngine:
+    """Engines over a SQLite catalog in `directory`, closed at the end of the test."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.engines: list[Engine] = []
+        self.catalogs: list[Catalog] = []
+
+    def url(self, db: str = "catalog.db") -> str:
+        return f"sqlite:///{self.directory / db}"
+
+    def __call__(
+        self, store: ObjectStore, config: EngineConfig | None = None, db: str = "catalog.db"
+    ) -> Engine:
+        engine = Engine(store, Catalog(self.url(db)), config)
+        self.engines.append(engine)
+        return engine
+
+    def catalog(self, db: str = "catalog.db") -> Catalog:
+        """The engines' catalog, opened again: a look behind their back."""
+        catalog = Catalog(self.url(db))
+        self.catalogs.append(catalog)
+        return catalog
+
+    def close(self) -> None:
+        for engine in self.engines:
+            with contextlib.suppress(Exception):  # already closed by the test
+                engine.close()
+        for catalog in self.catalogs:
+            catalog.close()

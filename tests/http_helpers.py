@@ -43,6 +43,7 @@ def settings_for(tmp: Path, seaweed: SeaweedFS | None, **extra: Any) -> Settings
     if seaweed is not None:
         store = seaweed.new_store()
         store.close()
+        env["store"] = "s3"
         env["s3"] = {
             "endpoint_url": seaweed.endpoint_url,
             "bucket": store.bucket,
@@ -186,6 +187,7 @@ class ServerProcess:
             self.prefix = prefix
             full_env.update(
                 {
+                    "R3STORE_STORE": "s3",
                     "R3STORE_S3__ENDPOINT_URL": seaweed.endpoint_url,
                     "R3STORE_S3__BUCKET": seaweed.config().bucket,
                     "R3STORE_S3__PREFIX": self.prefix,

@@ -12,7 +12,7 @@ import pytest
 
 from helpers import make_write
 from r3store.testing.seaweedfs import SeaweedFS
-from r3store_server.app import build_engine
+from r3store_server.backends import build_engine
 from r3store_server.settings import Settings
 
 
@@ -22,6 +22,7 @@ def env(tmp_path: Path, seaweed: SeaweedFS, monkeypatch: pytest.MonkeyPatch) -> 
     store.close()
     values = {
         "R3STORE_DATA_DIR": str(tmp_path),
+        "R3STORE_STORE": "s3",
         "R3STORE_S3__ENDPOINT_URL": seaweed.endpoint_url,
         "R3STORE_S3__BUCKET": store.bucket,
         "R3STORE_S3__PREFIX": store.config.prefix,

@@ -54,20 +54,20 @@ def test_sigkill_loses_no_acknowledged_write(
     acked: set[str] = set()
     for attempt in range(4):
         acked |= acked_before_kill([str(tmp_path), str(attempt * 100_000), *extra], rng)
-        with Engine(open_store(), Catalog(f"sqlite:///{tmp_path / 'catalog.db'}")) as engine:
-            check_units(engine, acked)
+        catalog = Catalog(f"sqlite:///{tmp_path / 'catalog.db'}")
+        with Engine(open_store(), catalog) as engine:
+            check_units(engine, catalog, acked)
     assert len(acked) > 10, "the child acknowledged writes before it was killed"
     # the shards alone hold every acknowledged write too
     store = open_store()
     rebuilt = Catalog(f"sqlite:///{tmp_path / 'rebuilt.db'}")
     rebuild_catalog(store, rebuilt)
     with Engine(store, rebuilt) as engine:
-        check_units(engine, acked)
+        check_units(engine, rebuilt, acked)
 
 
-def check_units(engine: Engine, acked: set[str]) -> None:
+def check_units(engine: Engine, catalog: Catalog, acked: set[str]) -> None:
     visible: dict[str, int] = {}
-    catalog = engine.catalog
     for entry in catalog.by_versions("ns", 0, 0):
         unit = entry.trajectory_id.split("-")[0]
         visible[unit] = visible.get(unit, 0) + 1

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import SPEC, expected_ids, make_write
+from helpers import SPEC, MakeEngine, expected_ids, make_write
 from r3store.catalog import Catalog
 from r3store.engine import Engine, EngineConfig
 from r3store.errors import Backpressure, Conflict, InvalidInput, InvalidRoutes, NotFound, StoreError
@@ -21,11 +21,13 @@ from r3store.store import LocalStore, ObjectStore
 from r3store.writer import WriterConfig
 
 
-def snapshot(engine: Engine) -> tuple[list[str], int]:
-    return [o.key for o in engine.store.list("")], engine.catalog.count("ns")
+def snapshot(store: ObjectStore, make_engine: MakeEngine) -> tuple[list[str], int]:
+    """Every object in the store, and the trajectories the catalog holds: read behind
+    the engine's back."""
+    return [o.key for o in store.list("")], make_engine.catalog().count("ns")
 
 
-def test_sixteen_writers_then_restart(store: ObjectStore, make_engine) -> None:  # type: ignore[no-untyped-def]
+def test_sixteen_writers_then_restart(store: ObjectStore, make_engine: MakeEngine) -> None:
     engine = make_engine(store, EngineConfig(writer=WriterConfig(commit_interval=0.02)))
     engine.create_namespace("ns", SPEC)
     acked: dict[str, TrajectoryWrite] = {}
@@ -60,7 +62,7 @@ def test_sixteen_writers_then_restart(store: ObjectStore, make_engine) -> None: 
     check(reopened)
 
 
-def test_reads_keep_order_and_name_missing(tmp_path: Path, make_engine) -> None:  # type: ignore[no-untyped-def]
+def test_reads_keep_order_and_name_missing(tmp_path: Path, make_engine: MakeEngine) -> None:
     engine = make_engine(LocalStore(tmp_path / "o"))
     engine.create_namespace("ns", SPEC)
     writes = [make_write(f"t{i}", prompt_len=3, policy_version=2) for i in range(5)]
@@ -87,14 +89,16 @@ def test_reads_keep_order_and_name_missing(tmp_path: Path, make_engine) -> None:
         engine.get_batch("nope", ["t1"])
 
 
-def test_retries_are_idempotent_and_conflicts_refused(store: ObjectStore, make_engine) -> None:  # type: ignore[no-untyped-def]
+def test_retries_are_idempotent_and_conflicts_refused(
+    store: ObjectStore, make_engine: MakeEngine
+) -> None:
     engine = make_engine(store)
     engine.create_namespace("ns", SPEC)
     first = make_write("a", group_id="g")
     assert [r.created for r in engine.put("ns", [first])] == [True]
-    before = snapshot(engine)
+    before = snapshot(store, make_engine)
     assert [r.created for r in engine.put("ns", [first])] == [False]
-    assert snapshot(engine) == before, "a retry stores no second copy"
+    assert snapshot(store, make_engine) == before, "a retry stores no second copy"
 
     other_routes = make_write("b")
     clash = TrajectoryWrite("a", other_routes.num_tokens, topk=other_routes.topk, group_id="g")
@@ -103,11 +107,11 @@ def test_retries_are_idempotent_and_conflicts_refused(store: ObjectStore, make_e
     other_meta = TrajectoryWrite("a", first.num_tokens, topk=first.topk, group_id="h")
     with pytest.raises(Conflict):
         engine.put("ns", [make_write("c"), other_meta])
-    assert snapshot(engine) == before, "a conflicting put changes nothing"
+    assert snapshot(store, make_engine) == before, "a conflicting put changes nothing"
     assert np.array_equal(engine.get("ns", "a").to_topk(), expected_ids(first))
 
 
-def test_racing_puts_of_one_id_store_it_once(tmp_path: Path, make_engine) -> None:  # type: ignore[no-untyped-def]
+def test_racing_puts_of_one_id_store_it_once(tmp_path: Path, make_engine: MakeEngine) -> None:
     engine = make_engine(
         LocalStore(tmp_path / "o"), EngineConfig(writer=WriterConfig(commit_interval=0.2))
     )
@@ -128,7 +132,7 @@ def test_racing_puts_of_one_id_store_it_once(tmp_path: Path, make_engine) -> Non
         t.start()
     for t in threads:
         t.join()
-    assert engine.catalog.count("ns") == 1
+    assert make_engine.catalog().count("ns") == 1
     stored = engine.get("ns", "x").to_topk()
     winner = same if np.array_equal(stored, expected_ids(same)) else clash
     if winner is same:
@@ -173,21 +177,21 @@ def _mask(edit):  # type: ignore[no-untyped-def]
     ],
 )
 def test_bad_input_changes_nothing(
-    store: ObjectStore, make_engine, change: dict[str, object], error: type
-) -> None:  # type: ignore[no-untyped-def]
+    store: ObjectStore, make_engine: MakeEngine, change: dict[str, object], error: type
+) -> None:
     engine = make_engine(store)
     engine.create_namespace("ns", SPEC)
     engine.put("ns", [make_write("keep")])
-    before = snapshot(engine)
+    before = snapshot(store, make_engine)
     good = make_write("good", tokens=11)
     fields = {**good.__dict__, **change}
     with pytest.raises(error):
         engine.put("ns", [make_write("also-good"), TrajectoryWrite(**fields)])
-    assert snapshot(engine) == before
+    assert snapshot(store, make_engine) == before
     assert engine.get_batch("ns", ["also-good"]).missing == ["also-good"]
 
 
-def test_masks_and_ordered_namespaces(tmp_path: Path, make_engine) -> None:  # type: ignore[no-untyped-def]
+def test_masks_and_ordered_namespaces(tmp_path: Path, make_engine: MakeEngine) -> None:
     engine = make_engine(LocalStore(tmp_path / "o"))
     engine.create_namespace("ns", SPEC)
     ordered = RouteSpec(4, 64, 4, ordered=True)
@@ -219,7 +223,7 @@ class SlowStore(LocalStore):
         super().put_if_absent(key, data)
 
 
-def test_full_buffer_pushes_back(tmp_path: Path, make_engine) -> None:  # type: ignore[no-untyped-def]
+def test_full_buffer_pushes_back(tmp_path: Path, make_engine: MakeEngine) -> None:
     store = SlowStore(tmp_path / "o")
     config = EngineConfig(
         writer=WriterConfig(buffer_bytes=1, put_timeout=0.2, commit_interval=0.01)
@@ -250,17 +254,17 @@ def test_full_buffer_pushes_back(tmp_path: Path, make_engine) -> None:  # type: 
     assert engine.get_batch("ns", pushed).missing == pushed
 
 
-def test_store_failure_acknowledges_nothing(tmp_path: Path, make_engine) -> None:  # type: ignore[no-untyped-def]
+def test_store_failure_acknowledges_nothing(tmp_path: Path, make_engine: MakeEngine) -> None:
     store = SlowStore(tmp_path / "o")
     engine = make_engine(store)
     engine.create_namespace("ns", SPEC)
     store.broken = True
     with pytest.raises(StoreError):
         engine.put("ns", [make_write("lost")])
-    assert engine.catalog.count("ns") == 0
+    assert make_engine.catalog().count("ns") == 0
     store.broken = False
     assert engine.put("ns", [make_write("lost")])[0].created
-    assert engine.catalog.count("ns") == 1
+    assert make_engine.catalog().count("ns") == 1
 
 
 def test_engine_on_a_fresh_catalog_sees_nothing_until_rebuilt(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import SPEC, expected_ids, make_write
+from helpers import SPEC, MakeEngine, expected_ids, make_write
 from r3store.engine import Engine
 from r3store.errors import Conflict, InvalidInput, NotFound, StalePolicy
 from r3store.policy import NamespaceSettings, Retention
@@ -18,7 +18,7 @@ from r3store.store import LocalStore
 
 
 @pytest.fixture
-def engine(tmp_path: Path, make_engine) -> Engine:  # type: ignore[no-untyped-def]
+def engine(tmp_path: Path, make_engine: MakeEngine) -> Engine:
     made: Engine = make_engine(LocalStore(tmp_path / "objects"))
     made.create_namespace("ns", SPEC)
     return made
@@ -61,7 +61,7 @@ def test_multi_turn_append(engine: Engine) -> None:
         engine.put("ns", [segment("nobody", 10, 5, 3)])
     with pytest.raises(InvalidInput, match="group id"):
         engine.put("ns", [segment("chat", 55, 5, 3, group_id="other")])
-    assert engine.catalog.by_group("ns", "g")[-1].start == 50
+    assert engine.get_batch("ns", ["chat"]).items[0].segments[-1].start == 50
 
 
 def test_whole_conversation_in_one_put(engine: Engine) -> None:

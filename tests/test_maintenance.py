@@ -9,12 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import SPEC, expected_ids, make_write
+from helpers import SPEC, MakeEngine, expected_ids, make_write
 from r3store.engine import Engine
 from r3store.errors import StoreError
-from r3store.maintenance import Maintenance
+from r3store.keys import SHARD_PREFIX
 from r3store.policy import NamespaceSettings, Retention
-from r3store.shard import SHARD_PREFIX
 from r3store.store import LocalStore, ObjectStore
 
 
@@ -37,13 +36,13 @@ def check_all(engine: Engine, writes: dict[str, object]) -> None:
         assert np.array_equal(item.routes.to_topk(), expected_ids(writes[tid]))  # type: ignore[arg-type]
 
 
-def test_retention_by_versions(store: ObjectStore, make_engine) -> None:  # type: ignore[no-untyped-def]
+def test_retention_by_versions(store: ObjectStore, make_engine: MakeEngine) -> None:
     engine = make_engine(store)
     engine.create_namespace("ns", SPEC, settings(keep_versions=2))
     for v in range(4):
         engine.put("ns", [make_write(f"v{v}-{i}", policy_version=v) for i in range(2)])
     engine.set_policy_version("ns", 3)
-    report = Maintenance(engine).run()
+    report = engine.maintenance().run()
     assert report.trajectories_dropped == 4
     kept = engine.get_batch("ns", [f"v{v}-{i}" for v in range(4) for i in range(2)])
     assert kept.missing == ["v0-0", "v0-1", "v1-0", "v1-1"]
@@ -58,7 +57,7 @@ def test_retention_by_time_to_live(tmp_path: Path) -> None:
     )
     engine.create_namespace("ns", SPEC, settings(ttl_seconds=3600))
     engine.put("ns", [make_write("old")])
-    maintenance = Maintenance(engine, clock=clock)
+    maintenance = engine.maintenance(clock=clock)
     assert maintenance.run().trajectories_dropped == 0
     clock.now += 1800
     engine.put("ns", [make_write("young")])
@@ -68,17 +67,19 @@ def test_retention_by_time_to_live(tmp_path: Path) -> None:
     engine.close()
 
 
-def test_retention_by_consumption(store: ObjectStore, make_engine) -> None:  # type: ignore[no-untyped-def]
+def test_retention_by_consumption(store: ObjectStore, make_engine: MakeEngine) -> None:
     engine = make_engine(store)
     custom = NamespaceSettings(max_times_sampled=1, retention=Retention(evict_after_sampled=True))
     engine.create_namespace("ns", SPEC, custom)
     engine.put("ns", [make_write(f"c{i}") for i in range(4)])
     assert engine.sample("ns", 3).ids == ["c0", "c1", "c2"]
-    assert Maintenance(engine).run().trajectories_dropped == 3
+    assert engine.maintenance().run().trajectories_dropped == 3
     assert engine.get_batch("ns", ["c0", "c3"]).missing == ["c0"]
 
 
-def test_compaction_keeps_live_trajectories_identical(store: ObjectStore, make_engine) -> None:  # type: ignore[no-untyped-def]
+def test_compaction_keeps_live_trajectories_identical(
+    store: ObjectStore, make_engine: MakeEngine
+) -> None:
     engine = make_engine(store)
     engine.create_namespace("ns", SPEC, settings(keep_versions=1))
     old = {f"o{i}": make_write(f"o{i}", policy_version=0) for i in range(6)}
@@ -87,7 +88,7 @@ def test_compaction_keeps_live_trajectories_identical(store: ObjectStore, make_e
     [before] = [o.key for o in store.list(SHARD_PREFIX)]
     engine.set_policy_version("ns", 1)
     clock = Clock()
-    maintenance = Maintenance(engine, clock=clock, grace_seconds=60)
+    maintenance = engine.maintenance(clock=clock, grace_seconds=60)
     report = maintenance.run()
     assert report.trajectories_dropped == 6
     assert report.shards_compacted == 1
@@ -104,8 +105,11 @@ def test_compaction_keeps_live_trajectories_identical(store: ObjectStore, make_e
     assert report.dead_bytes < report.live_bytes
 
 
-def test_failed_compaction_changes_nothing(tmp_path: Path, make_engine) -> None:  # type: ignore[no-untyped-def]
-    engine = make_engine(LocalStore(tmp_path / "o"))
+def test_failed_compaction_changes_nothing(tmp_path: Path) -> None:
+    from r3store.catalog import Catalog
+
+    catalog = Catalog(f"sqlite:///{tmp_path / 'c.db'}")
+    engine = Engine(LocalStore(tmp_path / "o"), catalog)
     engine.create_namespace("ns", SPEC, settings(keep_versions=1))
     writes = {f"w{i}": make_write(f"w{i}", policy_version=i // 3) for i in range(4)}
     engine.put("ns", list(writes.values()))
@@ -114,16 +118,19 @@ def test_failed_compaction_changes_nothing(tmp_path: Path, make_engine) -> None:
     def crash(*_args: object) -> int:
         raise StoreError("the catalog went away mid-compaction")
 
-    engine.catalog.replace_shard = crash  # type: ignore[method-assign]
-    report = Maintenance(engine, grace_seconds=0, orphan_seconds=0).run()
+    catalog.replace_shard = crash  # type: ignore[method-assign]
+    report = engine.maintenance(grace_seconds=0, orphan_seconds=0).run()
     assert report.shards_compacted == 0
     check_all(engine, {"w3": writes["w3"]})
     # the new shard written before the failure is an orphan: collected, nothing else is
     assert len(list(LocalStore(tmp_path / "o").list(SHARD_PREFIX))) == 1
     check_all(engine, {"w3": writes["w3"]})
+    engine.close()
 
 
-def test_orphans_older_than_the_grace_are_collected(tmp_path: Path, make_engine) -> None:  # type: ignore[no-untyped-def]
+def test_orphans_older_than_the_grace_are_collected(
+    tmp_path: Path, make_engine: MakeEngine
+) -> None:
     store = LocalStore(tmp_path / "o")
     engine = make_engine(store)
     engine.create_namespace("ns", SPEC)
@@ -133,7 +140,7 @@ def test_orphans_older_than_the_grace_are_collected(tmp_path: Path, make_engine)
     old = tmp_path / "o" / SHARD_PREFIX / "ns" / "0000000000001-old.parquet"
     past = time.time() - 7200
     os.utime(old, (past, past))
-    report = Maintenance(engine, orphan_seconds=3600).run()
+    report = engine.maintenance(orphan_seconds=3600).run()
     assert report.orphans_deleted == 1
     names = sorted(p.name for p in (tmp_path / "o" / SHARD_PREFIX / "ns").iterdir())
     assert "0000000000001-old.parquet" not in names
@@ -155,7 +162,7 @@ def test_retention_on_two_engines_at_once_deletes_nothing_live(tmp_path: Path, r
         a.set_policy_version("ns", 1)
         import threading
 
-        runs = [Maintenance(e, grace_seconds=0) for e in (a, b)]
+        runs = [e.maintenance(grace_seconds=0) for e in (a, b)]
         threads = [threading.Thread(target=m.run) for m in runs for _ in range(rounds)]
         for t in threads:
             t.start()
@@ -169,8 +176,8 @@ def test_retention_on_two_engines_at_once_deletes_nothing_live(tmp_path: Path, r
 
 
 def test_rebuild_does_not_bring_back_what_retention_dropped(
-    store: ObjectStore, make_engine, tmp_path: Path
-) -> None:  # type: ignore[no-untyped-def]
+    store: ObjectStore, make_engine: MakeEngine, tmp_path: Path
+) -> None:
     from r3store.catalog import Catalog
     from r3store.rebuild import rebuild_catalog
 
@@ -180,7 +187,7 @@ def test_rebuild_does_not_bring_back_what_retention_dropped(
     writes = {f"k{i}": make_write(f"k{i}", policy_version=1) for i in range(4)}
     engine.put("ns", [make_write("gone", policy_version=0), *writes.values()])
     engine.set_policy_version("ns", 1)
-    report = Maintenance(engine, grace_seconds=0).run()
+    report = engine.maintenance(grace_seconds=0).run()
     assert report.trajectories_dropped == 1
     assert report.shards_compacted == 0, "the shard is mostly live and stays"
     fresh = Catalog(f"sqlite:///{tmp_path / 'rebuilt.db'}")
@@ -195,9 +202,9 @@ def test_rebuild_does_not_bring_back_what_retention_dropped(
     engine.update_settings("ns", settings(keep_versions=1))
     engine.set_policy_version("ns", 2)  # now every row is stale: the shard empties
     engine.put("ns", [make_write("new", policy_version=2)])
-    first = Maintenance(engine, grace_seconds=0).run()
+    first = engine.maintenance(grace_seconds=0).run()
     assert first.trajectories_dropped == 4
-    second = Maintenance(engine, grace_seconds=0).run()
+    second = engine.maintenance(grace_seconds=0).run()
     assert first.tombstones_deleted + second.tombstones_deleted >= 1
     remaining = {o.key for o in store.list("tombstones/")}
     assert tombstones[0] not in remaining

@@ -16,7 +16,6 @@ from helpers import SPEC, expected_ids, make_write
 from http_helpers import KEYS, SPEC_JSON, replicas
 from r3store.catalog import Catalog
 from r3store.engine import Engine
-from r3store.maintenance import Maintenance
 from r3store.testing.postgres import Postgres
 from r3store.testing.seaweedfs import SeaweedFS
 from r3store.wire import CONTENT_TYPE, decode_batch, encode_writes
@@ -46,7 +45,11 @@ def test_engine_on_postgres(pg_url: str, seaweed: SeaweedFS) -> None:
         taken = engine.sample("ns", 5).ids
         assert len(set(taken)) == 5
         assert set(taken) <= set(writes)
-        assert len(engine.catalog.by_group("ns", "g1")) == 8
+    behind = Catalog(pg_url)  # behind the engine's back
+    try:
+        assert len(behind.by_group("ns", "g1")) == 8
+    finally:
+        behind.close()
 
 
 def test_two_servers_share_one_bucket_and_database(
@@ -87,7 +90,7 @@ def test_two_servers_share_one_bucket_and_database(
     # retention and compaction on two replicas at once delete nothing live
     engines = [Engine(seaweed.new_store(a.prefix), Catalog(pg_url)) for _ in range(2)]
     try:
-        passes = [Maintenance(e, grace_seconds=0) for e in engines]
+        passes = [e.maintenance(grace_seconds=0) for e in engines]
         threads = [threading.Thread(target=m.run) for m in passes for _ in range(2)]
         for t in threads:
             t.start()

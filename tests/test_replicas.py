@@ -106,7 +106,7 @@ def test_a_lost_race_fails_only_the_upload_that_conflicts(
             assert np.array_equal(item.routes.to_topk(), expected_ids(write))
         # the shard that lost the race is gone, not left as an orphan
         shards = {info.key for info in objects.list("shards/")}
-        assert shards == {u.key for u in mine.catalog.shard_usage()}
+        assert shards == {u.key for u in Catalog(url).shard_usage()}
     finally:
         mine.close()
         other.close()
@@ -223,23 +223,23 @@ class BeforeFirstRangedRead(BeforeShardPut):
 def test_a_read_that_raced_compaction_looks_up_again(tmp_path: Path) -> None:
     """Compaction moves the rows and the old shard's grace runs out between a read's
     catalog lookup and its ranged GET: the read finds the rows in their new shard."""
-    from r3store.maintenance import Maintenance
     from r3store.policy import NamespaceSettings, Retention
 
     store = BeforeFirstRangedRead(LocalStore(tmp_path / "objects"), lambda: None)
     no_cache = EngineConfig(reader=ReaderConfig(cache_bytes=0))  # every read a ranged GET
-    engine = Engine(store, Catalog(f"sqlite:///{tmp_path / 'c.db'}"), no_cache)
+    catalog = Catalog(f"sqlite:///{tmp_path / 'c.db'}")
+    engine = Engine(store, catalog, no_cache)
     try:
         engine.create_namespace("ns", SPEC, NamespaceSettings(retention=Retention(keep_versions=1)))
         writes = [make_write(f"t{i}", policy_version=int(i % 3 == 0)) for i in range(6)]
         engine.put("ns", writes)
         engine.set_policy_version("ns", 1)
-        before = {u.key for u in engine.catalog.shard_usage()}
-        store.hook = lambda: Maintenance(engine, grace_seconds=0).run()
+        before = {u.key for u in catalog.shard_usage()}
+        store.hook = lambda: engine.maintenance(grace_seconds=0).run()
         kept = [w for w in writes if w.policy_version == 1]
         batch = engine.get_batch("ns", [w.trajectory_id for w in kept])
         assert store.hook is None  # compaction ran in between
-        assert {u.key for u in engine.catalog.shard_usage()}.isdisjoint(before)
+        assert {u.key for u in catalog.shard_usage()}.isdisjoint(before)
         assert batch.missing == []
         for write, item in zip(kept, batch.items, strict=True):
             assert np.array_equal(item.routes.to_topk(), expected_ids(write))

@@ -22,7 +22,7 @@ def test_health_and_readiness(
 
 def test_readiness_fails_when_s3_is_unreachable(tmp_path: Path) -> None:
     unreachable = {"endpoint_url": "http://127.0.0.1:9", "bucket": "nowhere"}
-    with service(tmp_path, None, s3=unreachable) as client:
+    with service(tmp_path, None, store="s3", s3=unreachable) as client:
         assert client.get("/healthz").status_code == 200
         r = client.get("/readyz")
         assert r.status_code == 503
@@ -31,6 +31,7 @@ def test_readiness_fails_when_s3_is_unreachable(tmp_path: Path) -> None:
 
 def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("R3STORE_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("R3STORE_STORE", "s3")
     monkeypatch.setenv("R3STORE_S3__ENDPOINT_URL", "http://127.0.0.1:9000")
     monkeypatch.setenv("R3STORE_S3__BUCKET", "routes")
     monkeypatch.setenv(
@@ -56,7 +57,7 @@ def test_s3_credentials_from_secret_files(tmp_path: Path, request: pytest.Fixtur
         "access_key_id_file": str(tmp_path / "id"),
         "secret_access_key_file": str(tmp_path / "secret"),
     }
-    with service(tmp_path, None, s3=s3) as client:
+    with service(tmp_path, None, store="s3", s3=s3) as client:
         assert client.get("/readyz").json()["status"] == "ready"
 
 
@@ -98,3 +99,18 @@ def test_full_buffer_answers_429_with_retry_after(tmp_path: Path) -> None:
     finally:
         client.close()
         engine.close()
+
+
+def test_the_store_is_chosen_explicitly(tmp_path: Path) -> None:
+    from pydantic import ValidationError
+
+    from r3store_server.backends import build_store
+
+    with pytest.raises(ValidationError, match="set R3STORE_STORE=s3"):
+        Settings(data_dir=tmp_path, s3={"endpoint_url": "http://127.0.0.1:9000"})
+    assert Settings(data_dir=tmp_path).embedded
+    aws = build_store(Settings(data_dir=tmp_path, store="s3", s3={"bucket": "routes"}))
+    try:
+        assert aws.description == "S3 bucket 'routes' at AWS"  # no endpoint: AWS itself
+    finally:
+        aws.close()

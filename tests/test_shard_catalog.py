@@ -11,13 +11,14 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from helpers import SPEC, expected_ids, make_write
+from helpers import SPEC, MakeEngine, expected_ids, make_write
 from r3store.catalog import Catalog
 from r3store.engine import Engine, EngineConfig
 from r3store.errors import Conflict, NotFound
+from r3store.keys import SHARD_PREFIX
 from r3store.reader import ReaderConfig
 from r3store.rebuild import rebuild_catalog
-from r3store.shard import FORMAT_VERSION, SHARD_PREFIX
+from r3store.shard import FORMAT_VERSION
 from r3store.spec import RouteSpec
 from r3store.store import LocalStore, ObjectStore
 from r3store.writer import WriterConfig
@@ -37,7 +38,7 @@ def fill(engine: Engine, n: int = 24) -> dict[str, object]:
     return {w.trajectory_id: w for w in writes}
 
 
-def test_shards_are_plain_parquet(tmp_path: Path, make_engine) -> None:  # type: ignore[no-untyped-def]
+def test_shards_are_plain_parquet(tmp_path: Path, make_engine: MakeEngine) -> None:
     store = LocalStore(tmp_path / "objects")
     writes = fill(make_engine(store, small_row_groups()))
     [shard] = [p for p in (tmp_path / "objects" / "shards" / "ns").iterdir()]
@@ -68,7 +69,7 @@ def test_shards_are_plain_parquet(tmp_path: Path, make_engine) -> None:  # type:
     assert np.array_equal(got, want)
 
 
-def test_duckdb_reads_shards(tmp_path: Path, make_engine) -> None:  # type: ignore[no-untyped-def]
+def test_duckdb_reads_shards(tmp_path: Path, make_engine: MakeEngine) -> None:
     duckdb = pytest.importorskip("duckdb")
     store = LocalStore(tmp_path / "objects")
     fill(make_engine(store))
@@ -80,7 +81,7 @@ def test_duckdb_reads_shards(tmp_path: Path, make_engine) -> None:  # type: igno
     assert [r[:2] for r in rows] == [(0, 8), (1, 8), (2, 8)]
 
 
-def test_reads_fetch_exactly_the_asked_bytes(tmp_path: Path, make_engine) -> None:  # type: ignore[no-untyped-def]
+def test_reads_fetch_exactly_the_asked_bytes(tmp_path: Path, make_engine: MakeEngine) -> None:
     class Counting(LocalStore):
         ranges: ClassVar[list[tuple[str, int, int]]] = []
 
@@ -96,7 +97,7 @@ def test_reads_fetch_exactly_the_asked_bytes(tmp_path: Path, make_engine) -> Non
     )
     engine = make_engine(store, config)
     writes = fill(engine)
-    entries = {tid: e[0] for tid, e in engine.catalog.lookup("ns", list(writes)).items()}
+    entries = {tid: e[0] for tid, e in make_engine.catalog().lookup("ns", list(writes)).items()}
 
     def stream_bytes(ids: list[str]) -> set[tuple[str, int]]:
         """Every byte offset of these trajectories' stored route values."""
@@ -131,10 +132,10 @@ def test_reads_fetch_exactly_the_asked_bytes(tmp_path: Path, make_engine) -> Non
     )
 
 
-def test_stored_spans_hold_the_route_values(tmp_path: Path, make_engine) -> None:  # type: ignore[no-untyped-def]
+def test_stored_spans_hold_the_route_values(tmp_path: Path, make_engine: MakeEngine) -> None:
     engine = make_engine(LocalStore(tmp_path / "objects"), small_row_groups())
     writes = fill(engine)
-    for tid, [entry] in engine.catalog.lookup("ns", list(writes)).items():
+    for tid, [entry] in make_engine.catalog().lookup("ns", list(writes)).items():
         table = pq.read_table(tmp_path / "objects" / entry.shard_key)
         row = table.filter(pc.equal(table.column("trajectory_id"), tid)).to_pylist()[0]
         data = (tmp_path / "objects" / entry.shard_key).read_bytes()
@@ -146,10 +147,10 @@ def test_stored_spans_hold_the_route_values(tmp_path: Path, make_engine) -> None
         assert row["route_order"] is None
 
 
-def test_catalog_lookups(tmp_path: Path, make_engine) -> None:  # type: ignore[no-untyped-def]
+def test_catalog_lookups(tmp_path: Path, make_engine: MakeEngine) -> None:
     engine = make_engine(LocalStore(tmp_path / "objects"))
     writes = fill(engine)
-    catalog = engine.catalog
+    catalog = make_engine.catalog()
     assert set(catalog.lookup("ns", ["t1", "t2", "zz"])) == {"t1", "t2"}
     assert [e.trajectory_id for e in catalog.by_group("ns", "g2")] == ["t10", "t11", "t8", "t9"]
     assert {e.trajectory_id for e in catalog.by_versions("ns", 1, 2)} == {
@@ -167,13 +168,15 @@ def test_catalog_lookups(tmp_path: Path, make_engine) -> None:  # type: ignore[n
     assert (again.spec, created) == (SPEC, False)
 
 
-def test_rebuild_from_the_store_alone(store: ObjectStore, make_engine, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_rebuild_from_the_store_alone(
+    store: ObjectStore, make_engine: MakeEngine, tmp_path: Path
+) -> None:
     engine = make_engine(store, small_row_groups())
     writes = fill(engine)
     engine.create_namespace("empty-run", RouteSpec(2, 8, 2))
     more = [make_write(f"u{i}") for i in range(5)]
     engine.put("ns", more)
-    before = engine.catalog.lookup("ns", [*writes, *(w.trajectory_id for w in more)])
+    before = make_engine.catalog().lookup("ns", [*writes, *(w.trajectory_id for w in more)])
     engine.close()
 
     fresh = Catalog(f"sqlite:///{tmp_path / 'rebuilt.db'}")
@@ -195,7 +198,7 @@ def test_rebuild_from_the_store_alone(store: ObjectStore, make_engine, tmp_path:
         reopened.close()
 
 
-def test_rebuild_skips_corrupt_objects(tmp_path: Path, make_engine) -> None:  # type: ignore[no-untyped-def]
+def test_rebuild_skips_corrupt_objects(tmp_path: Path, make_engine: MakeEngine) -> None:
     store = LocalStore(tmp_path / "objects")
     engine = make_engine(store)
     fill(engine, 4)

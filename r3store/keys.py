@@ -1,0 +1,36 @@
+"""Where things live in the object store: every key r3store writes.
+
+    namespaces/<namespace>.json                       a namespace's manifest
+    shards/<namespace>/<ms>-<uuid>.parquet            an immutable shard
+    tombstones/<namespace>/<ms>-<uuid>.json           segments retention dropped
+
+Keys are unique (time and a UUID) and written create-only, so no writer overwrites
+another's object.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+NAMESPACE_PREFIX = "namespaces/"
+SHARD_PREFIX = "shards/"
+TOMBSTONE_PREFIX = "tombstones/"
+
+
+def namespace_key(name: str) -> str:
+    return f"{NAMESPACE_PREFIX}{name}.json"
+
+
+def _stamp(now: float | None) -> str:
+    ms = int((time.time() if now is None else now) * 1000)
+    return f"{ms:013d}-{uuid.uuid4().hex}"
+
+
+def shard_key(namespace: str, now: float | None = None) -> str:
+    """A unique, time-ordered shard key."""
+    return f"{SHARD_PREFIX}{namespace}/{_stamp(now)}.parquet"
+
+
+def tombstone_key(namespace: str, now: float) -> str:
+    return f"{TOMBSTONE_PREFIX}{namespace}/{_stamp(now)}.json"
