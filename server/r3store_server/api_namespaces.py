@@ -13,7 +13,7 @@ from r3store.models import (
     PolicyVersionSet,
 )
 from r3store.policy import NamespaceSettings
-from r3store_server.deps import DeadlineDep, EngineDep, KeyRingDep, PrincipalDep
+from r3store_server.deps import DeadlineDep, EngineDep, KeyRingDep, PrincipalDep, allowed
 from r3store_server.errors import ERROR_RESPONSES
 
 router = APIRouter(prefix="/v1/namespaces", tags=["namespaces"], responses=ERROR_RESPONSES)
@@ -36,7 +36,7 @@ async def create_namespace(
 ) -> NamespacePublic:
     """Create a namespace with its route spec (fixed) and settings: 201. The same
     request again answers 200; another spec or other settings under the name, 409.
-    Admin."""
+    Admin (the name is in the body, so the right is checked here)."""
     keys.authorize(who, "manage", body.name)
     info, created = await deadline.run(
         engine.create_namespace, body.name, body.spec.to_spec(), body.settings
@@ -46,71 +46,60 @@ async def create_namespace(
     return NamespacePublic.of(info)
 
 
-@router.get("", response_model=NamespaceList)
+@router.get("", response_model=NamespaceList, dependencies=[allowed("describe")])
 async def list_namespaces(
-    engine: EngineDep, keys: KeyRingDep, who: PrincipalDep, deadline: DeadlineDep
+    engine: EngineDep, who: PrincipalDep, deadline: DeadlineDep
 ) -> NamespaceList:
     """The namespaces this key may see."""
-    keys.authorize(who, "describe")
     infos = await deadline.run(engine.list_namespaces)
     return NamespaceList(
         namespaces=[NamespacePublic.of(i) for i in infos if who.may("describe", i.name)]
     )
 
 
-@router.get("/{namespace}", response_model=NamespacePublic)
+@router.get("/{namespace}", response_model=NamespacePublic, dependencies=[allowed("describe")])
 async def describe_namespace(
-    engine: EngineDep,
-    keys: KeyRingDep,
-    who: PrincipalDep,
-    deadline: DeadlineDep,
-    namespace: str = NamespacePath,
+    engine: EngineDep, deadline: DeadlineDep, namespace: str = NamespacePath
 ) -> NamespacePublic:
     """Spec, settings, current policy version and trajectory count."""
-    keys.authorize(who, "describe", namespace)
     info = await deadline.run(engine.namespace, namespace)
-    count = await deadline.run(engine.catalog.count, namespace)
+    count = await deadline.run(engine.count, namespace)
     return NamespacePublic.of(info, count)
 
 
-@router.delete("/{namespace}", response_model=NamespaceDeleted)
+@router.delete("/{namespace}", response_model=NamespaceDeleted, dependencies=[allowed("manage")])
 async def delete_namespace(
-    engine: EngineDep,
-    keys: KeyRingDep,
-    who: PrincipalDep,
-    deadline: DeadlineDep,
-    namespace: str = NamespacePath,
+    engine: EngineDep, deadline: DeadlineDep, namespace: str = NamespacePath
 ) -> NamespaceDeleted:
     """Delete a namespace, its trajectories and its objects. Admin."""
-    keys.authorize(who, "manage", namespace)
     deleted = await deadline.run(engine.delete_namespace, namespace)
     return NamespaceDeleted(name=namespace, objects_deleted=deleted)
 
 
-@router.put("/{namespace}/settings", response_model=NamespacePublic)
+@router.put(
+    "/{namespace}/settings", response_model=NamespacePublic, dependencies=[allowed("manage")]
+)
 async def update_settings(
     body: NamespaceSettings,
     engine: EngineDep,
-    keys: KeyRingDep,
-    who: PrincipalDep,
     deadline: DeadlineDep,
     namespace: str = NamespacePath,
 ) -> NamespacePublic:
     """Replace the staleness, sampling and retention settings. Admin."""
-    keys.authorize(who, "manage", namespace)
     return NamespacePublic.of(await deadline.run(engine.update_settings, namespace, body))
 
 
-@router.put("/{namespace}/policy-version", response_model=NamespacePublic)
+@router.put(
+    "/{namespace}/policy-version",
+    response_model=NamespacePublic,
+    dependencies=[allowed("policy")],
+)
 async def set_policy_version(
     body: PolicyVersionSet,
     engine: EngineDep,
-    keys: KeyRingDep,
-    who: PrincipalDep,
     deadline: DeadlineDep,
     namespace: str = NamespacePath,
 ) -> NamespacePublic:
     """The trainer's current policy version; it only moves forward. Reader or admin."""
-    keys.authorize(who, "policy", namespace)
     info = await deadline.run(engine.set_policy_version, namespace, body.policy_version)
     return NamespacePublic.of(info)

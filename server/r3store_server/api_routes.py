@@ -21,13 +21,13 @@ from r3store_server.deps import (
     BudgetDep,
     DeadlineDep,
     EngineDep,
-    KeyRingDep,
     MetricsDep,
-    PrincipalDep,
     SettingsDep,
+    allowed,
 )
 from r3store_server.errors import ERROR_RESPONSES
-from r3store_server.limits import UPLOAD_COST, MemoryBudget, Reservation
+from r3store_server.limits import MemoryBudget, Reservation
+from r3store_server.settings import UPLOAD_COST
 
 router = APIRouter(prefix="/v1/namespaces", tags=["routes"], responses=ERROR_RESPONSES)
 NamespacePath = Path(pattern=NAME_PATTERN, description="the namespace")
@@ -92,12 +92,11 @@ async def read_body(
     response_model=PutResponse,
     openapi_extra=UPLOAD_BODY,
     responses={413: ERROR_RESPONSES[400], 415: ERROR_RESPONSES[400], 429: ERROR_RESPONSES[400]},
+    dependencies=[allowed("write")],
 )
 async def upload(
     request: Request,
     engine: EngineDep,
-    keys: KeyRingDep,
-    who: PrincipalDep,
     settings: SettingsDep,
     metrics: MetricsDep,
     budget: BudgetDep,
@@ -112,7 +111,6 @@ async def upload(
     Retry-After; a slow store answers 503 with Retry-After (the upload may still land:
     retry it). Writer or admin.
     """
-    keys.authorize(who, "write", namespace)
     spec = await deadline.run(engine.spec, namespace)
     body, reservation = await deadline.wait(
         read_body(request, settings.max_body_bytes, budget, settings.request_timeout / 2),
@@ -145,12 +143,15 @@ def _answer(batch: Batch, spec: RouteSpec, fmt: ReadFormat, metrics: Any) -> Res
     return Response(content=data, media_type=CONTENT_TYPE)
 
 
-@router.post("/{namespace}/routes/batch", response_class=Response, responses=ARROW)
+@router.post(
+    "/{namespace}/routes/batch",
+    response_class=Response,
+    responses=ARROW,
+    dependencies=[allowed("read")],
+)
 async def read_batch(
     body: BatchRequest,
     engine: EngineDep,
-    keys: KeyRingDep,
-    who: PrincipalDep,
     metrics: MetricsDep,
     deadline: DeadlineDep,
     namespace: str = NamespacePath,
@@ -160,7 +161,6 @@ async def read_batch(
     Missing and stale ids are named in the stream's metadata, never dropped silently.
     Reader or admin.
     """
-    keys.authorize(who, "read", namespace)
 
     def fetch() -> Response:
         batch = engine.get_batch(
@@ -171,12 +171,15 @@ async def read_batch(
     return await deadline.run(fetch, what="the read")
 
 
-@router.post("/{namespace}/routes/sample", response_class=Response, responses=ARROW)
+@router.post(
+    "/{namespace}/routes/sample",
+    response_class=Response,
+    responses=ARROW,
+    dependencies=[allowed("read")],
+)
 async def sample(
     body: SampleRequest,
     engine: EngineDep,
-    keys: KeyRingDep,
-    who: PrincipalDep,
     metrics: MetricsDep,
     deadline: DeadlineDep,
     namespace: str = NamespacePath,
@@ -185,7 +188,6 @@ async def sample(
     optionally whole prompt groups); each counts toward `max_times_sampled`. Not
     idempotent: a failed sample may have counted (the client does not retry it).
     Reader or admin."""
-    keys.authorize(who, "read", namespace)
 
     def take() -> Response:
         batch = engine.sample(

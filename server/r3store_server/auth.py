@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from r3store.catalog import ApiKeyRecord
+from r3store.catalog_types import ApiKeyRecord
 from r3store.errors import Forbidden, R3StoreError, Unauthorized
 from r3store_server.settings import ApiKeyConfig, Role, Settings
 

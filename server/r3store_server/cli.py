@@ -21,17 +21,14 @@ import json
 import secrets
 import sys
 import time
-from collections import Counter
 from typing import Any
 
 from r3store.engine import Engine
 from r3store.errors import R3StoreError
-from r3store.maintenance import Maintenance
 from r3store.policy import NamespaceSettings, Retention
-from r3store.rebuild import rebuild_catalog
 from r3store.spec import RouteSpec
-from r3store_server.app import build_engine, build_store
 from r3store_server.auth import digest
+from r3store_server.backends import build_engine
 from r3store_server.settings import Settings
 
 
@@ -66,21 +63,11 @@ def _namespace(info: Any, count: int | None = None) -> dict[str, Any]:
 def stats(engine: Engine, name: str | None) -> dict[str, Any]:
     names = [name] if name else [n.name for n in engine.list_namespaces()]
     out: dict[str, Any] = {}
-    usage = engine.catalog.shard_usage()
     for ns in names:
-        engine.namespace(ns)  # NotFound for unknown names
-        versions: Counter[int] = Counter()
-        for entry in engine.catalog.by_versions(ns, 0, 2**63 - 1):
-            if entry.start == 0:
-                versions[entry.policy_version] += 1
-        mine = [u for u in usage if u.namespace == ns]
+        usage = engine.usage(ns)
         out[ns] = {
-            "trajectories": engine.catalog.count(ns),
-            "shards": len(mine),
-            "shard_bytes": sum(u.size for u in mine),
-            "live_route_bytes": sum(u.live_bytes for u in mine),
-            "dead_route_bytes": sum(u.route_bytes - u.live_bytes for u in mine),
-            "by_policy_version": {str(v): n for v, n in sorted(versions.items())},
+            **usage.__dict__,
+            "by_policy_version": {str(v): n for v, n in usage.by_policy_version.items()},
         }
     return out
 
@@ -91,10 +78,10 @@ def keys(engine: Engine, args: argparse.Namespace) -> Any:
     if args.action == "create":
         key = secrets.token_urlsafe(32)
         namespaces = args.namespace or ["*"]
-        engine.catalog.add_key(args.name, args.role, namespaces, digest(key))
+        engine.add_key(args.name, args.role, namespaces, digest(key))
         return {"name": args.name, "role": args.role, "namespaces": namespaces, "key": key}
     if args.action == "revoke":
-        engine.catalog.revoke_key(args.name)
+        engine.revoke_key(args.name)
         return {"name": args.name, "revoked": True}
     return [
         {
@@ -103,7 +90,7 @@ def keys(engine: Engine, args: argparse.Namespace) -> Any:
             "namespaces": k.namespaces,
             "revoked": k.revoked_at is not None,
         }
-        for k in engine.catalog.list_keys()
+        for k in engine.list_keys()
     ]
 
 
@@ -204,17 +191,16 @@ def run(args: argparse.Namespace, settings: Settings) -> Any:
             raise SystemExit("rebuild replaces the catalog's content: pass --yes")
         engine = build_engine(settings)
         try:
-            report = rebuild_catalog(build_store(settings), engine.catalog, _progress("rebuild"))
+            return engine.rebuild(_progress("rebuild")).__dict__
         finally:
             engine.close()
-        return report.__dict__
     engine = build_engine(settings)
     try:
         if args.command == "namespaces":
             if args.action == "list":
                 return [_namespace(n) for n in engine.list_namespaces()]
             if args.action == "show":
-                return _namespace(engine.namespace(args.name), engine.catalog.count(args.name))
+                return _namespace(engine.namespace(args.name), engine.count(args.name))
             if args.action == "create":
                 spec = RouteSpec(
                     args.layers,
@@ -246,7 +232,7 @@ def run(args: argparse.Namespace, settings: Settings) -> Any:
             return stats(engine, args.name)
         if args.command == "keys":
             return keys(engine, args)
-        maintenance = Maintenance(engine, grace_seconds=args.grace, orphan_seconds=args.orphan_age)
+        maintenance = engine.maintenance(grace_seconds=args.grace, orphan_seconds=args.orphan_age)
         return maintenance.run(_progress("shards")).__dict__
     finally:
         engine.close()

@@ -1,8 +1,10 @@
-"""Dependencies named as types: routes read `engine: EngineDep, who: PrincipalDep`."""
+"""Dependencies named as types: routes read `engine: EngineDep, who: PrincipalDep`; a
+route's right is declared with `dependencies=[allowed("write")]` (checked against the
+`namespace` path parameter, when the route has one)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
@@ -59,3 +61,13 @@ KeyRingDep = Annotated[KeyRing, Depends(get_keyring)]
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 BudgetDep = Annotated[MemoryBudget, Depends(get_budget)]
 DeadlineDep = Annotated[Deadline, Depends(get_deadline)]
+
+
+def allowed(action: str) -> Any:
+    """The dependency that lets a request through only if its key may `action` (on the
+    route's `namespace`, if any): 401 without a key, 403 without the right."""
+
+    def check(request: Request, keys: KeyRingDep, who: PrincipalDep) -> None:
+        keys.authorize(who, action, request.path_params.get("namespace"))
+
+    return Depends(check)

@@ -35,7 +35,6 @@ from r3store_server.errors import body as error_body
 
 T = TypeVar("T")
 JSON_BODY_BYTES = 4 << 20
-UPLOAD_COST = 3  # bytes held per body byte: the body, its decoded routes, their encoding
 ADMISSION_POLL = 0.05  # seconds between looks at the budget
 TRIM_BYTES = 64 << 20  # releasing a reservation this large trims the heap
 

@@ -1,7 +1,8 @@
 """Service settings, from `R3STORE_*` environment variables and secret files.
 
 R3STORE_DATA_DIR=/var/lib/r3store            embedded store and SQLite catalog
-R3STORE_S3__ENDPOINT_URL=http://minio:9000   use S3 instead (nested: R3STORE_S3__*)
+R3STORE_STORE=s3                             use S3 instead (nested: R3STORE_S3__*)
+R3STORE_S3__ENDPOINT_URL=http://minio:9000   (none: AWS, with boto3's default credentials)
 R3STORE_S3__BUCKET=r3store
 R3STORE_CATALOG_URL=postgresql+psycopg://... a shared catalog (default: SQLite)
 R3STORE_API_KEYS='[{"name": "trainer", "key": "...", "role": "reader"}]'
@@ -18,9 +19,8 @@ from typing import Literal
 from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from r3store_server.limits import UPLOAD_COST
-
 Role = Literal["writer", "reader", "admin"]
+UPLOAD_COST = 3  # bytes an upload holds per body byte: the body, its routes, their encoding
 
 
 class S3Settings(BaseModel):
@@ -76,6 +76,9 @@ class Settings(BaseSettings):
         env_prefix="R3STORE_", env_nested_delimiter="__", extra="ignore"
     )
 
+    store: Literal["local", "s3"] = Field(
+        "local", description="local: files under data_dir (embedded); s3: the S3 bucket"
+    )
     host: str = "127.0.0.1"
     port: int = Field(8330, ge=0, le=65535)
     data_dir: Path = Path("data")
@@ -129,8 +132,17 @@ class Settings(BaseSettings):
 
     @property
     def embedded(self) -> bool:
-        """True when no S3 endpoint is configured: local directory + SQLite."""
-        return not self.s3.endpoint_url
+        """The local store: objects under `data_dir` (and SQLite, unless a catalog URL)."""
+        return self.store == "local"
+
+    @model_validator(mode="after")
+    def _store_named(self) -> Settings:
+        if self.store == "local" and self.s3.endpoint_url:
+            raise ValueError(
+                "R3STORE_S3__ENDPOINT_URL is set but R3STORE_STORE is local: set "
+                "R3STORE_STORE=s3 to use the bucket"
+            )
+        return self
 
     def resolved_catalog_url(self) -> str:
         return self.catalog_url or f"sqlite:///{self.data_dir / 'catalog.db'}"
