@@ -14,6 +14,31 @@ COMMON: dict[str, Any] = {
     "max_position_embeddings": 64,
 }
 
+# DeepSeek's multi-head latent attention, small
+_MLA: dict[str, Any] = {
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 8,
+}
+# 8 routed experts, 2 per token, one shared expert, the first layer dense
+_SHARED_EXPERTS: dict[str, Any] = {
+    "moe_intermediate_size": 16,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+}
+_LFM2: dict[str, Any] = {
+    "moe_intermediate_size": 16,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "num_dense_layers": 1,
+    "layer_types": ["conv", "full_attention"],
+}
+
 # name: (model_type, AutoModel class, router class, kwargs beyond COMMON)
 TINY: dict[str, tuple[str, str, str, dict[str, Any]]] = {
     "qwen2_moe": (
@@ -109,19 +134,10 @@ TINY: dict[str, tuple[str, str, str, dict[str, Any]]] = {
         "AutoModelForCausalLM",
         "DeepseekV3TopkRouter",
         {
-            "num_key_value_heads": 4,
-            "kv_lora_rank": 16,
-            "q_lora_rank": 16,
-            "qk_rope_head_dim": 8,
-            "qk_nope_head_dim": 8,
-            "v_head_dim": 8,
-            "moe_intermediate_size": 16,
-            "n_routed_experts": 8,
-            "num_experts_per_tok": 2,
+            **_MLA,
+            **_SHARED_EXPERTS,
             "n_group": 2,
             "topk_group": 1,
-            "n_shared_experts": 1,
-            "first_k_dense_replace": 1,
         },
     ),
     "glm4_moe": (
@@ -130,11 +146,7 @@ TINY: dict[str, tuple[str, str, str, dict[str, Any]]] = {
         "Glm4MoeTopkRouter",
         {
             "head_dim": 8,
-            "moe_intermediate_size": 16,
-            "n_routed_experts": 8,
-            "num_experts_per_tok": 2,
-            "n_shared_experts": 1,
-            "first_k_dense_replace": 1,
+            **_SHARED_EXPERTS,
             "n_group": 1,
             "topk_group": 1,
             "routed_scaling_factor": 2.5,
@@ -146,11 +158,7 @@ TINY: dict[str, tuple[str, str, str, dict[str, Any]]] = {
         "Glm4vMoeTextTopkRouter",
         {
             "head_dim": 16,
-            "moe_intermediate_size": 16,
-            "n_routed_experts": 8,
-            "num_experts_per_tok": 2,
-            "n_shared_experts": 1,
-            "first_k_dense_replace": 1,
+            **_SHARED_EXPERTS,
             "rope_parameters": {
                 "rope_type": "default",
                 "rope_theta": 10000.0,
@@ -165,11 +173,7 @@ TINY: dict[str, tuple[str, str, str, dict[str, Any]]] = {
         "Dots1TopkRouter",
         {
             "head_dim": 8,
-            "moe_intermediate_size": 16,
-            "n_routed_experts": 8,
-            "num_experts_per_tok": 2,
-            "n_shared_experts": 1,
-            "first_k_dense_replace": 1,
+            **_SHARED_EXPERTS,
             "n_group": 2,
             "topk_group": 1,
             "norm_topk_prob": True,
@@ -203,17 +207,8 @@ TINY: dict[str, tuple[str, str, str, dict[str, Any]]] = {
         "AutoModelForCausalLM",
         "DeepseekV2TopkRouter",
         {
-            "num_key_value_heads": 4,
-            "kv_lora_rank": 16,
-            "q_lora_rank": 16,
-            "qk_rope_head_dim": 8,
-            "qk_nope_head_dim": 8,
-            "v_head_dim": 8,
-            "moe_intermediate_size": 16,
-            "n_routed_experts": 8,
-            "num_experts_per_tok": 2,
-            "n_shared_experts": 1,
-            "first_k_dense_replace": 1,
+            **_MLA,
+            **_SHARED_EXPERTS,
         },
     ),
     "deepseek_v2_glg": (
@@ -221,17 +216,8 @@ TINY: dict[str, tuple[str, str, str, dict[str, Any]]] = {
         "AutoModelForCausalLM",
         "DeepseekV2TopkRouter",
         {
-            "num_key_value_heads": 4,
-            "kv_lora_rank": 16,
-            "q_lora_rank": 16,
-            "qk_rope_head_dim": 8,
-            "qk_nope_head_dim": 8,
-            "v_head_dim": 8,
-            "moe_intermediate_size": 16,
-            "n_routed_experts": 8,
-            "num_experts_per_tok": 2,
-            "n_shared_experts": 1,
-            "first_k_dense_replace": 1,
+            **_MLA,
+            **_SHARED_EXPERTS,
             "topk_method": "group_limited_greedy",
             "n_group": 2,
             "topk_group": 1,
@@ -248,11 +234,7 @@ TINY: dict[str, tuple[str, str, str, dict[str, Any]]] = {
         "AutoModelForCausalLM",
         "Lfm2MoeTopKRouter",
         {
-            "moe_intermediate_size": 16,
-            "num_experts": 4,
-            "num_experts_per_tok": 2,
-            "num_dense_layers": 1,
-            "layer_types": ["conv", "full_attention"],
+            **_LFM2,
         },
     ),
     "lfm2_moe_nobias": (
@@ -260,11 +242,7 @@ TINY: dict[str, tuple[str, str, str, dict[str, Any]]] = {
         "AutoModelForCausalLM",
         "Lfm2MoeTopKRouter",
         {
-            "moe_intermediate_size": 16,
-            "num_experts": 4,
-            "num_experts_per_tok": 2,
-            "num_dense_layers": 1,
-            "layer_types": ["conv", "full_attention"],
+            **_LFM2,
             "use_expert_bias": False,
             "routed_scaling_factor": 1.5,
         },

@@ -26,6 +26,12 @@ KEYS = {
     "other": "other-reader-key-0123456789abcd",  # a reader scoped to namespace "other"
 }
 SPEC_JSON = {"num_layers": 4, "num_experts": 64, "top_k": 4}
+# namespace "ns" whose retention keeps the current policy version only
+KEEP_ONE_VERSION = {
+    "name": "ns",
+    "spec": SPEC_JSON,
+    "settings": {"retention": {"keep_versions": 1}},
+}
 
 
 def settings_for(tmp: Path, seaweed: SeaweedFS | None, **extra: Any) -> Settings:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from helpers import SPEC, expected_ids, make_write
-from http_helpers import KEYS, SPEC_JSON, replicas
+from http_helpers import KEEP_ONE_VERSION, KEYS, replicas
 from r3store.catalog import Catalog
 from r3store.engine import Engine
 from r3store.testing.postgres import Postgres
@@ -59,12 +59,7 @@ def test_two_servers_share_one_bucket_and_database(
         replicas(tmp_path, seaweed, pg_url) as (a, b),
         httpx.Client(headers=ADMIN, timeout=60) as http,
     ):
-        body = {
-            "name": "ns",
-            "spec": SPEC_JSON,
-            "settings": {"retention": {"keep_versions": 1}},
-        }
-        assert http.post(f"{a.url}/v1/namespaces", json=body).status_code == 201
+        assert http.post(f"{a.url}/v1/namespaces", json=KEEP_ONE_VERSION).status_code == 201
         old = [make_write(f"old{i}", policy_version=0) for i in range(6)]
         live = [make_write(f"live{i}", policy_version=1) for i in range(4)]
         for server, writes in ((a, old[:3] + live[:2]), (b, old[3:] + live[2:])):

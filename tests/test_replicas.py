@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from helpers import SPEC, expected_ids, make_write
-from http_helpers import KEYS, SPEC_JSON, ServerProcess, replicas
+from http_helpers import KEEP_ONE_VERSION, KEYS, ServerProcess, replicas
 from r3store.catalog import Catalog
 from r3store.engine import Engine, EngineConfig
 from r3store.errors import Conflict
@@ -142,13 +142,8 @@ def test_two_replicas_on_postgres(
         replicas(tmp_path, seaweed, pg_url, env) as (a, b),
         httpx.Client(headers=ADMIN, timeout=60) as http,
     ):
-        body = {
-            "name": "ns",
-            "spec": SPEC_JSON,
-            "settings": {"retention": {"keep_versions": 1}},
-        }
-        assert http.post(f"{a.url}/v1/namespaces", json=body).status_code == 201
-        assert http.post(f"{b.url}/v1/namespaces", json=body).status_code == 200
+        assert http.post(f"{a.url}/v1/namespaces", json=KEEP_ONE_VERSION).status_code == 201
+        assert http.post(f"{b.url}/v1/namespaces", json=KEEP_ONE_VERSION).status_code == 200
         old = [make_write(f"old{i}", policy_version=0) for i in range(12)]
         assert upload(http, a.url, old[:6]).status_code == 200
         assert upload(http, b.url, old[6:]).status_code == 200
