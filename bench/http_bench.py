@@ -58,9 +58,12 @@ def run(count: int = 256, tokens: int = 4096) -> list[Figure]:
                 r.raise_for_status()
                 return r.content
 
+            client = Client(url, api_key=KEY)
+            decoders = client.decoders  # decoding as the client does it, on its threads
+
             def read_all(decode: bool) -> None:
                 for ids in batches:
-                    batch = decode_batch(fetch(ids), decode=decode)[1]
+                    batch = decode_batch(fetch(ids), decode=decode, executor=decoders)[1]
                     assert not batch.missing
 
             def read_prefetched() -> None:
@@ -71,9 +74,8 @@ def run(count: int = 256, tokens: int = 4096) -> list[Figure]:
                         body = pending.result()
                         if i + 1 < len(batches):
                             pending = ahead.submit(fetch, batches[i + 1])
-                        assert not decode_batch(body)[1].missing
+                        assert not decode_batch(body, executor=decoders)[1].missing
 
-            client = Client(url, api_key=KEY)
             reader = TrainerReader(client, "bench", layout="padded")
 
             def read_tensors() -> None:
@@ -82,10 +84,10 @@ def run(count: int = 256, tokens: int = 4096) -> list[Figure]:
                     assert routes.ids.shape[0] == len(ids)
 
             tensors = median_of(3, lambda: timed(read_tensors))
-            client.close()
             read = median_of(3, lambda: timed(lambda: read_all(True)))
             prefetched = median_of(3, lambda: timed(read_prefetched))
             raw = median_of(3, lambda: timed(lambda: read_all(False)))
+            client.close()
     finally:
         stop_server(process)
     rate = "M token-layers/s"
