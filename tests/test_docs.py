@@ -1,8 +1,7 @@
-"""The code in the README and docs/format.md runs as written."""
+"""The code in docs/format.md runs as written (the README's: test_readme.py)."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 from pathlib import Path
@@ -15,18 +14,6 @@ ROOT = Path(__file__).parent.parent
 
 def python_blocks(path: Path) -> list[str]:
     return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
-
-
-def test_readme_engine_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    [block] = python_blocks(ROOT / "README.md")
-    monkeypatch.chdir(tmp_path)
-    os.makedirs("data")
-    scope: dict[str, object] = {}
-    exec(compile(block, "README.md", "exec"), scope)
-    routes = scope["routes"]
-    assert isinstance(routes, np.ndarray)
-    assert routes.shape == (4096, 48, 8)
-    assert (routes[-1] == -1).all()
 
 
 def test_format_decoding_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -43,7 +30,7 @@ def test_format_decoding_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         engine.put("ns", [TrajectoryWrite("t", 100, topk=ids)])
     [shard] = list((tmp_path / "o" / "shards" / "ns").iterdir())
     shutil.copy(shard, tmp_path / "shard.parquet")
-    [block] = python_blocks(ROOT / "docs" / "format.md")
+    [block] = [b for b in python_blocks(ROOT / "docs" / "format.md") if "verify a digest" not in b]
     monkeypatch.chdir(tmp_path)
     scope: dict[str, object] = {}
     exec(compile(block, "format.md", "exec"), scope)
