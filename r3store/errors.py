@@ -16,7 +16,8 @@
     ├── StalePolicy              routes older than the namespace's staleness window
     ├── Backpressure             the write buffer is full; retry later
     ├── StoreError               the object store failed (after retries)
-    └── CorruptShard             a shard that cannot be read as the format says
+    ├── CorruptShard             a shard that cannot be read as the format says
+    └── InvalidConfig            settings that cannot be used (nothing starts)
 
 Backend errors (botocore, OSError, SQLAlchemy) are translated into these once,
 at the boundary where they are raised. Each class has a `code`: the server sends it,
@@ -106,6 +107,12 @@ class StoreError(R3StoreError):
 
 class CorruptShard(R3StoreError):
     code = "corrupt_shard"
+
+
+class InvalidConfig(R3StoreError):
+    """A bad `R3STORE_*` setting: the message names the variable and what it accepts."""
+
+    code = "invalid_config"
 
 
 def _all(cls: type[R3StoreError]) -> list[type[R3StoreError]]:

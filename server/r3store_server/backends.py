@@ -13,7 +13,7 @@ def build_store(settings: Settings) -> ObjectStore:
     """`R3STORE_STORE=local`: files under the data directory; `s3`: the bucket (AWS when
     no endpoint is given, with boto3's default credentials when none are)."""
     if settings.store == "local":
-        return LocalStore(settings.data_dir / "objects")
+        return LocalStore(settings.data_dir.absolute() / "objects")
     s3 = settings.s3
     key_id, secret = s3.credentials()
     return S3Store(

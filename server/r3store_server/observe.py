@@ -38,6 +38,7 @@ async def observe(
             "path": request.url.path,
             "status": response.status_code,
             "ms": round(elapsed * 1000, 2),
+            "client": f"{request.client.host}:{request.client.port}" if request.client else "-",
             **({"error": code} if code else {}),
         }
         log.info("request", extra={"fields": fields})

@@ -13,13 +13,31 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
+import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import (
+    BaseModel,
+    Field,
+    FilePath,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+
+from r3store.errors import InvalidConfig
 
 Role = Literal["writer", "reader", "admin"]
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+PREFIX = "R3STORE_"
 UPLOAD_COST = 3  # bytes an upload holds per body byte: the body, its routes, their encoding
 
 
@@ -27,14 +45,16 @@ class S3Settings(BaseModel):
     """Where the shards live. Credentials may come from files (mounted secrets):
     `R3STORE_S3__SECRET_ACCESS_KEY_FILE=/run/secrets/s3-secret`."""
 
-    endpoint_url: str | None = None
-    bucket: str = "r3store"
+    endpoint_url: str | None = Field(None, description="the S3 endpoint; none: AWS")
+    bucket: str = Field("r3store", description="the bucket that holds every object")
     region: str = "us-east-1"
-    access_key_id: SecretStr | None = None
-    secret_access_key: SecretStr | None = None
-    access_key_id_file: Path | None = None
-    secret_access_key_file: Path | None = None
-    prefix: str = ""
+    access_key_id: SecretStr | None = Field(None, description="none: boto3's default")
+    secret_access_key: SecretStr | None = Field(None, description="none: boto3's default")
+    access_key_id_file: FilePath | None = Field(None, description="a file holding the key id")
+    secret_access_key_file: FilePath | None = Field(
+        None, description="a file holding the secret key"
+    )
+    prefix: str = Field("", description="a key prefix before every object key")
     connect_timeout: float = Field(5.0, gt=0, description="seconds to connect to S3")
     read_timeout: float = Field(10.0, gt=0, description="seconds S3 may take to answer")
     max_attempts: int = Field(3, ge=1, le=10, description="tries of each S3 request")
@@ -77,21 +97,31 @@ class Settings(BaseSettings):
     )
 
     store: Literal["local", "s3"] = Field(
-        "local", description="local: files under data_dir (embedded); s3: the S3 bucket"
+        "local", description="local: files under the data directory (embedded); s3: a bucket"
     )
-    host: str = "127.0.0.1"
-    port: int = Field(8330, ge=0, le=65535)
-    data_dir: Path = Path("data")
-    catalog_url: str | None = None
+    host: str = Field("127.0.0.1", description="the address to listen on")
+    port: int = Field(8330, ge=0, le=65535, description="the port to listen on")
+    data_dir: Path = Field(
+        Path("data"), description="the embedded store and the SQLite catalog live here"
+    )
+    catalog_url: str | None = Field(
+        None, description="a SQLAlchemy database URL; none: SQLite in the data directory"
+    )
     s3: S3Settings = Field(default_factory=S3Settings)
-    log_level: str = "info"
-    log_json: bool = True
+    log_level: LogLevel = Field("info", description="the least severe level logged")
+    log_json: bool | None = Field(
+        None, description="JSON log lines; none: JSON unless stderr is a terminal"
+    )
     max_body_bytes: int = Field(256 << 20, ge=1024, description="largest upload accepted")
     auth: Literal["auto", "on", "off"] = Field(
         "auto", description="auto: on when keys are configured; off only on localhost"
     )
-    api_keys: list[ApiKeyConfig] = Field(default_factory=list)
-    api_keys_file: Path | None = None
+    api_keys: list[ApiKeyConfig] = Field(
+        default_factory=list, description="a JSON list of {name, role, key or key_sha256}"
+    )
+    api_keys_file: FilePath | None = Field(
+        None, description="a JSON file holding a list like R3STORE_API_KEYS"
+    )
     maintenance_interval: float = Field(
         60.0, ge=0, description="seconds between retention and compaction passes; 0: off"
     )
@@ -120,6 +150,23 @@ class Settings(BaseSettings):
         "beyond it uploads answer 429",
     )
 
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+    @field_validator("catalog_url")
+    @classmethod
+    def _database_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                make_url(value)
+            except ArgumentError:
+                raise ValueError(
+                    "not a database URL (e.g. postgresql+psycopg://user:pw@host/db)"
+                ) from None
+        return value
+
     @model_validator(mode="after")
     def _budget_fits_a_body(self) -> Settings:
         if self.upload_memory_bytes < UPLOAD_COST * self.max_body_bytes:
@@ -145,13 +192,19 @@ class Settings(BaseSettings):
         return self
 
     def resolved_catalog_url(self) -> str:
-        return self.catalog_url or f"sqlite:///{self.data_dir / 'catalog.db'}"
+        return self.catalog_url or f"sqlite:///{self.data_dir.absolute() / 'catalog.db'}"
+
+    def catalog_description(self) -> str:
+        """The catalog's URL without its password, for logs."""
+        return make_url(self.resolved_catalog_url()).render_as_string(hide_password=True)
 
     def all_keys(self) -> list[ApiKeyConfig]:
         """Keys from settings and from the keys file."""
         keys = list(self.api_keys)
         if self.api_keys_file is not None:
             data = json.loads(self.api_keys_file.read_text())
+            if not isinstance(data, list):
+                raise ValueError("the file holds no JSON list")
             keys += [ApiKeyConfig.model_validate(item) for item in data]
         return keys
 
@@ -162,3 +215,96 @@ class Settings(BaseSettings):
             return ipaddress.ip_address(self.host).is_loopback
         except ValueError:
             return False
+
+
+def variables() -> dict[str, FieldInfo]:
+    """Every `R3STORE_*` variable the settings read, with its field."""
+    names: dict[str, FieldInfo] = {}
+    for name, field in Settings.model_fields.items():
+        if name == "s3":
+            for sub, info in S3Settings.model_fields.items():
+                names[f"{PREFIX}S3__{sub.upper()}"] = info
+        else:
+            names[f"{PREFIX}{name.upper()}"] = field
+    return names
+
+
+_BOUNDS = {"Ge": ">=", "Gt": ">", "Le": "<=", "Lt": "<"}
+
+
+def _kind(annotation: Any) -> str:
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    if get_origin(annotation) is Literal:
+        return "one of " + ", ".join(str(a) for a in args)
+    if len(args) == 1 and get_origin(annotation) is not list:  # Optional[X], Annotated[X, ...]
+        kind = _kind(args[0])
+        return "an existing file" if "path_type='file'" in str(annotation) else kind
+    words = {int: "an integer", float: "a number", bool: "true or false", str: "text"}
+    if annotation in words:
+        return words[annotation]
+    if annotation is Path:
+        return "a path"
+    if isinstance(annotation, type) and issubclass(annotation, SecretStr):
+        return "text"
+    return "JSON"
+
+
+def accepted(field: FieldInfo) -> str:
+    """What a field accepts, in words: `an integer >= 0, <= 65535: the port to listen on`."""
+    bounds = [
+        f"{_BOUNDS[type(m).__name__]} {getattr(m, type(m).__name__.lower())}"
+        for m in field.metadata
+        if type(m).__name__ in _BOUNDS
+    ]
+    text = _kind(field.annotation) + (f" {', '.join(bounds)}" if bounds else "")
+    return text + (f" ({field.description})" if field.description else "")
+
+
+def _one_line(exc: ValidationError) -> str:
+    """The first error of `exc` as `R3STORE_PORT='abc': ...; accepted: ...`."""
+    error = exc.errors()[0]
+    message = str(error["msg"]).removeprefix("Value error, ")
+    loc = error["loc"]
+    if not loc:  # a rule across settings: its message names them
+        return message
+    used = 2 if loc[0] == "s3" and len(loc) > 1 else 1
+    name = PREFIX + "__".join(str(part).upper() for part in loc[:used])
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[used:])
+    value = error.get("input")
+    shown = repr(value) if isinstance(value, str | int | float) and len(str(value)) < 80 else ""
+    field = variables().get(name)
+    hint = f"; accepted: {accepted(field)}" if field is not None and not where else ""
+    return f"{name}{where}{'=' + shown if shown else ''}: {message}{hint}"
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """`R3STORE_*` variables that no setting reads (typos, most likely)."""
+    known = set(variables())
+    env = os.environ if environ is None else environ
+    return sorted(k for k in env if k.upper().startswith(PREFIX) and k.upper() not in known)
+
+
+def load_settings() -> Settings:
+    """The settings from the environment; `InvalidConfig` in one line naming the variable
+    and what it accepts, instead of a validation traceback."""
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        raise InvalidConfig(_one_line(exc)) from None
+    except SettingsError as exc:  # a value that is not JSON where JSON is expected
+        found = re.search(r'field "(\w+)"', str(exc))
+        name = PREFIX + (found.group(1).upper() if found else "*")
+        field = variables().get(name)
+        raise InvalidConfig(
+            f"{name}: not valid JSON" + (f"; accepted: {field.description}" if field else "")
+        ) from None
+    try:
+        settings.all_keys()
+    except (OSError, ValueError) as exc:  # not JSON, or an entry that is not a key
+        first = exc.errors()[0] if isinstance(exc, ValidationError) else None
+        why = f"{first['loc']}: {first['msg']}" if first else str(exc)
+        raise InvalidConfig(
+            f"{PREFIX}API_KEYS_FILE={str(settings.api_keys_file)!r}: not a JSON list of API "
+            f"keys ({why})"
+        ) from None
+    return settings
