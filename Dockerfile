@@ -3,7 +3,7 @@ FROM python:3.11-slim
 
 RUN useradd --create-home --uid 10001 r3store
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY r3store ./r3store
 COPY server ./server
 COPY client ./client

@@ -11,11 +11,12 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
+import r3store
 from r3store import models
 from r3store.engine import Engine
 from r3store.maintenance import Maintenance
 from r3store.policy import NamespaceSettings, Retention
-from r3store_server import api_namespaces, api_routes, errors, openapi, operations
+from r3store_server import api_namespaces, api_routes, apidocs, errors, openapi, operations
 from r3store_server.auth import KeyRing
 from r3store_server.backends import build_engine
 from r3store_server.limits import JSON_BODY_BYTES, JsonBodyLimit, MemoryBudget
@@ -58,7 +59,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         keyring.attach(lambda: eng.list_keys(active_only=True))
         app.state.metrics.watch(eng)
         log.info("r3store serving on %s", eng.store_description)
-        log.info("catalog: %s", settings.resolved_catalog_url().split("@")[-1])
+        log.info("catalog: %s", settings.catalog_description())
         if not keyring.enabled:
             log.warning("authentication is OFF (embedded store on a loopback address)")
         maintenance = app.state.maintenance = eng.maintenance(
@@ -81,13 +82,15 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
 
     app = FastAPI(
         title="r3store",
-        version="0.1.0",
+        version=r3store.__version__,
         summary="A routing replay buffer for MoE reinforcement learning",
         lifespan=lifespan,
+        docs_url=None,  # served from the package's files by apidocs
         redoc_url=None,  # open: /healthz, /readyz, /openapi.json and /docs only
         swagger_ui_oauth2_redirect_url=None,
     )
     openapi.install(app, SCHEMA_MODELS)
+    apidocs.install(app)
     app.state.settings = settings
     app.state.keyring = keyring
     app.state.metrics = Metrics()

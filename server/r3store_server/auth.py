@@ -56,10 +56,14 @@ class _Stored:
 class KeyRing:
     """The configured keys, and those made with `r3store keys create` (read from the
     catalog, at most `refresh` seconds old, so revocations apply within that time).
-    `enabled=False` lets every request through as admin."""
+    `enabled=False` lets every request through as admin; with `auto`, the first active
+    key in the catalog turns authentication on, live, and it stays on until a restart."""
 
-    def __init__(self, keys: list[ApiKeyConfig], enabled: bool, refresh: float = 5.0) -> None:
+    def __init__(
+        self, keys: list[ApiKeyConfig], enabled: bool, auto: bool = False, refresh: float = 5.0
+    ) -> None:
         self.enabled = enabled
+        self.auto = auto
         self.refresh = refresh
         self._catalog: Callable[[], list[ApiKeyRecord]] | None = None
         self._cached: list[_Stored] = []
@@ -75,9 +79,9 @@ class KeyRing:
             self._keys.append(_Stored(stored, Principal(key.name, key.role, tuple(key.namespaces))))
 
     def attach(self, load: Callable[[], list[ApiKeyRecord]]) -> None:
-        """Also accept the catalog's active keys; turn auth on if there are any."""
+        """Also accept the catalog's active keys; in `auto`, turn auth on if there are any."""
         self._catalog = load
-        if self._catalog_keys(force=True):
+        if self._catalog_keys(force=True) and self.auto:
             self.enabled = True
         if self.enabled and not (self._keys or self._cached):
             raise ValueError("auth is on but no API keys are configured")
@@ -113,10 +117,17 @@ class KeyRing:
                 "refusing to run without API keys: auth may be off only for the embedded "
                 "store on a loopback address (set R3STORE_API_KEYS or R3STORE_API_KEYS_FILE)"
             )
-        return cls(keys, enabled)
+        return cls(keys, enabled, auto=settings.auth == "auto")
+
+    def _turned_on(self) -> bool:
+        """In `auto` with auth off: whether a key has since been created in the catalog."""
+        if self.auto and not self.enabled and self._catalog_keys():
+            self.enabled = True
+            log.warning("authentication is ON: an API key was created in the catalog")
+        return self.enabled
 
     def authenticate(self, presented: str | None) -> Principal:
-        if not self.enabled:
+        if not self.enabled and not self._turned_on():
             return ANONYMOUS
         if not presented:
             raise Unauthorized("an API key is required (Authorization: Bearer <key>)")

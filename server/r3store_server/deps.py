@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import Depends, Request
+from fastapi import Depends, Request, Security
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 from r3store.engine import Engine
 from r3store_server.auth import KeyRing, Principal
@@ -45,13 +46,19 @@ async def get_deadline(request: Request) -> Deadline:
     return Deadline(get_settings(request).request_timeout)
 
 
-def get_principal(request: Request) -> Principal:
-    keyring = get_keyring(request)
-    presented = request.headers.get("x-api-key")
-    header = request.headers.get("authorization", "")
-    if presented is None and header.lower().startswith("bearer "):
-        presented = header[7:].strip()
-    return keyring.authenticate(presented)
+# The two ways to send a key, declared so that the OpenAPI schema states them (and
+# Swagger UI's "Authorize" sends them); a missing key is the key ring's to judge.
+API_KEY = APIKeyHeader(name="X-API-Key", auto_error=False, description="an r3store API key")
+BEARER = HTTPBearer(auto_error=False, description="an r3store API key as a bearer token")
+
+
+def get_principal(
+    request: Request,
+    key: Annotated[str | None, Security(API_KEY)],
+    bearer: Annotated[HTTPAuthorizationCredentials | None, Security(BEARER)],
+) -> Principal:
+    presented = key if key is not None else bearer.credentials if bearer else None
+    return get_keyring(request).authenticate(presented)
 
 
 EngineDep = Annotated[Engine, Depends(get_engine)]
