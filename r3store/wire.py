@@ -145,6 +145,41 @@ def _binaries(chunk: pa.Array) -> list[pa.Buffer | None]:
     ]
 
 
+def route_shape_error(values: int, num_tokens: int, spec: RouteSpec, kind: str) -> str:
+    """Why `values` route values cannot be `[T or T-1, L, W]` for `num_tokens` tokens, in
+    terms of what they would be instead (the wrong layer count or width), or ""."""
+    name = "top_k" if kind == RouteKind.TOPK else "ceil(num_experts / 8)"
+    width = spec.top_k if kind == RouteKind.TOPK else spec.mask_bytes
+    layers = spec.num_layers
+    want = f"[{num_tokens} or {num_tokens - 1}, {layers}, {width}]"
+    if values < 0:
+        return f"not whole values; expected {want}"
+    for rows in (num_tokens, num_tokens - 1):
+        if rows > 0 and values == rows * layers * width:
+            return ""
+    readings: list[str] = []
+    for rows in (num_tokens, num_tokens - 1):
+        if rows <= 0 or values % rows:
+            continue
+        per_token = values // rows
+        if per_token % width == 0:
+            readings.append(f"[{rows}, {per_token // width}, {width}] (the layer count differs)")
+        if per_token % layers == 0:
+            readings.append(f"[{rows}, {layers}, {per_token // layers}] ({name} differs)")
+        if readings:
+            break  # T rows read first; T-1 only when T gives no reading
+    if values % (layers * width) == 0:
+        readings.append(
+            f"[{values // (layers * width)}, {layers}, {width}] (the token count differs)"
+        )
+    if not readings:
+        return f"{values} values cannot be read as [tokens, layers, {name}]; expected {want}"
+    return (
+        f"that is {' or '.join(readings)}; the namespace has {layers} layers and {name} "
+        f"{width}, the trajectory {num_tokens} tokens: expected {want}"
+    )
+
+
 def decode_writes(body: bytes | bytearray | memoryview, spec: RouteSpec) -> list[TrajectoryWrite]:
     """Parse an upload body into writes (the stream fully validated first, shapes and
     dtypes checked; routes are validated later, on the values as sent)."""
@@ -184,11 +219,15 @@ def decode_writes(body: bytes | bytearray | memoryview, spec: RouteSpec) -> list
             )
         width = spec.top_k if kind == RouteKind.TOPK else spec.mask_bytes
         itemsize = np.dtype(dtype).itemsize
-        row_bytes = spec.num_layers * width * itemsize
-        if blobs[i].size % row_bytes:
+        shape_error = route_shape_error(
+            blobs[i].size // itemsize if blobs[i].size % itemsize == 0 else -1,
+            num_tokens[i],
+            spec,
+            kind,
+        )
+        if shape_error:
             raise InvalidRoutes(
-                f"{ids[i]}: {blobs[i].size} bytes of {dtype} routes are not whole rows of "
-                f"[{spec.num_layers}, {width}] ({row_bytes} bytes)"
+                f"{ids[i]}: {blobs[i].size} bytes of {dtype} {kind} routes: {shape_error}"
             )
         arr = np.frombuffer(blobs[i], dtype=np.dtype(dtype).newbyteorder("<"))
         arr = arr.reshape(-1, spec.num_layers, width)

@@ -12,7 +12,9 @@ from r3store.engine import Engine
 from r3store.errors import InvalidInput, InvalidRoutes
 from r3store.records import TrajectoryWrite
 from r3store.routes import to_mask
+from r3store.spec import RouteSpec
 from r3store.store import LocalStore
+from r3store.testing.synthetic import uniform_topk
 from r3store.wire import ReadFormat, decode_batch, decode_writes, encode_batch, encode_writes
 
 
@@ -52,8 +54,24 @@ def test_bad_upload_bodies() -> None:
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, odd.schema) as w:
         w.write_table(odd)
-    with pytest.raises(InvalidRoutes, match="not whole rows"):
+    with pytest.raises(InvalidRoutes, match="not whole values"):
         decode_writes(sink.getvalue().to_pybytes(), SPEC)
+
+
+def test_a_wrong_layer_count_is_named() -> None:
+    """[T, 4, 8] ids sent to a 48-layer namespace: the error is the layer count's."""
+    spec = RouteSpec(48, 128, 8)
+    ids = uniform_topk(np.random.default_rng(0), 100, 4, 128, 8)
+    body = encode_writes([TrajectoryWrite("t", 100, topk=ids)])
+    with pytest.raises(InvalidRoutes) as caught:
+        decode_writes(body, spec)
+    message = str(caught.value)
+    assert "[100, 4, 8] (the layer count differs)" in message
+    assert "token count" not in message
+    assert "expected [100 or 99, 48, 8]" in message
+    wide = uniform_topk(np.random.default_rng(0), 99, 48, 128, 4)
+    with pytest.raises(InvalidRoutes, match=r"\[99, 48, 4\] \(top_k differs\)"):
+        decode_writes(encode_writes([TrajectoryWrite("t", 100, topk=wide)]), spec)
 
 
 @pytest.mark.parametrize("fmt", list(ReadFormat))
