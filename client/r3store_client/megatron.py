@@ -39,8 +39,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from torch import nn
+from r3store_client.extras import missing
+
+try:
+    import torch
+    from torch import nn
+except ImportError as exc:
+    raise missing("torch", __name__, "torch") from exc
 
 from r3store.errors import InvalidRoutes
 from r3store.spec import RouteSpec
@@ -51,9 +56,7 @@ def _megatron() -> Any:
     try:
         from megatron.core.transformer.moe import router, router_replay
     except ImportError as exc:  # pragma: no cover - exercised without megatron-core only
-        raise ImportError(
-            "r3store_client.megatron needs megatron-core (pip install megatron-core)"
-        ) from exc
+        raise missing("megatron-core", __name__, "megatron") from exc
     return types.SimpleNamespace(
         TopKRouter=router.TopKRouter,
         RouterReplay=router_replay.RouterReplay,

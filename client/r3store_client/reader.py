@@ -19,6 +19,12 @@ from typing import Literal
 from r3store.spec import RouteSpec
 from r3store.wire import ReadFormat
 from r3store_client.client import Client
+from r3store_client.extras import missing
+
+try:
+    import torch  # noqa: F401  (the error names this module, not tensors)
+except ImportError as exc:
+    raise missing("torch", __name__, "torch") from exc
 from r3store_client.tensors import RouteTensors, packed, padded
 
 Layout = Literal["padded", "packed"]

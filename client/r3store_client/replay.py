@@ -33,8 +33,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from torch import nn
+from r3store_client.extras import missing
+
+try:
+    import torch
+    from torch import nn
+except ImportError as exc:
+    raise missing("torch", __name__, "torch") from exc
 
 from r3store.errors import InvalidRoutes
 from r3store_client.hf_routers import FAMILIES, Family, supported

@@ -16,7 +16,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
+
+from r3store_client.extras import missing
+
+try:
+    import torch
+except ImportError as exc:
+    raise missing("torch", __name__, "torch") from exc
 
 from r3store.records import Batch, TrajectoryRead
 from r3store.routes import Routes
