@@ -2,24 +2,38 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+SERVE_STAMP := $(VENV)/.serve-installed
+TEST_STAMP := $(VENV)/.test-installed
+# torch for the tests: the CPU build, named by its local version label, so that pip
+# never falls back to a CUDA build of several GB (where no wheel of it is at hand, let
+# pip find one: PIP_EXTRA_INDEX_URL=<PyTorch's CPU wheel index>). The package itself asks
+# only for torch>=2.1, which a user's CUDA build satisfies.
+TORCH ?= torch==2.13.0+cpu
 
 .PHONY: setup serve test lint bench clean
 
-setup: $(STAMP)
+setup: $(TEST_STAMP)
 
-# torch: the small CPU build pinned here (the package itself asks only for a range a
-# CUDA build satisfies); transformers for the replay tests on tiny HF MoE models.
-$(STAMP): pyproject.toml
-	@(ls /usr/lib/postgresql/*/bin/initdb && command -v kubectl) >/dev/null 2>&1 || \
-		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql kubectl)
+$(PY):
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,torch]' 'transformers==5.24.0'
-	touch $(STAMP)
 
-serve: setup
+# the service's runtime dependencies only
+$(SERVE_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+# the test stack: Debian's PostgreSQL, kubectl and curl; torch (CPU), transformers,
+# megatron-core and the dev tools
+$(TEST_STAMP): pyproject.toml $(SERVE_STAMP)
+	@(ls /usr/lib/postgresql/*/bin/initdb && command -v kubectl && command -v curl) \
+		>/dev/null 2>&1 || (apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql kubectl curl)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet '$(TORCH)'
+	$(PY) -m pip install --quiet -e '.[dev,torch]' 'transformers==5.24.0'
+	touch $@
+
+serve: $(SERVE_STAMP)
 	$(VENV)/bin/r3store-server
 
 lint: setup
