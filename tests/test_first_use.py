@@ -23,6 +23,8 @@ from r3store_server.cli import parser as cli_parser
 from r3store_server.settings import variables
 
 ROOT = Path(__file__).parent.parent
+CREATE = ("--init", "namespaces", "create", "run1", "--layers", "4", "--experts", "8")
+CREATE += ("--top-k", "2")
 BIN = Path(sys.executable).parent
 
 
@@ -133,19 +135,7 @@ def test_cli_refuses_to_make_an_empty_store_and_says_which_it_opens(tmp_path: Pa
     assert "no store at" in refused.stderr
     assert "--init" in refused.stderr
     assert not (tmp_path / "data").exists()
-    made = cli(
-        tmp_path,
-        "--init",
-        "namespaces",
-        "create",
-        "run1",
-        "--layers",
-        "4",
-        "--experts",
-        "8",
-        "--top-k",
-        "2",
-    )
+    made = cli(tmp_path, *CREATE)
     assert made.returncode == 0, made.stderr
     assert f"store local directory {tmp_path / 'data' / 'objects'}" in made.stderr
     assert f"catalog sqlite:///{tmp_path / 'data' / 'catalog.db'}" in made.stderr
@@ -165,19 +155,7 @@ def test_cli_settings_change_only_what_is_given(tmp_path: Path) -> None:
         value: dict[str, object] = json.loads(result.stdout)["settings"]
         return value
 
-    cli(
-        tmp_path,
-        "--init",
-        "namespaces",
-        "create",
-        "run1",
-        "--layers",
-        "4",
-        "--experts",
-        "8",
-        "--top-k",
-        "2",
-    )
+    cli(tmp_path, *CREATE)
     assert settings("--max-lag", "3", "--ttl", "60") == {
         "max_policy_lag": 3,
         "max_times_sampled": None,
