@@ -132,12 +132,8 @@ def encode(
         order_raw = order.reshape(-1).view(np.uint8).data  # len() in bytes, as digested
     raw = layers.reshape(-1)
     counts_raw = b"" if counts is None else np.ascontiguousarray(counts, np.uint8).tobytes()
-    digest = hashlib.sha256()
-    digest.update(spec.id_dtype.str.encode() + np.array(layers.shape, np.int64).tobytes())
     tokens_raw = b"" if token_ids is None else token_ids.astype("<i4").tobytes()
-    for part in (raw.data, counts_raw, order_raw or b"", tokens_raw, salt):
-        digest.update(len(part).to_bytes(8, "little"))
-        digest.update(part)
+    digest = content_digest(spec, raw, layers.shape, counts_raw, order_raw or b"", tokens_raw, salt)
 
     compressor, fast = _compressor(level), _compressor(1)
     k = spec.top_k
@@ -153,9 +149,34 @@ def encode(
         counts=None if counts is None else compressor.compress(counts_raw),
         order=None if order_raw is None else compressor.compress(order_raw),
         transform=transform,
-        digest=digest.digest()[:16],
-        tokens=None if token_ids is None else fast.compress(tokens_raw),
+        digest=digest,
+        tokens=compress_tokens(token_ids),
     )
+
+
+def compress_tokens(token_ids: npt.NDArray[np.int32] | None) -> bytes | None:
+    """The `tokens` stream: a zstd frame of `[T]` int32 LE, or None."""
+    return None if token_ids is None else _compressor(1).compress(token_ids.astype("<i4").tobytes())
+
+
+def content_digest(
+    spec: RouteSpec,
+    sorted_ids: npt.NDArray[Any],
+    shape: tuple[int, ...],
+    counts_raw: bytes,
+    order_raw: bytes | memoryview,
+    tokens_raw: bytes,
+    salt: bytes,
+) -> bytes:
+    """The digest of a segment's canonical content (docs/format.md, "Digest"): the
+    sorted ids `[L, T, K]` (flat), counts (empty when all are K), order and token bytes,
+    and `salt` (the metadata), each after its length."""
+    digest = hashlib.sha256()
+    digest.update(spec.id_dtype.str.encode() + np.array(shape, np.int64).tobytes())
+    for part in (sorted_ids.data, counts_raw, order_raw, tokens_raw, salt):
+        digest.update(len(part).to_bytes(8, "little"))
+        digest.update(part)
+    return digest.digest()[:16]
 
 
 def _compress_chunks(
@@ -229,7 +250,7 @@ def _slot_pattern(k: int, step: int, itemsize: int, size: int) -> npt.NDArray[An
 _PATTERN_TOKENS = 1 << 15
 
 
-def _undelta(flat: npt.NDArray[Any], k: int) -> None:
+def undelta(flat: npt.NDArray[Any], k: int) -> None:
     """Invert `_delta` in place: a prefix sum within each token-layer (Hillis-Steele)."""
     chunk = k * _PATTERN_TOKENS
     with np.errstate(over="ignore"):
@@ -264,7 +285,7 @@ def decode(encoded: EncodedRoutes, spec: RouteSpec, num_tokens: int) -> Routes:
     raw = _unzstd(ids_z, n_ids * spec.id_dtype.itemsize, "ids")
     ids = np.frombuffer(raw, dtype=spec.id_dtype).copy()
     if transform == Transform.DELTA:
-        _undelta(ids, k)
+        undelta(ids, k)
     elif transform != Transform.SORTED:
         raise CorruptShard(f"unknown route transform {transform}")
     counts = None

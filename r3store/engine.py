@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from r3store import codec
+from r3store import codec, streams
 from r3store.catalog import Catalog
 from r3store.catalog_types import ApiKeyRecord, NamespaceInfo, NamespaceUsage, TrajectoryEntry
 from r3store.errors import (
@@ -49,7 +49,7 @@ from r3store.records import (
     check_id,
     check_namespace,
 )
-from r3store.routes import Routes, from_mask, from_topk
+from r3store.routes import Routes
 from r3store.sampling import Candidate, Strategy, choose
 from r3store.shard import ShardRow
 from r3store.spec import RouteSpec
@@ -123,12 +123,11 @@ def _same_namespace(
 
 def _canonical(spec: RouteSpec, write: TrajectoryWrite) -> Routes:
     """The routes of a checked write, validated against `spec`, in canonical form."""
-    try:
-        if write.topk is not None:
-            return from_topk(write.topk, spec, write.num_tokens)
-        return from_mask(write.mask, spec, write.num_tokens)
-    except InvalidInput as exc:
-        raise type(exc)(f"{write.trajectory_id}: {exc}") from None
+    if write.encoded is not None:
+        sent = write.encoded
+        stored = streams.accept(sent, spec, write.num_tokens, b"", None, write.trajectory_id)
+        return codec.decode(stored, spec, write.num_tokens)
+    return write.canonical(spec)
 
 
 class Engine:
@@ -310,16 +309,21 @@ class Engine:
         return _canonical(spec, write)
 
     def prepare(self, spec: RouteSpec, write: TrajectoryWrite) -> ShardRow:
-        """Validate and encode one checked segment (pure CPU work, in the caller's
-        thread)."""
-        routes = _canonical(spec, write)
-        encoded = codec.encode(
-            routes,
-            spec,
-            self.config.compression_level,
-            salt=_salt(write),
-            token_ids=write.tokens(),
-        )
+        """Validate and encode one checked segment, or check the streams a client
+        encoded (pure CPU work, in the caller's thread)."""
+        if write.encoded is not None:
+            where = write.trajectory_id
+            encoded = streams.accept(
+                write.encoded, spec, write.num_tokens, _salt(write), write.tokens(), where
+            )
+        else:
+            encoded = codec.encode(
+                _canonical(spec, write),
+                spec,
+                self.config.compression_level,
+                salt=_salt(write),
+                token_ids=write.tokens(),
+            )
         return ShardRow(
             trajectory_id=write.trajectory_id,
             start=write.start,

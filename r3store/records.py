@@ -5,16 +5,19 @@ from __future__ import annotations
 import re
 import unicodedata
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from r3store import codec
 from r3store.codec import EncodedRoutes
 from r3store.errors import Conflict, InvalidInput
 from r3store.policy import MAX_POLICY_VERSION
-from r3store.routes import Routes
+from r3store.routes import Routes, from_mask, from_topk
+from r3store.spec import RouteSpec
+from r3store.streams import SentStreams
 
 _NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _REFUSED = {"Cc", "Cs"}  # control characters, surrogates
@@ -53,7 +56,9 @@ def check_id(value: str, what: str = "trajectory id") -> str:
 
 @dataclass(frozen=True)
 class TrajectoryWrite:
-    """One trajectory to store: routes as top-k ids or as bit-packed masks (one of them).
+    """One trajectory to store: routes as top-k ids, as bit-packed masks, or as the
+    streams `codec.encode` makes (`encoded`, checked by decoding: `r3store.streams`);
+    exactly one of them.
 
     `TrajectoryWrite("run1/p7/s3", num_tokens=4096, topk=ids, prompt_len=512,
     group_id="run1/p7", policy_version=12)`; see `r3store.routes` for the array forms.
@@ -73,6 +78,7 @@ class TrajectoryWrite:
     policy_version: int = 0
     start: int = 0
     token_ids: Any = None
+    encoded: SentStreams | None = None
 
     def tokens(self) -> npt.NDArray[np.int32] | None:
         """The token ids as `[num_tokens]` int32, checked; None when not given."""
@@ -87,6 +93,28 @@ class TrajectoryWrite:
         if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 2**31 - 1):
             raise InvalidInput(f"{self.trajectory_id}: token ids must be in [0, 2**31)")
         return arr.astype(np.int32)
+
+    def canonical(self, spec: RouteSpec) -> Routes:
+        """The ids or masks validated against `spec`, in canonical form (`InvalidRoutes`
+        naming this trajectory and the first offending position)."""
+        try:
+            if self.topk is not None:
+                return from_topk(self.topk, spec, self.num_tokens)
+            if self.mask is not None:
+                return from_mask(self.mask, spec, self.num_tokens)
+        except InvalidInput as exc:
+            raise type(exc)(f"{self.trajectory_id}: {exc}") from None
+        raise InvalidInput(f"{self.trajectory_id}: encoded routes are checked by decoding")
+
+    def encode(self, spec: RouteSpec) -> TrajectoryWrite:
+        """This write with its routes validated and encoded here, as the engine would
+        (a rollout worker's CPU instead of the server's); the server checks them by
+        decoding."""
+        self.check()
+        if self.encoded is not None:
+            return self
+        streams = codec.encode(self.canonical(spec), spec)
+        return replace(self, topk=None, mask=None, encoded=SentStreams.of(streams))
 
     def check(self) -> None:
         check_id(self.trajectory_id)
@@ -104,8 +132,9 @@ class TrajectoryWrite:
                 f"{self.trajectory_id}: prompt_len {self.prompt_len} "
                 f"exceeds the {self.start + self.num_tokens} tokens"
             )
-        if (self.topk is None) == (self.mask is None):
-            raise InvalidInput(f"{self.trajectory_id}: give exactly one of topk or mask")
+        given = [x is not None for x in (self.topk, self.mask, self.encoded)]
+        if sum(given) != 1:
+            raise InvalidInput(f"{self.trajectory_id}: give exactly one of topk, mask or encoded")
 
 
 @dataclass(frozen=True)

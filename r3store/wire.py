@@ -14,6 +14,7 @@ from enum import StrEnum
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 
 from r3store import codec
@@ -23,6 +24,7 @@ from r3store.ipc import read_table
 from r3store.records import Batch, SegmentRead, TrajectoryRead, TrajectoryWrite, assemble
 from r3store.routes import Routes, from_mask, to_mask
 from r3store.spec import RouteSpec
+from r3store.streams import SentStreams
 
 WIRE_VERSION = "1"
 CONTENT_TYPE = "application/vnd.apache.arrow.stream"
@@ -33,6 +35,7 @@ ROUTE_DTYPES = ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", 
 class RouteKind(StrEnum):
     TOPK = "topk"  # [rows, L, K] expert ids, -1 for an empty slot
     MASK = "mask"  # [rows, L, ceil(E/8)] uint8 bit-packed sets
+    ENCODED = "encoded"  # the streams codec.encode makes (r3store.streams checks them)
 
 
 class ReadFormat(StrEnum):
@@ -44,57 +47,50 @@ class ReadFormat(StrEnum):
 # ---- writes: client -> server
 
 
+UPLOAD_COLUMNS = {  # the columns `encode_writes` sends, with their Arrow types
+    "trajectory_id": pa.string(),
+    "num_tokens": pa.int64(),
+    "start": pa.int64(),
+    "prompt_len": pa.int64(),
+    "policy_version": pa.int64(),
+    "group_id": pa.string(),
+    "routes_kind": pa.string(),
+    "routes_dtype": pa.string(),
+    "routes": pa.large_binary(),
+    "route_transform": pa.int8(),
+    "route_counts": pa.large_binary(),
+    "route_order": pa.large_binary(),
+    "token_ids": pa.large_binary(),
+}
+
+
 def encode_writes(writes: Sequence[TrajectoryWrite]) -> bytes:
     """An upload body: one row per trajectory (or appended segment)."""
-    rows: dict[str, list[Any]] = {
-        k: []
-        for k in (
-            "trajectory_id",
-            "num_tokens",
-            "start",
-            "prompt_len",
-            "policy_version",
-            "group_id",
-            "routes_kind",
-            "routes_dtype",
-            "routes",
-            "token_ids",
-        )
-    }
+    rows: dict[str, list[Any]] = {name: [] for name in UPLOAD_COLUMNS}
     for w in writes:
-        kind = RouteKind.TOPK if w.topk is not None else RouteKind.MASK
-        arr = np.ascontiguousarray(w.topk if w.topk is not None else w.mask)
-        if arr.dtype.name not in ROUTE_DTYPES:
-            raise InvalidRoutes(
-                f"{w.trajectory_id}: routes must be integers ({', '.join(ROUTE_DTYPES)}), "
-                f"got dtype {arr.dtype}"
-            )
-        rows["trajectory_id"].append(w.trajectory_id)
-        rows["num_tokens"].append(w.num_tokens)
-        rows["start"].append(w.start)
-        rows["prompt_len"].append(w.prompt_len)
-        rows["policy_version"].append(w.policy_version)
-        rows["group_id"].append(w.group_id)
-        rows["routes_kind"].append(str(kind))
-        rows["routes_dtype"].append(arr.dtype.name)
-        rows["routes"].append(arr.astype(arr.dtype.newbyteorder("<")).tobytes())
+        extra: tuple[Any, ...] = (None, None, None)
+        if w.encoded is not None:
+            kind, dtype, routes = RouteKind.ENCODED, None, w.encoded.ids
+            extra = (w.encoded.transform, w.encoded.counts, w.encoded.order)
+        else:
+            kind = RouteKind.TOPK if w.topk is not None else RouteKind.MASK
+            arr = np.ascontiguousarray(w.topk if w.topk is not None else w.mask)
+            if arr.dtype.name not in ROUTE_DTYPES:
+                raise InvalidRoutes(
+                    f"{w.trajectory_id}: routes must be integers ({', '.join(ROUTE_DTYPES)}), "
+                    f"got dtype {arr.dtype}"
+                )
+            dtype, routes = arr.dtype.name, arr.astype(arr.dtype.newbyteorder("<")).tobytes()
         tokens = w.tokens()
-        rows["token_ids"].append(None if tokens is None else tokens.astype("<i4").tobytes())
-    table = pa.table(
-        {
-            "trajectory_id": pa.array(rows["trajectory_id"], pa.string()),
-            "num_tokens": pa.array(rows["num_tokens"], pa.int64()),
-            "start": pa.array(rows["start"], pa.int64()),
-            "prompt_len": pa.array(rows["prompt_len"], pa.int64()),
-            "policy_version": pa.array(rows["policy_version"], pa.int64()),
-            "group_id": pa.array(rows["group_id"], pa.string()),
-            "routes_kind": pa.array(rows["routes_kind"], pa.string()),
-            "routes_dtype": pa.array(rows["routes_dtype"], pa.string()),
-            "routes": pa.array(rows["routes"], pa.large_binary()),
-            "token_ids": pa.array(rows["token_ids"], pa.large_binary()),
-        }
-    )
-    return _stream(table)
+        values = [
+            *(w.trajectory_id, w.num_tokens, w.start, w.prompt_len, w.policy_version),
+            *(w.group_id, str(kind), dtype, routes, *extra),
+            None if tokens is None else tokens.astype("<i4").tobytes(),
+        ]
+        for name, value in zip(UPLOAD_COLUMNS, values, strict=True):
+            rows[name].append(value)
+    arrays = {name: pa.array(rows[name], type_) for name, type_ in UPLOAD_COLUMNS.items()}
+    return _stream(pa.table(arrays))
 
 
 def _stream(table: pa.Table) -> bytes:
@@ -201,6 +197,10 @@ def decode_writes(body: bytes | bytearray | memoryview, spec: RouteSpec) -> list
     )
     kinds = _column(table, "routes_kind", "str", "topk")
     dtypes = _column(table, "routes_dtype", "str", "int32")
+    encoded = RouteKind.ENCODED in kinds
+    transforms = _column(table, "route_transform", "int", -1) if encoded else []
+    counts = _optional_binaries(table, "route_counts") if encoded else []
+    orders = _optional_binaries(table, "route_order") if encoded else []
     tokens = (
         _column(table, "token_ids", "bin")
         if "token_ids" in table.column_names
@@ -212,7 +212,32 @@ def decode_writes(body: bytes | bytearray | memoryview, spec: RouteSpec) -> list
             raise InvalidInput(f"row {i}: trajectory_id, num_tokens and routes are required")
         kind, dtype = kinds[i], dtypes[i]
         if kind not in set(RouteKind):
-            raise InvalidInput(f"{ids[i]}: routes_kind must be 'topk' or 'mask', got {kind!r}")
+            raise InvalidInput(
+                f"{ids[i]}: routes_kind must be 'topk', 'mask' or 'encoded', got {kind!r}"
+            )
+        token_ids = _token_ids(ids[i], tokens[i])
+        group = groups[i] if groups[i] != "" else None
+        meta: dict[str, Any] = {
+            "trajectory_id": ids[i],
+            "num_tokens": num_tokens[i],
+            "prompt_len": prompts[i],
+            "group_id": group,
+            "policy_version": versions[i],
+            "start": starts[i],
+            "token_ids": token_ids,
+        }
+        if kind == RouteKind.ENCODED:
+            if transforms[i] < 0:
+                raise InvalidInput(f"{ids[i]}: encoded routes need a route_transform")
+            counts_i, order_i = counts[i], orders[i]
+            sent = SentStreams(
+                bytes(blobs[i]),  # compressed: small, and kept apart from the body
+                transforms[i],
+                None if counts_i is None else bytes(counts_i),
+                None if order_i is None else bytes(order_i),
+            )
+            writes.append(TrajectoryWrite(**meta, encoded=sent))
+            continue
         if dtype not in ROUTE_DTYPES:
             raise InvalidInput(
                 f"{ids[i]}: routes_dtype must be one of {ROUTE_DTYPES}, got {dtype!r}"
@@ -231,27 +256,25 @@ def decode_writes(body: bytes | bytearray | memoryview, spec: RouteSpec) -> list
             )
         arr = np.frombuffer(blobs[i], dtype=np.dtype(dtype).newbyteorder("<"))
         arr = arr.reshape(-1, spec.num_layers, width)
-        token_ids = None
-        blob = tokens[i]
-        if blob is not None:
-            if blob.size % 4:
-                raise InvalidInput(f"{ids[i]}: token_ids must be int32 little-endian")
-            token_ids = np.frombuffer(blob, dtype="<i4")
-        group = groups[i] if groups[i] != "" else None
-        writes.append(
-            TrajectoryWrite(
-                trajectory_id=ids[i],
-                num_tokens=num_tokens[i],
-                topk=arr if kind == RouteKind.TOPK else None,
-                mask=arr if kind == RouteKind.MASK else None,
-                prompt_len=prompts[i],
-                group_id=group,
-                policy_version=versions[i],
-                start=starts[i],
-                token_ids=token_ids,
-            )
-        )
+        if kind == RouteKind.TOPK:
+            writes.append(TrajectoryWrite(**meta, topk=arr))
+        else:
+            writes.append(TrajectoryWrite(**meta, mask=arr))
     return writes
+
+
+def _optional_binaries(table: pa.Table, name: str) -> list[Any]:
+    if name not in table.column_names:
+        return [None] * table.num_rows
+    return _column(table, name, "bin")
+
+
+def _token_ids(trajectory_id: str, blob: Any) -> npt.NDArray[np.int32] | None:
+    if blob is None:
+        return None
+    if blob.size % 4:
+        raise InvalidInput(f"{trajectory_id}: token_ids must be int32 little-endian")
+    return np.frombuffer(blob, dtype="<i4")
 
 
 # ---- reads: server -> client
@@ -348,7 +371,9 @@ def decode_batch(
     release the GIL)."""
     table = read_table(body)
     try:
-        meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+        meta: dict[str, Any] = {
+            k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()
+        }
         version = meta.get("r3store.wire_version")
         if version != WIRE_VERSION:
             raise InvalidInput(f"wire version {version!r} is not {WIRE_VERSION!r}")

@@ -8,7 +8,10 @@ Pass `http=httpx.Client(transport=httpx.ASGITransport(app))`-style clients in te
 retryable failures are retried (connection errors, 429, 502, 503, 504), with
 exponential backoff and the server's Retry-After, and only for idempotent calls:
 uploads are (the server acknowledges stored content again), `sample` is not (it is
-sent again only if it never reached the server). Errors are the project's own exceptions
+sent again only if it never reached the server). Uploads are encoded here, with the
+engine's own validation and codec (a rollout worker's CPU instead of the server's, and
+about six times fewer bytes than int32 ids on the wire); the server checks the streams by
+decoding them. `encode=False` sends the ids as they are. Errors are the project's own exceptions
 (`r3store.errors`), chosen by the code the server sends. A pickled client (DataLoader
 workers) drops its connection and opens a new one on first use.
 """
@@ -73,11 +76,14 @@ class Client:
         http: httpx.Client | None = None,
         timeout: float | httpx.Timeout = 60.0,
         retry: Retry | None = None,
+        encode: bool = True,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.timeout = timeout
         self.retry = retry or Retry()
+        self.encode = encode
+        self._specs: dict[str, RouteSpec] = {}
         self._http = http
         self._own_http = http is None
         self._decoders: ThreadPoolExecutor | None = None
@@ -168,6 +174,12 @@ class Client:
     def namespace(self, name: str) -> NamespacePublic:
         return NamespacePublic.model_validate(self.request("GET", f"/v1/namespaces/{name}").json())
 
+    def spec(self, name: str) -> RouteSpec:
+        """The namespace's route spec (fixed at creation: asked once, then kept)."""
+        if name not in self._specs:
+            self._specs[name] = self.namespace(name).spec.to_spec()
+        return self._specs[name]
+
     def set_policy_version(self, name: str, version: int) -> NamespacePublic:
         body = PolicyVersionSet(policy_version=version).model_dump()
         response = self.request("PUT", f"/v1/namespaces/{name}/policy-version", json=body)
@@ -181,7 +193,12 @@ class Client:
     # data
 
     def put(self, namespace: str, writes: Sequence[TrajectoryWrite]) -> list[PutResult]:
-        """Upload trajectories (or appended segments); returns after the durable commit."""
+        """Upload trajectories (or appended segments); returns after the durable commit.
+        Routes are validated and encoded here first (unless `encode=False`): bad ones
+        raise `InvalidRoutes` before anything is sent."""
+        if self.encode:
+            spec = self.spec(namespace)
+            writes = [write.encode(spec) for write in writes]
         response = self.request(
             "POST",
             f"/v1/namespaces/{namespace}/trajectories",

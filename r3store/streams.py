@@ -1,0 +1,212 @@
+"""Route streams a client encoded itself: accepted only when they decode, exactly, to
+routes in canonical form, and digested as if the server had encoded them.
+
+A rollout worker can run `codec.encode` (it has idle CPU) and upload the streams
+instead of ids: the server then decodes and checks (several times cheaper than
+validating and encoding) and stores the client's zstd frames as they came. Hostile
+streams are refused before they cost much: each frame must declare its decompressed
+size, which must be exactly what the spec and token count imply (at most
+`MAX_ROW_BYTES` of ids per segment), and hold one frame and nothing after it.
+
+Canonical form (docs/format.md, "Route streams"): per token-layer, the chosen experts
+first, ascending, below `num_experts`, then zeros; counts absent when every count is K,
+else at most K (K or 0 without `allow_fewer`); for ordered specs an order that is a
+permutation keeping empty slots last.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import zstandard
+
+from r3store import codec
+from r3store.codec import LEHMER_MAX_K, EncodedRoutes, Transform, lehmer_table
+from r3store.errors import InvalidRoutes
+from r3store.routes import CHUNK_VALUES
+from r3store.spec import RouteSpec
+
+MAX_ROW_BYTES = 64 << 20  # decompressed ids of one segment; longer ones: send segments
+
+
+@dataclass(frozen=True)
+class SentStreams:
+    """What a client sends for one segment: the `codec.encode` streams."""
+
+    ids: bytes
+    transform: int
+    counts: bytes | None = None
+    order: bytes | None = None
+
+    @classmethod
+    def of(cls, encoded: EncodedRoutes) -> SentStreams:
+        return cls(encoded.ids, int(encoded.transform), encoded.counts, encoded.order)
+
+
+def _exact(blob: bytes, expected: int, what: str, where: str) -> bytes:
+    """The one zstd frame of `blob`, declaring and holding exactly `expected` bytes."""
+    try:
+        declared = zstandard.frame_content_size(blob)
+    except zstandard.ZstdError:
+        raise InvalidRoutes(f"{where}: the {what} stream is not a zstd frame") from None
+    if declared != expected:
+        shown = "no size" if declared < 0 else f"{declared} bytes"
+        raise InvalidRoutes(
+            f"{where}: the {what} stream's frame declares {shown}; the spec and token count "
+            f"make it {expected} bytes"
+        )
+    stream = zstandard.ZstdDecompressor().decompressobj()
+    try:
+        data = stream.decompress(blob)
+    except zstandard.ZstdError as exc:
+        raise InvalidRoutes(f"{where}: the {what} stream does not decompress: {exc}") from None
+    if len(data) != expected or not stream.eof or stream.unused_data:
+        raise InvalidRoutes(f"{where}: the {what} stream must be one whole zstd frame, alone")
+    return data
+
+
+def _position(flat: int, num_tokens: int) -> str:
+    layer, token = divmod(flat, num_tokens)
+    return f"token {token}, layer {layer}"
+
+
+def _first(bad: npt.NDArray[np.bool_], offset: int, num_tokens: int, where: str, why: str) -> None:
+    if bad.any():
+        flat = offset + int(np.flatnonzero(bad.reshape(bad.shape[0], -1).any(axis=1))[0])
+        raise InvalidRoutes(f"{where}: {_position(flat, num_tokens)}: {why}")
+
+
+def _check_sets(
+    ids: npt.NDArray[Any],
+    counts: npt.NDArray[np.uint8],
+    offset: int,
+    spec: RouteSpec,
+    num_tokens: int,
+    where: str,
+) -> None:
+    """`ids` `[n, K]` sorted sets and `counts` `[n]` of token-layers `offset ..`."""
+    k = spec.top_k
+    _first(counts > k, offset, num_tokens, where, f"a count above top_k {k}")
+    if not spec.allow_fewer:
+        _first(
+            (counts != 0) & (counts != k),
+            offset,
+            num_tokens,
+            where,
+            f"fewer than top_k {k} experts, and the namespace does not allow_fewer",
+        )
+    chosen = np.arange(k, dtype=np.uint8) < counts[:, None]
+    _first(
+        chosen & (ids >= spec.num_experts),
+        offset,
+        num_tokens,
+        where,
+        f"an expert id >= num_experts {spec.num_experts}",
+    )
+    _first(~chosen & (ids != 0), offset, num_tokens, where, "an empty slot that is not 0")
+    if k > 1:
+        rising = ids[:, 1:] > ids[:, :-1]
+        _first(
+            chosen[:, 1:] & ~rising,
+            offset,
+            num_tokens,
+            where,
+            "chosen experts not strictly ascending (repeated, or not sorted)",
+        )
+
+
+def _check_order(
+    order: npt.NDArray[Any],
+    counts: npt.NDArray[np.uint8],
+    offset: int,
+    spec: RouteSpec,
+    num_tokens: int,
+    where: str,
+) -> None:
+    """Ranks `[n]` (K <= 8) or positions `[n, K]`: a permutation, empty slots last."""
+    k = spec.top_k
+    if k <= LEHMER_MAX_K:
+        _first(order >= math.factorial(k), offset, num_tokens, where, f"an order rank >= {k}!")
+        perm = lehmer_table(k)[order]
+    else:
+        perm = order
+        _first(
+            (np.sort(perm, axis=1) != np.arange(k)).any(axis=1),
+            offset,
+            num_tokens,
+            where,
+            "an order that is not a permutation of the slots",
+        )
+    empty = np.arange(k, dtype=np.uint8) >= counts[:, None]
+    _first(
+        empty & (perm != np.arange(k)),
+        offset,
+        num_tokens,
+        where,
+        "an order that does not keep empty slots last",
+    )
+
+
+def accept(
+    sent: SentStreams,
+    spec: RouteSpec,
+    num_tokens: int,
+    salt: bytes,
+    token_ids: npt.NDArray[np.int32] | None,
+    where: str,
+) -> EncodedRoutes:
+    """Check `sent` against `spec` and return what to store: the client's frames, and
+    the digest `codec.encode` would give the same routes. Raises `InvalidRoutes`."""
+    layers, k, itemsize = spec.num_layers, spec.top_k, spec.id_dtype.itemsize
+    cells = layers * num_tokens
+    if cells * k * itemsize > MAX_ROW_BYTES:
+        raise InvalidRoutes(
+            f"{where}: {num_tokens} tokens of encoded routes decode to more than "
+            f"{MAX_ROW_BYTES >> 20} MiB: send them as segments, or as ids"
+        )
+    if sent.transform not in (Transform.SORTED, Transform.DELTA):
+        raise InvalidRoutes(f"{where}: unknown route transform {sent.transform}")
+    if spec.ordered != (sent.order is not None):
+        need = "needs an order stream" if spec.ordered else "takes no order stream"
+        raise InvalidRoutes(f"{where}: the namespace {need}")
+    ids = np.frombuffer(_exact(sent.ids, cells * k * itemsize, "ids", where), spec.id_dtype)
+    ids = ids.copy()
+    if sent.transform == Transform.DELTA:
+        codec.undelta(ids, k)
+    counts = None
+    if sent.counts is not None:
+        counts = np.frombuffer(_exact(sent.counts, cells, "counts", where), np.uint8)
+    order: npt.NDArray[Any] | None = None
+    if sent.order is not None:
+        if k <= LEHMER_MAX_K:
+            raw = _exact(sent.order, cells * 2, "order", where)
+            order = np.frombuffer(raw, np.uint16)
+        else:
+            order = np.frombuffer(_exact(sent.order, cells * k, "order", where), np.uint8)
+            order = order.reshape(cells, k)
+    sets = ids.reshape(cells, k)
+    step = max(1, CHUNK_VALUES // k)
+    full_counts = np.full(min(step, cells), k, np.uint8)
+    for begin in range(0, cells, step):
+        end = min(cells, begin + step)
+        part = counts[begin:end] if counts is not None else full_counts[: end - begin]
+        _check_sets(sets[begin:end], part, begin, spec, num_tokens, where)
+        if order is not None:
+            _check_order(order[begin:end], part, begin, spec, num_tokens, where)
+    full = counts is None or bool((counts == k).all())
+    order_raw = b"" if order is None else order.reshape(-1).view(np.uint8).data
+    tokens_raw = b"" if token_ids is None else token_ids.astype("<i4").tobytes()
+    counts_raw = b"" if full or counts is None else counts.tobytes()
+    shape = (layers, num_tokens, k)
+    return EncodedRoutes(
+        ids=sent.ids,
+        counts=None if full else sent.counts,
+        order=sent.order,
+        transform=Transform(sent.transform),
+        digest=codec.content_digest(spec, ids, shape, counts_raw, order_raw, tokens_raw, salt),
+        tokens=codec.compress_tokens(token_ids),
+    )
