@@ -23,7 +23,15 @@ from r3store.testing.synthetic import uniform_topk
 from r3store_client import Client, Retry, RolloutWriter
 from r3store_client.convert import from_hf_router, from_mask, from_sglang, from_topk, from_vllm
 from r3store_client.reader import TrainerReader
-from r3store_client.tensors import dense_masks, micro_batches, packed, padded, rank_slice
+from r3store_client.tensors import (
+    CompactRoutes,
+    RouteTensors,
+    dense_masks,
+    micro_batches,
+    packed,
+    padded,
+    rank_slice,
+)
 
 L, E, K = SPEC.num_layers, SPEC.num_experts, SPEC.top_k
 
@@ -130,10 +138,19 @@ def test_writer_to_server_to_reader(client: Client, namespace: str) -> None:
     assert not writer.report.unsent
     ids = [w.trajectory_id for w in writes]
     reader = TrainerReader(client, namespace)
-    routes = reader.fetch(ids[:4])
+    small = reader.fetch(ids[:4])
+    assert isinstance(small, CompactRoutes)
     longest = max(w.num_tokens for w in writes[:4])
-    assert routes.ids.shape == (4, longest, L, K)
+    assert small.ids.shape == (4, longest, L, K)
+    assert small.ids.dtype == torch.uint8  # 64 experts: a byte a slot
+    assert small.counts.shape == (4, longest, L)
+    assert small.nbytes == 4 * longest * L * (K + 1)
+    routes = small.widen()
     assert routes.ids.dtype == torch.int32
+    wide = TrainerReader(client, namespace, compact=False, major="token").fetch(ids[:4])
+    assert isinstance(wide, RouteTensors)
+    assert torch.equal(wide.ids, routes.ids)
+    assert torch.equal(wide.valid, routes.valid)
     for b, w in enumerate(writes[:4]):
         want = expected_ids(w)
         n = w.num_tokens
@@ -145,6 +162,7 @@ def test_writer_to_server_to_reader(client: Client, namespace: str) -> None:
         sorted_ids = np.sort(routes.ids[b].numpy(), axis=-1)
         assert (sorted_ids[..., 1:] != sorted_ids[..., :-1]).all()
     pack = TrainerReader(client, namespace, layout="packed").fetch(ids[:3])
+    assert pack.cu_seqlens is not None
     assert pack.cu_seqlens.tolist() == [0, *np.cumsum([w.num_tokens for w in writes[:3]]).tolist()]
     assert pack.ids.shape == (sum(w.num_tokens for w in writes[:3]), L, K)
 
@@ -194,6 +212,31 @@ def test_prefetch_overlaps_by_events(client: Client, namespace: str) -> None:
     for index in range(len(batches) - 1):
         started = events.index(("fetch_start", index + 1))
         assert started < events.index(("compute_end", index)), events
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_prefetch_depth_runs_ahead_and_no_further(
+    client: Client, namespace: str, depth: int
+) -> None:
+    writes = [make_write(f"d{i}") for i in range(8)]
+    client.put(namespace, writes)
+    events: list[tuple[str, int]] = []
+    reader = TrainerReader(
+        client, namespace, depth=depth, on_event=lambda what, i: events.append((what, i))
+    )
+    batches = micro_batches([w.trajectory_id for w in writes], 1)
+    for index, routes in enumerate(reader.iterate(batches)):
+        assert routes.ids.shape[0] == 1
+        time.sleep(0.15)  # a long compute step: every fetch ahead finishes meanwhile
+        started = {i for what, i in events if what == "fetch_start"}
+        assert max(started) == min(index + depth, len(batches) - 1), events  # no further
+        events.append(("compute_end", index))
+    for index in range(len(batches) - depth):
+        assert events.index(("fetch_end", index + depth)) < events.index(("compute_end", index)), (
+            events
+        )
+    with pytest.raises(ValueError, match="depth"):
+        TrainerReader(client, namespace, depth=0)
 
 
 def test_rank_slices_cover_the_batch_once() -> None:

@@ -213,9 +213,11 @@ class Client:
         ids: Sequence[str],
         include_stale: bool = False,
         fmt: ReadFormat = ReadFormat.ENCODED,
+        decode: bool = True,
     ) -> Batch:
-        """Routes of `ids` in the order asked; `missing` and `stale` name the others."""
-        return self.fetch(namespace, ids, include_stale, fmt)[1]
+        """Routes of `ids` in the order asked; `missing` and `stale` name the others.
+        `decode=False` keeps the stored streams (`tensors.compact` decodes them)."""
+        return self.fetch(namespace, ids, include_stale, fmt, decode)[1]
 
     def fetch(
         self,
@@ -223,11 +225,12 @@ class Client:
         ids: Sequence[str],
         include_stale: bool = False,
         fmt: ReadFormat = ReadFormat.ENCODED,
+        decode: bool = True,
     ) -> tuple[RouteSpec, Batch]:
         """Like `get_batch`, with the namespace's route spec."""
         body = {"ids": list(ids), "include_stale": include_stale, "format": str(fmt)}
         response = self.request("POST", f"/v1/namespaces/{namespace}/routes/batch", json=body)
-        return decode_batch(response.content, executor=self.decoders)
+        return decode_batch(response.content, decode=decode, executor=self.decoders)
 
     def sample(
         self,

@@ -49,7 +49,7 @@ except ImportError as exc:
 
 from r3store.errors import InvalidRoutes
 from r3store.spec import RouteSpec
-from r3store_client.tensors import RouteTensors
+from r3store_client.tensors import CompactRoutes, RouteTensors, as_wide
 
 
 def _megatron() -> Any:
@@ -203,12 +203,13 @@ class TokenLayout:
 
 
 def layer_indices(
-    routes: RouteTensors, layout: TokenLayout, layers: Sequence[int]
+    routes: RouteTensors | CompactRoutes, layout: TokenLayout, layers: Sequence[int]
 ) -> list[torch.Tensor]:
     """Per MoE layer in `layers` (indices into the routes' layer axis), the `[N, K]`
     int64 expert ids of the tokens `layout` names, in its order; `-1` rows where no
     route was recorded (or for padding). A token-layer with fewer than K experts cannot
     be replayed by Megatron's top-k and is refused."""
+    routes = as_wide(routes)  # compact routes: widened on their own device
     if routes.ids.dim() != 4:
         raise InvalidRoutes("Megatron replay takes padded routes [B, T, L, K]")
     length = routes.ids.shape[1]
@@ -387,11 +388,15 @@ class MegatronReplay:
         registry = self._m.RouterReplay.global_router_replay_instances
         registry[:] = [r for r in registry if r not in self.instances]
 
-    def indices(self, routes: RouteTensors, layout: TokenLayout) -> list[torch.Tensor]:
+    def indices(
+        self, routes: RouteTensors | CompactRoutes, layout: TokenLayout
+    ) -> list[torch.Tensor]:
         """What `set_replay_data` gets: one `[N, K]` tensor per router of this rank."""
         return layer_indices(routes, layout, self.layers)
 
-    def load(self, routes: RouteTensors, layout: TokenLayout, device: Any = None) -> None:
+    def load(
+        self, routes: RouteTensors | CompactRoutes, layout: TokenLayout, device: Any = None
+    ) -> None:
         """Clear what earlier micro-batches left, load this one's routes, and replay
         them in the forward pass (`REPLAY_FORWARD`)."""
         self.new_step()
@@ -401,7 +406,9 @@ class MegatronReplay:
         """Forget every queued micro-batch (start of a training step)."""
         self._m.RouterReplay.clear_global_indices()
 
-    def queue(self, routes: RouteTensors, layout: TokenLayout, device: Any = None) -> None:
+    def queue(
+        self, routes: RouteTensors | CompactRoutes, layout: TokenLayout, device: Any = None
+    ) -> None:
         """Load a micro-batch's routes without forgetting earlier ones, for pipeline
         schedules that run several forwards before their backwards: the forward replays
         the latest, recomputation during backward takes them in the order queued."""
@@ -421,7 +428,7 @@ class MegatronReplay:
 
     @contextmanager
     def micro_batch(
-        self, routes: RouteTensors, layout: TokenLayout, device: Any = None
+        self, routes: RouteTensors | CompactRoutes, layout: TokenLayout, device: Any = None
     ) -> Iterator[MicroBatch]:
         self.load(routes, layout, device)
         try:

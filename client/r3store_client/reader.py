@@ -1,20 +1,25 @@
-"""The trainer side: each rank fetches only its micro-batches, the next one while the
+"""The trainer side: each rank fetches only its micro-batches, the next ones while the
 current one computes (torch required).
 
-    reader = TrainerReader(client, "run1", layout="padded")
+    reader = TrainerReader(client, "run1")            # compact routes, one batch ahead
     replayer = RouterReplay(model)                    # r3store_client.replay
     mine = rank_slice(global_ids, rank, world_size)
     for routes in reader.iterate(micro_batches(mine, 4)):
-        with replayer.replay(routes.to("cuda")):
+        with replayer.replay(routes.to("cuda")):      # widened on the GPU
             loss = model(...)
+
+A micro-batch arrives as `CompactRoutes`: the server's stored streams, decoded on the
+client's threads straight into buffers of 1 byte a slot (uint8 ids up to 256 experts)
+plus counts; moved to the device as they are, widened there by the replay paths
+(`compact=False`: int32 ids and a validity mask on the host, as `padded` makes them).
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Literal
 
 from r3store.spec import RouteSpec
 from r3store.wire import ReadFormat
@@ -25,12 +30,19 @@ try:
     import torch  # noqa: F401  (the error names this module, not tensors)
 except ImportError as exc:
     raise missing("torch", __name__, "torch") from exc
-from r3store_client.tensors import RouteTensors, packed, padded
-
-Layout = Literal["padded", "packed"]
+from r3store_client.tensors import CompactRoutes, Layout, Major, RouteTensors, compact
 
 
 class TrainerReader:
+    """Micro-batches of one namespace's routes for a trainer rank.
+
+    `layout`: `padded` `[B, T, L, K]` or `packed` `[N, L, K]` with `cu_seqlens`;
+    `major`: the storage order of the compact buffers (`layer`: each MoE layer's slice
+    contiguous, as routers read them); `pin`: page-locked buffers for asynchronous
+    copies; `depth`: micro-batches fetched ahead by `iterate` (memory holds at most
+    `depth + 1`).
+    """
+
     def __init__(
         self,
         client: Client,
@@ -39,42 +51,71 @@ class TrainerReader:
         pin: bool = False,
         include_stale: bool = False,
         on_event: Callable[[str, int], None] | None = None,
+        *,
+        compact: bool = True,
+        major: Major = "layer",
+        depth: int = 1,
     ) -> None:
+        if depth < 1:
+            raise ValueError(f"depth must be at least 1, got {depth}")
         self.client = client
         self.namespace = namespace
         self.layout = layout
         self.pin = pin
         self.include_stale = include_stale
+        self.compact = compact
+        self.major = major
+        self.depth = depth
         self._on_event = on_event or (lambda _what, _index: None)
         self._spec: RouteSpec | None = None
         self._lock = threading.Lock()
 
-    def fetch(self, ids: Sequence[str]) -> RouteTensors:
+    def fetch(self, ids: Sequence[str]) -> CompactRoutes | RouteTensors:
         """One micro-batch's routes, in `ids` order; `KeyError` names missing or stale ids."""
-        spec, batch = self.client.fetch(self.namespace, ids, self.include_stale, ReadFormat.ENCODED)
+        spec, batch = self.client.fetch(
+            self.namespace, ids, self.include_stale, ReadFormat.ENCODED, decode=False
+        )
         with self._lock:
             self._spec = spec
-        if self.layout == "packed":
-            return packed(batch, spec, pin=self.pin)
-        return padded(batch, spec, pin=self.pin)
+        routes = compact(
+            batch,
+            spec,
+            self.layout,
+            self.major,
+            pin=self.pin and self.compact,
+            executor=self.client.decoders,
+        )
+        if self.compact:
+            return routes
+        wide = routes.widen()
+        return wide.pin_memory() if self.pin else wide
 
-    def iterate(self, batches: Sequence[Sequence[str]]) -> Iterator[RouteTensors]:
-        """Yield each micro-batch's routes, fetching the next while the caller computes."""
+    def iterate(
+        self, batches: Sequence[Sequence[str]], depth: int | None = None
+    ) -> Iterator[CompactRoutes | RouteTensors]:
+        """Yield each micro-batch's routes in order, keeping `depth` (default: the
+        reader's) fetches going ahead of the caller, no more: back-pressure bounds memory
+        to `depth + 1` micro-batches however slow the caller is."""
+        ahead_n = self.depth if depth is None else depth
+        if ahead_n < 1:
+            raise ValueError(f"depth must be at least 1, got {ahead_n}")
         if not batches:
             return
-        with ThreadPoolExecutor(1, thread_name_prefix="r3store-prefetch") as ahead:
 
-            def load(index: int) -> RouteTensors:
-                self._on_event("fetch_start", index)
-                try:
-                    return self.fetch(batches[index])
-                finally:
-                    self._on_event("fetch_end", index)
+        def load(index: int) -> CompactRoutes | RouteTensors:
+            self._on_event("fetch_start", index)
+            try:
+                return self.fetch(batches[index])
+            finally:
+                self._on_event("fetch_end", index)
 
-            pending: Future[RouteTensors] = ahead.submit(load, 0)
+        with ThreadPoolExecutor(ahead_n, thread_name_prefix="r3store-prefetch") as ahead:
+            pending: deque[Future[CompactRoutes | RouteTensors]] = deque()
             for index in range(len(batches)):
-                current = pending.result()
-                if index + 1 < len(batches):
-                    pending = ahead.submit(load, index + 1)
+                while len(pending) < ahead_n and index + len(pending) < len(batches):
+                    pending.append(ahead.submit(load, index + len(pending)))
+                current = pending.popleft().result()
+                if index + 1 + len(pending) < len(batches):  # refill the slot it freed
+                    pending.append(ahead.submit(load, index + 1 + len(pending)))
                 self._on_event("yield", index)
                 yield current

@@ -43,7 +43,7 @@ except ImportError as exc:
 
 from r3store.errors import InvalidRoutes
 from r3store_client.hf_routers import FAMILIES, Family, supported
-from r3store_client.tensors import RouteTensors
+from r3store_client.tensors import CompactRoutes, RouteTensors, as_wide
 
 
 def router_family(module: nn.Module) -> Family | None:
@@ -210,8 +210,10 @@ class RouterReplay:
                 router.__dict__.pop("forward", None)
 
     @contextmanager
-    def replay(self, routes: RouteTensors) -> Iterator[RouterReplay]:
-        """Make every MoE layer run the replayed experts for the forward passes inside."""
+    def replay(self, routes: RouteTensors | CompactRoutes) -> Iterator[RouterReplay]:
+        """Make every MoE layer run the replayed experts for the forward passes inside
+        (compact routes are widened on their device first)."""
+        routes = as_wide(routes)
         if routes.ids.dim() != 4 or routes.ids.shape[2] != self.num_layers:
             raise InvalidRoutes(
                 f"routes {tuple(routes.ids.shape)} do not match [B, T, {self.num_layers}, K]: "

@@ -1,19 +1,27 @@
 """Routes as torch tensors, in the layouts trainers use (torch required).
 
+- `compact`: what travels from host to device: `CompactRoutes`, ids in the narrowest
+  dtype (uint8 up to 256 experts, else int16 or int32) and chosen-slot counts (uint8),
+  decoded in parallel threads straight into preallocated (optionally pinned) buffers,
+  layer-major (`[B, L, T, K]` storage, seen as `[B, T, L, K]`) or token-major. 1 byte
+  per slot instead of 5; `.to(device).widen()` makes the int32 ids and the validity
+  mask on the device, where that costs nearly nothing.
 - `padded`: ids `[B, T, L, K]` with a validity mask of the same shape. Padding and
   unrecorded token-layers hold *distinct* dummy ids, never repeated zeros, so
   expert-parallel all-to-all split sizes stay sane; `valid` says which slots are real.
 - `dense_masks`: `[B, T, L, E]` bool.
 - `packed`: `[total_tokens, L, K]` for sequence packing, with `cu_seqlens`.
 
-Ids are int32: the smallest dtype torch indexes with (gather, index_select, scatter).
-Host tensors can be pinned (`pin=True`) for `.to(device, non_blocking=True)`.
+Wide ids are int32: the smallest dtype torch indexes with (gather, index_select,
+scatter). Host tensors can be pinned (`pin=True`) for `.to(device, non_blocking=True)`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -24,9 +32,13 @@ try:
 except ImportError as exc:
     raise missing("torch", __name__, "torch") from exc
 
+from r3store import codec
 from r3store.records import Batch, TrajectoryRead
 from r3store.routes import Routes
 from r3store.spec import RouteSpec
+
+Layout = Literal["padded", "packed"]
+Major = Literal["layer", "token"]
 
 
 @dataclass
@@ -57,6 +69,131 @@ class RouteTensors:
         return self.ids[..., index, :], self.valid[..., index, :]
 
 
+@dataclass
+class CompactRoutes:
+    """A micro-batch's routes as they travel: `ids` `[B, T, L, K]` (or `[N, L, K]`
+    packed) in the narrowest dtype, `counts` `[B, T, L]` (or `[N, L]`) uint8 chosen
+    slots (0: no route, and padding). Move it, then `widen()` where it will be used."""
+
+    ids: torch.Tensor
+    counts: torch.Tensor
+    lengths: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> CompactRoutes:
+        cu = None if self.cu_seqlens is None else self.cu_seqlens.to(device)
+        return CompactRoutes(
+            self.ids.to(device, non_blocking=non_blocking),
+            self.counts.to(device, non_blocking=non_blocking),
+            self.lengths.to(device, non_blocking=non_blocking),
+            cu,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.ids, self.counts))
+
+    def widen(self) -> RouteTensors:
+        """int32 ids and the validity mask, on the tensors' own device; empty slots get
+        distinct dummies as `padded` gives them."""
+        k = self.ids.shape[-1]
+        slots = torch.arange(k, device=self.ids.device, dtype=torch.int32)
+        valid = slots.to(self.counts.dtype) < self.counts.unsqueeze(-1)
+        ids = torch.where(valid, self.ids.to(torch.int32), slots)
+        partial = (self.counts > 0) & (self.counts < k)
+        if bool(partial.any()):  # rare: fewer than K chosen; dummies must avoid them
+            where = partial.nonzero(as_tuple=True)
+            rows, ok = ids[where].cpu(), valid[where].cpu()
+            for row, row_ok in zip(rows, ok, strict=True):
+                used = set(row[row_ok].tolist())
+                spare = [e for e in range(2 * k + len(used)) if e not in used]
+                row[~row_ok] = torch.tensor(spare[: int((~row_ok).sum())], dtype=torch.int32)
+            ids[where] = rows.to(ids.device)
+        return RouteTensors(ids, valid, self.lengths, self.cu_seqlens)
+
+
+def as_wide(routes: RouteTensors | CompactRoutes) -> RouteTensors:
+    """Routes as the replay paths use them (compact ones widened where they are)."""
+    return routes.widen() if isinstance(routes, CompactRoutes) else routes
+
+
+def compact_dtype(spec: RouteSpec) -> torch.dtype:
+    if spec.num_experts <= 256:
+        return torch.uint8
+    return torch.int16 if spec.num_experts <= 2**15 else torch.int32
+
+
+def _buffer(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, pin_memory=pin and torch.cuda.is_available())
+
+
+def compact(
+    batch: Batch,
+    spec: RouteSpec,
+    layout: Layout = "padded",
+    major: Major = "layer",
+    pad_to: int | None = None,
+    pin: bool = False,
+    executor: Executor | None = None,
+) -> CompactRoutes:
+    """The batch's routes as `CompactRoutes`: each trajectory's segments decoded (from
+    their stored streams, or taken as decoded) straight into their place in buffers
+    allocated once, in parallel on `executor`."""
+    reads = _reads(batch)
+    lengths = [r.num_tokens for r in reads]
+    layers, k = spec.num_layers, spec.top_k
+    offsets = [0] * len(reads)
+    if layout == "padded":
+        rows, width = len(reads), max([*lengths, pad_to or 0])
+    else:
+        rows, width = 1, sum(lengths)
+        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(int).tolist()
+    inner = (layers, width) if major == "layer" else (width, layers)
+    ids = _buffer((rows, *inner, k), compact_dtype(spec), pin)
+    counts = _buffer((rows, *inner), torch.uint8, pin)
+    ids_np, counts_np = ids.numpy(), counts.numpy()
+
+    def place(b: int) -> None:
+        read, row = reads[b], (b if layout == "padded" else 0)
+        for begin, routes in _segment_routes(read, spec):
+            n = routes.layers.shape[1]
+            at = slice(offsets[b] + begin, offsets[b] + begin + n)
+            source, count = routes.layers, routes.layer_counts
+            if major == "layer":
+                np.copyto(ids_np[row, :, at], source, casting="unsafe")
+                counts_np[row, :, at] = k if count is None else count
+            else:
+                np.copyto(ids_np[row, at], source.transpose(1, 0, 2), casting="unsafe")
+                counts_np[row, at] = k if count is None else count.T
+
+    if executor is not None and len(reads) > 1:
+        list(executor.map(place, range(len(reads))))
+    else:
+        for b in range(len(reads)):
+            place(b)
+    seen_ids = ids.permute(0, 2, 1, 3) if major == "layer" else ids
+    seen_counts = counts.permute(0, 2, 1) if major == "layer" else counts
+    sizes = torch.tensor(lengths, dtype=torch.int32)
+    if layout == "packed":
+        cu = torch.zeros(len(reads) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(sizes, 0)
+        return CompactRoutes(seen_ids[0], seen_counts[0], sizes, cu)
+    return CompactRoutes(seen_ids, seen_counts, sizes)
+
+
+def _segment_routes(read: TrajectoryRead, spec: RouteSpec) -> list[tuple[int, Routes]]:
+    """`(first token, routes)` of each segment: decoded here from stored streams, or the
+    routes the read already holds (all segments joined)."""
+    if read.routes is not None:
+        return [(0, read.routes)]
+    out = []
+    for segment in read.segments:
+        if segment.encoded is None:
+            raise ValueError(f"{read.trajectory_id}: a read with neither routes nor streams")
+        out.append((segment.start, codec.decode(segment.encoded, spec, segment.num_tokens)))
+    return out
+
+
 def _reads(batch: Batch) -> list[TrajectoryRead]:
     missing = [tid for tid, item in zip(batch.ids, batch.items, strict=True) if item is None]
     if missing:
@@ -64,64 +201,18 @@ def _reads(batch: Batch) -> list[TrajectoryRead]:
     return [item for item in batch.items if item is not None]
 
 
-def _fill(routes: Routes, spec: RouteSpec, ids: np.ndarray, valid: np.ndarray) -> None:
-    """Write one trajectory's routes into token-major `ids`/`valid` `[T, L, K]` views.
-
-    Token-layers with no route get the dummies 0..K-1 (distinct within a row); partial
-    rows, whose zeros could repeat a chosen expert, get spare experts instead.
-    """
-    ids[...] = routes.layers.transpose(1, 0, 2)
-    if routes.layer_counts is None:
-        valid[...] = True
-        return
-    k = spec.top_k
-    counts = routes.layer_counts.T
-    np.less(np.arange(k, dtype=np.uint8), counts[..., None], out=valid)
-    ids[counts == 0] = np.arange(k, dtype=np.int32)
-    partial = np.argwhere((counts > 0) & (counts < k))
-    for t, layer in partial:  # rare: fewer than K experts chosen
-        row, ok = ids[t, layer], valid[t, layer]
-        used = set(row[ok].tolist())
-        row[~ok] = [e for e in range(spec.num_experts) if e not in used][: k - len(used)]
-
-
 def padded(
     batch: Batch, spec: RouteSpec, pad_to: int | None = None, pin: bool = False
 ) -> RouteTensors:
-    """`[B, T, L, K]` ids, padded to the longest trajectory (or `pad_to`)."""
-    reads = _reads(batch)
-    length = max([r.num_tokens for r in reads] + [pad_to or 0])
-    shape = (len(reads), length, spec.num_layers, spec.top_k)
-    ids = np.empty(shape, dtype=np.int32)
-    valid = np.empty(shape, dtype=bool)
-    for b, read in enumerate(reads):
-        assert read.routes is not None
-        n = read.num_tokens
-        _fill(read.routes, spec, ids[b, :n], valid[b, :n])
-        ids[b, n:] = np.arange(spec.top_k, dtype=np.int32)  # padding: distinct dummies
-        valid[b, n:] = False
-    out = RouteTensors(
-        torch.from_numpy(ids),
-        torch.from_numpy(valid),
-        torch.tensor([r.num_tokens for r in reads], dtype=torch.int32),
-    )
+    """`[B, T, L, K]` int32 ids and validity, padded to the longest trajectory (or
+    `pad_to`), on the host."""
+    out = compact(batch, spec, "padded", pad_to=pad_to).widen()
     return out.pin_memory() if pin else out
 
 
 def packed(batch: Batch, spec: RouteSpec, pin: bool = False) -> RouteTensors:
     """`[total_tokens, L, K]` ids of the trajectories back to back, with `cu_seqlens`."""
-    reads = _reads(batch)
-    lengths = torch.tensor([r.num_tokens for r in reads], dtype=torch.int32)
-    cu = torch.zeros(len(reads) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(lengths, 0)
-    shape = (int(cu[-1]), spec.num_layers, spec.top_k)
-    ids = np.empty(shape, dtype=np.int32)
-    valid = np.empty(shape, dtype=bool)
-    for b, read in enumerate(reads):
-        assert read.routes is not None
-        start, end = int(cu[b]), int(cu[b + 1])
-        _fill(read.routes, spec, ids[start:end], valid[start:end])
-    out = RouteTensors(torch.from_numpy(ids), torch.from_numpy(valid), lengths, cu)
+    out = compact(batch, spec, "packed").widen()
     return out.pin_memory() if pin else out
 
 
