@@ -37,8 +37,9 @@ from r3store.errors import (
 )
 from r3store.keys import TOMBSTONE_PREFIX, namespace_key
 from r3store.maintenance import Maintenance
+from r3store.plans import ReadPlan, make_plan
 from r3store.policy import NamespaceSettings, is_stale, staleness_floor
-from r3store.reader import ReaderConfig, ShardReader
+from r3store.reader import ReaderConfig, ShardReader, plan_ranges
 from r3store.rebuild import RebuildReport, rebuild_catalog
 from r3store.records import (
     Batch,
@@ -435,6 +436,40 @@ class Engine:
         `include_stale`. With `decode=False` each item carries its segments' stored
         streams instead of decoded `Routes`, for callers that forward them.
         """
+        info, current, stale = self._lookup(namespace, ids, include_stale)
+        reads = self._read(current, info.spec, decode)
+        items: list[TrajectoryRead | None] = [reads.get(tid) for tid in ids]
+        missing = [tid for tid in dict.fromkeys(ids) if tid not in reads and tid not in stale]
+        return Batch(list(ids), items, missing, stale)
+
+    def read_plan(
+        self, namespace: str, ids: Sequence[str], expires: int, include_stale: bool = False
+    ) -> ReadPlan:
+        """Where the routes of `ids` lie, with URLs that read them for `expires` seconds:
+        a direct read, whose bytes the caller fetches from the object store itself.
+        `InvalidInput` when the store hands out no URLs (the embedded store)."""
+        info, current, stale = self._lookup(namespace, ids, include_stale)
+        if self._store.presign_get(namespace_key(namespace), expires) is None:
+            raise InvalidInput(
+                f"direct reads need an object store that signs URLs (S3); "
+                f"{self._store.description} does not: read through the server"
+            )
+        config = self._reader.config
+        return make_plan(
+            info.spec,
+            list(ids),
+            current(),
+            stale,
+            lambda key: self._store.presign_get(key, expires) or "",
+            lambda spans: plan_ranges(spans, config.coalesce_bytes, config.gap_bytes),
+            time.time() + expires,
+        )
+
+    def _lookup(
+        self, namespace: str, ids: Sequence[str], include_stale: bool
+    ) -> tuple[NamespaceInfo, Callable[[], dict[str, list[TrajectoryEntry]]], list[str]]:
+        """The namespace, a lookup of `ids` that leaves out (and names in the list)
+        trajectories older than the staleness window unless `include_stale`."""
         info = self.namespace(namespace)
         for tid in ids:
             check_id(tid)
@@ -451,10 +486,7 @@ class Engine:
                         del found[tid]
             return found
 
-        reads = self._read(current, info.spec, decode)
-        items: list[TrajectoryRead | None] = [reads.get(tid) for tid in ids]
-        missing = [tid for tid in dict.fromkeys(ids) if tid not in reads and tid not in stale]
-        return Batch(list(ids), items, missing, stale)
+        return info, current, stale
 
     def get(self, namespace: str, trajectory_id: str) -> Routes:
         """One trajectory's routes; `NotFound` if it is not stored (or stale)."""

@@ -10,9 +10,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from r3store.catalog_types import NamespaceInfo
+from r3store.errors import InvalidInput
+from r3store.plans import PlannedObject, PlannedSegment, ReadPlan
 from r3store.policy import MAX_POLICY_VERSION, NamespaceSettings
 from r3store.sampling import Strategy
+from r3store.shard import RouteSpans, Span
 from r3store.spec import MAX_EXPERTS, MAX_LAYERS, MAX_TOP_K, RouteSpec
+from r3store.store.base import ByteRange
 from r3store.wire import ReadFormat
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -128,6 +132,135 @@ class Health(BaseModel):
     detail: str | None = None
 
 
+# PlanRequest / ReadPlanModel: a direct read (the client fetches from the object store)
+class PlanRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    ids: list[str] = Field(min_length=1, max_length=10_000)
+    include_stale: bool = False
+    expires: int = Field(60, ge=1, le=3600, description="seconds the URLs stay valid")
+
+
+class SpanModel(BaseModel):
+    offset: int = Field(ge=0)
+    length: int = Field(ge=0)
+
+    def to_span(self) -> Span:
+        return Span(self.offset, self.length)
+
+
+class PlannedObjectModel(BaseModel):
+    key: str
+    url: str = Field(description="a presigned GET; send `Range: bytes=start-(end-1)`")
+    ranges: list[tuple[int, int]] = Field(description="[start, end) byte ranges to fetch")
+
+
+class PlannedSegmentModel(BaseModel):
+    trajectory_id: str
+    group_id: str | None
+    prompt_len: int
+    start: int
+    num_tokens: int
+    policy_version: int
+    digest: str = Field(description="hex")
+    object: int = Field(ge=0, description="index into objects")
+    route_transform: int
+    route_ids: SpanModel
+    route_counts: SpanModel | None
+    route_order: SpanModel | None
+    token_ids: SpanModel | None
+
+
+class ReadPlanModel(BaseModel):
+    """Where a batch's route streams lie (docs/api.md, "Direct reads")."""
+
+    spec: RouteSpecModel
+    ids: list[str]
+    missing: list[str]
+    stale: list[str]
+    expires_at: float = Field(description="seconds since the epoch")
+    objects: list[PlannedObjectModel]
+    segments: list[PlannedSegmentModel]
+
+    @classmethod
+    def of(cls, plan: ReadPlan) -> ReadPlanModel:
+        def span(s: Span | None) -> SpanModel | None:
+            return None if s is None else SpanModel(offset=s.offset, length=s.length)
+
+        return cls(
+            spec=RouteSpecModel.of(plan.spec),
+            ids=plan.ids,
+            missing=plan.missing,
+            stale=plan.stale,
+            expires_at=plan.expires_at,
+            objects=[
+                PlannedObjectModel(
+                    key=o.key, url=o.url, ranges=[(r.start, r.end) for r in o.ranges]
+                )
+                for o in plan.objects
+            ],
+            segments=[
+                PlannedSegmentModel(
+                    trajectory_id=g.trajectory_id,
+                    group_id=g.group_id,
+                    prompt_len=g.prompt_len,
+                    start=g.start,
+                    num_tokens=g.num_tokens,
+                    policy_version=g.policy_version,
+                    digest=g.digest.hex(),
+                    object=g.obj,
+                    route_transform=g.spans.transform,
+                    route_ids=SpanModel(offset=g.spans.ids.offset, length=g.spans.ids.length),
+                    route_counts=span(g.spans.counts),
+                    route_order=span(g.spans.order),
+                    token_ids=span(g.spans.tokens),
+                )
+                for g in plan.segments
+            ],
+        )
+
+    def to_plan(self) -> ReadPlan:
+        def span(s: SpanModel | None) -> Span | None:
+            return None if s is None else s.to_span()
+
+        objects = [
+            PlannedObject(o.key, o.url, [ByteRange(a, b) for a, b in o.ranges])
+            for o in self.objects
+        ]
+        for g in self.segments:
+            if g.object >= len(objects):
+                raise InvalidInput(f"the plan names object {g.object} of {len(objects)}")
+        segments = [
+            PlannedSegment(
+                g.trajectory_id,
+                g.group_id,
+                g.prompt_len,
+                g.start,
+                g.num_tokens,
+                g.policy_version,
+                bytes.fromhex(g.digest),
+                g.object,
+                RouteSpans(
+                    g.route_ids.to_span(),
+                    span(g.route_counts),
+                    span(g.route_order),
+                    g.route_transform,
+                    span(g.token_ids),
+                ),
+            )
+            for g in self.segments
+        ]
+        return ReadPlan(
+            self.spec.to_spec(),
+            self.ids,
+            self.missing,
+            self.stale,
+            self.expires_at,
+            objects,
+            segments,
+        )
+
+
 __all__ = [
     "BatchRequest",
     "ErrorBody",
@@ -137,9 +270,14 @@ __all__ = [
     "NamespaceDeleted",
     "NamespaceList",
     "NamespacePublic",
+    "PlanRequest",
+    "PlannedObjectModel",
+    "PlannedSegmentModel",
     "PolicyVersionSet",
     "PutItem",
     "PutResponse",
+    "ReadPlanModel",
     "RouteSpecModel",
+    "SpanModel",
     "SampleRequest",
 ]

@@ -20,6 +20,7 @@ from typing import Generic, TypeVar
 from r3store import codec
 from r3store.catalog_types import TrajectoryEntry
 from r3store.codec import EncodedRoutes
+from r3store.plans import Fetched
 from r3store.records import SegmentRead, TrajectoryRead, assemble
 from r3store.shard import BuiltShard, Span
 from r3store.spec import RouteSpec
@@ -86,23 +87,6 @@ def plan_ranges(spans: Iterable[Span], coalesce: int, gap: int) -> list[ByteRang
     return ranges
 
 
-class _Fetched:
-    """Bytes fetched from one shard, by range; slices out any span they cover."""
-
-    def __init__(self) -> None:
-        self._parts: list[tuple[ByteRange, bytes]] = []
-
-    def add(self, byte_range: ByteRange, data: bytes) -> None:
-        self._parts.append((byte_range, data))
-
-    def slice(self, span: Span) -> bytes:
-        for byte_range, data in self._parts:
-            if byte_range.start <= span.offset and span.end <= byte_range.end:
-                start = span.offset - byte_range.start
-                return data[start : start + span.length]
-        raise KeyError(span)
-
-
 class ShardReader:
     def __init__(self, store: ObjectStore, config: ReaderConfig) -> None:
         self._store = store
@@ -142,7 +126,7 @@ class ShardReader:
                 self.config.gap_bytes,
             )
         ]
-        fetched: dict[str, _Fetched] = defaultdict(_Fetched)
+        fetched: dict[str, Fetched] = defaultdict(Fetched)
         results = self._pool.map(lambda job: self._fetch(*job), jobs)
         for (key, byte_range), data in zip(jobs, results, strict=True):
             fetched[key].add(byte_range, data)

@@ -201,6 +201,7 @@ class ServerProcess:
                     "R3STORE_S3__SECRET_ACCESS_KEY": seaweed.secret_access_key,
                 }
             )
+        self.env = full_env
         self.log = (tmp / f"server-{self.port}.log").open("wb")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "r3store_server.main"],

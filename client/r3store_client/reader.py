@@ -40,7 +40,8 @@ class TrainerReader:
     `major`: the storage order of the compact buffers (`layer`: each MoE layer's slice
     contiguous, as routers read them); `pin`: page-locked buffers for asynchronous
     copies; `depth`: micro-batches fetched ahead by `iterate` (memory holds at most
-    `depth + 1`).
+    `depth + 1`); `direct`: read the bytes from the object store itself, the server
+    only planning the read (S3-backed servers whose store the trainer can reach).
     """
 
     def __init__(
@@ -55,6 +56,7 @@ class TrainerReader:
         compact: bool = True,
         major: Major = "layer",
         depth: int = 1,
+        direct: bool = False,
     ) -> None:
         if depth < 1:
             raise ValueError(f"depth must be at least 1, got {depth}")
@@ -66,15 +68,19 @@ class TrainerReader:
         self.compact = compact
         self.major = major
         self.depth = depth
+        self.direct = direct
         self._on_event = on_event or (lambda _what, _index: None)
         self._spec: RouteSpec | None = None
         self._lock = threading.Lock()
 
     def fetch(self, ids: Sequence[str]) -> CompactRoutes | RouteTensors:
         """One micro-batch's routes, in `ids` order; `KeyError` names missing or stale ids."""
-        spec, batch = self.client.fetch(
-            self.namespace, ids, self.include_stale, ReadFormat.ENCODED, decode=False
-        )
+        if self.direct:
+            spec, batch = self.client.fetch_direct(self.namespace, ids, self.include_stale)
+        else:
+            spec, batch = self.client.fetch(
+                self.namespace, ids, self.include_stale, ReadFormat.ENCODED, decode=False
+            )
         with self._lock:
             self._spec = spec
         routes = compact(

@@ -74,6 +74,11 @@ class ObjectStore(ABC):
     def delete(self, key: str) -> None:
         """Remove the object; deleting a missing key is not an error."""
 
+    def presign_get(self, key: str, expires: int) -> str | None:
+        """A URL that reads the object without credentials for `expires` seconds (a
+        `Range` header selects bytes), or None where the store has no such URLs."""
+        return None
+
     def ping(self) -> None:  # noqa: B027 - optional hook
         """Raise `StoreError` when the store cannot be reached."""
 

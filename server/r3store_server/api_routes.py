@@ -13,7 +13,15 @@ from typing import Any
 from fastapi import APIRouter, Path, Request, Response
 
 from r3store.errors import InvalidInput, PayloadTooLarge, UnsupportedMediaType
-from r3store.models import NAME_PATTERN, BatchRequest, PutItem, PutResponse, SampleRequest
+from r3store.models import (
+    NAME_PATTERN,
+    BatchRequest,
+    PlanRequest,
+    PutItem,
+    PutResponse,
+    ReadPlanModel,
+    SampleRequest,
+)
 from r3store.records import Batch
 from r3store.spec import RouteSpec
 from r3store.wire import CONTENT_TYPE, ReadFormat, decode_writes, encode_batch
@@ -169,6 +177,29 @@ async def read_batch(
         return _answer(batch, engine.spec(namespace), body.format, metrics)
 
     return await deadline.run(fetch, what="the read")
+
+
+@router.post("/{namespace}/routes/plan", dependencies=[allowed("read")])
+async def read_plan(
+    body: PlanRequest,
+    engine: EngineDep,
+    settings: SettingsDep,
+    deadline: DeadlineDep,
+    namespace: str = NamespacePath,
+) -> ReadPlanModel:
+    """A direct read: where the routes of `ids` lie in the object store, with presigned
+    URLs valid for `expires` seconds (at most the maintenance grace, so a compacted
+    shard outlives its URLs). The client fetches the byte ranges itself; the server
+    only looks them up. Needs an S3 store (400 on the embedded one). Reader or admin."""
+    expires = body.expires
+    if settings.maintenance_grace > 0:
+        expires = max(1, min(expires, int(settings.maintenance_grace)))
+
+    def plan() -> ReadPlanModel:
+        found = engine.read_plan(namespace, body.ids, expires, body.include_stale)
+        return ReadPlanModel.of(found)
+
+    return await deadline.run(plan, what="the read plan")
 
 
 @router.post(
