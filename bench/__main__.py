@@ -9,6 +9,7 @@ from pathlib import Path
 from bench import (
     catalog_bench,
     codec_bench,
+    datapath_bench,
     engine_bench,
     hardening_bench,
     http_bench,
@@ -23,7 +24,7 @@ RESULTS = Path(__file__).parent / "results" / "latest.json"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
-    parser.add_argument("--only", default="codec,engine,http,catalog,memory,hardening")
+    parser.add_argument("--only", default="codec,engine,http,datapath,catalog,memory,hardening")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     sections = set(args.only.split(","))
@@ -40,6 +41,10 @@ def main() -> None:
     if "http" in sections:
         print("http ...", flush=True)
         figures += http_bench.run(count=32 if args.quick else 256)
+    if "datapath" in sections:
+        print("datapath (starting SeaweedFS) ...", flush=True)
+        with seaweedfs.running() as server:
+            figures += datapath_bench.run(server, count=32 if args.quick else 256)
     if "catalog" in sections:
         print("catalog ...", flush=True)
         figures += catalog_bench.run(count=32 if args.quick else 128)

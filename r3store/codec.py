@@ -117,8 +117,10 @@ def encode(
     level: int = DEFAULT_LEVEL,
     salt: bytes = b"",
     token_ids: npt.NDArray[np.int32] | None = None,
+    digest: bool = True,
 ) -> EncodedRoutes:
-    """Encode canonical routes (as `r3store.routes` makes them) into storage streams.
+    """Encode canonical routes (as `r3store.routes` makes them) into storage streams
+    (`digest=False`: leave the digest empty, for a client whose server computes it).
 
     The digest covers the canonical content (not the compressed bytes) and `salt`,
     which callers use for the trajectory's metadata. Work goes a chunk of tokens at a
@@ -133,7 +135,11 @@ def encode(
     raw = layers.reshape(-1)
     counts_raw = b"" if counts is None else np.ascontiguousarray(counts, np.uint8).tobytes()
     tokens_raw = b"" if token_ids is None else token_ids.astype("<i4").tobytes()
-    digest = content_digest(spec, raw, layers.shape, counts_raw, order_raw or b"", tokens_raw, salt)
+    content = (
+        content_digest(spec, raw, layers.shape, counts_raw, order_raw or b"", tokens_raw, salt)
+        if digest
+        else b""
+    )
 
     compressor, fast = _compressor(level), _compressor(1)
     k = spec.top_k
@@ -149,7 +155,7 @@ def encode(
         counts=None if counts is None else compressor.compress(counts_raw),
         order=None if order_raw is None else compressor.compress(order_raw),
         transform=transform,
-        digest=digest,
+        digest=content,
         tokens=compress_tokens(token_ids),
     )
 

@@ -113,7 +113,7 @@ class TrajectoryWrite:
         self.check()
         if self.encoded is not None:
             return self
-        streams = codec.encode(self.canonical(spec), spec)
+        streams = codec.encode(self.canonical(spec), spec, digest=False)  # the server's
         return replace(self, topk=None, mask=None, encoded=SentStreams.of(streams))
 
     def check(self) -> None:

@@ -74,49 +74,72 @@ def _position(flat: int, num_tokens: int) -> str:
     return f"token {token}, layer {layer}"
 
 
-def _first(bad: npt.NDArray[np.bool_], offset: int, num_tokens: int, where: str, why: str) -> None:
+def _first(
+    bad: npt.NDArray[np.bool_], rows: npt.NDArray[np.intp], num_tokens: int, where: str, why: str
+) -> None:
+    """Raise naming the first of `rows` (flat token-layer indices) where `bad` holds."""
     if bad.any():
-        flat = offset + int(np.flatnonzero(bad.reshape(bad.shape[0], -1).any(axis=1))[0])
+        flat = int(rows[int(np.flatnonzero(bad.reshape(bad.shape[0], -1).any(axis=1))[0])])
         raise InvalidRoutes(f"{where}: {_position(flat, num_tokens)}: {why}")
 
 
-def _check_sets(
+def _check_rows(
     ids: npt.NDArray[Any],
     counts: npt.NDArray[np.uint8],
-    offset: int,
+    rows: npt.NDArray[np.intp],
     spec: RouteSpec,
     num_tokens: int,
     where: str,
 ) -> None:
-    """`ids` `[n, K]` sorted sets and `counts` `[n]` of token-layers `offset ..`."""
+    """Every rule, slot by slot, on the token-layers `rows` (`ids` `[n, K]`)."""
     k = spec.top_k
-    _first(counts > k, offset, num_tokens, where, f"a count above top_k {k}")
+    _first(counts > k, rows, num_tokens, where, f"a count above top_k {k}")
     if not spec.allow_fewer:
+        wrong = (counts != 0) & (counts != k)
         _first(
-            (counts != 0) & (counts != k),
-            offset,
+            wrong,
+            rows,
             num_tokens,
             where,
             f"fewer than top_k {k} experts, and the namespace does not allow_fewer",
         )
     chosen = np.arange(k, dtype=np.uint8) < counts[:, None]
-    _first(
-        chosen & (ids >= spec.num_experts),
-        offset,
-        num_tokens,
-        where,
-        f"an expert id >= num_experts {spec.num_experts}",
-    )
-    _first(~chosen & (ids != 0), offset, num_tokens, where, "an empty slot that is not 0")
+    too_big = chosen & (ids >= spec.num_experts)
+    _first(too_big, rows, num_tokens, where, f"an expert id >= num_experts {spec.num_experts}")
+    _first(~chosen & (ids != 0), rows, num_tokens, where, "an empty slot that is not 0")
     if k > 1:
         rising = ids[:, 1:] > ids[:, :-1]
         _first(
             chosen[:, 1:] & ~rising,
-            offset,
+            rows,
             num_tokens,
             where,
             "chosen experts not strictly ascending (repeated, or not sorted)",
         )
+
+
+def _check_sets(
+    ids: npt.NDArray[Any],
+    counts: npt.NDArray[np.uint8] | None,
+    offset: int,
+    spec: RouteSpec,
+    num_tokens: int,
+    where: str,
+) -> None:
+    """`ids` `[n, K]` sorted sets of token-layers `offset ..`, `counts` `[n]` (None: all
+    K). Whole rows at a time for the common case; slot by slot where something is off."""
+    k = spec.top_k
+    n = ids.shape[0]
+    full = np.ones(n, bool) if counts is None else counts == k
+    ok = full.copy()
+    for j in range(k - 1):  # slot planes: a few vector operations, no [n, K] temporaries
+        ok &= ids[:, j + 1] > ids[:, j]
+    if int(ids.max(initial=0)) >= spec.num_experts:
+        ok &= ids.max(axis=1) < spec.num_experts
+    look = np.flatnonzero(~ok)  # rows with fewer than K, and full rows that break a rule
+    if look.size:
+        held = np.full(look.size, k, np.uint8) if counts is None else counts[look]
+        _check_rows(ids[look], held, look + offset, spec, num_tokens, where)
 
 
 def _check_order(
@@ -129,22 +152,18 @@ def _check_order(
 ) -> None:
     """Ranks `[n]` (K <= 8) or positions `[n, K]`: a permutation, empty slots last."""
     k = spec.top_k
+    rows = np.arange(offset, offset + order.shape[0])
     if k <= LEHMER_MAX_K:
-        _first(order >= math.factorial(k), offset, num_tokens, where, f"an order rank >= {k}!")
+        _first(order >= math.factorial(k), rows, num_tokens, where, f"an order rank >= {k}!")
         perm = lehmer_table(k)[order]
     else:
         perm = order
-        _first(
-            (np.sort(perm, axis=1) != np.arange(k)).any(axis=1),
-            offset,
-            num_tokens,
-            where,
-            "an order that is not a permutation of the slots",
-        )
+        not_perm = (np.sort(perm, axis=1) != np.arange(k)).any(axis=1)
+        _first(not_perm, rows, num_tokens, where, "an order that is not a permutation of the slots")
     empty = np.arange(k, dtype=np.uint8) >= counts[:, None]
     _first(
         empty & (perm != np.arange(k)),
-        offset,
+        rows,
         num_tokens,
         where,
         "an order that does not keep empty slots last",
@@ -190,13 +209,13 @@ def accept(
             order = order.reshape(cells, k)
     sets = ids.reshape(cells, k)
     step = max(1, CHUNK_VALUES // k)
-    full_counts = np.full(min(step, cells), k, np.uint8)
     for begin in range(0, cells, step):
         end = min(cells, begin + step)
-        part = counts[begin:end] if counts is not None else full_counts[: end - begin]
+        part = None if counts is None else counts[begin:end]
         _check_sets(sets[begin:end], part, begin, spec, num_tokens, where)
         if order is not None:
-            _check_order(order[begin:end], part, begin, spec, num_tokens, where)
+            held = np.full(end - begin, k, np.uint8) if part is None else part
+            _check_order(order[begin:end], held, begin, spec, num_tokens, where)
     full = counts is None or bool((counts == k).all())
     order_raw = b"" if order is None else order.reshape(-1).view(np.uint8).data
     tokens_raw = b"" if token_ids is None else token_ids.astype("<i4").tobytes()

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import urllib3
 
 from r3store.errors import R3StoreError, StoreError, error_class
 from r3store.models import NamespacePublic, PolicyVersionSet, ReadPlanModel
@@ -95,7 +96,7 @@ class Client:
         self._http = http
         self._own_http = http is None
         self._decoders: ThreadPoolExecutor | None = None
-        self._store_http: httpx.Client | None = None
+        self._store_http: urllib3.PoolManager | None = None
         self._fetchers: ThreadPoolExecutor | None = None
 
     # connection
@@ -121,7 +122,7 @@ class Client:
             self._http.close()
         self._http = None
         if self._store_http is not None:
-            self._store_http.close()
+            self._store_http.clear()
             self._store_http = None
         if self._fetchers is not None:
             self._fetchers.shutdown(wait=False)
@@ -275,8 +276,13 @@ class Client:
         raise R3StoreError("unreachable")
 
     def _fetch_objects(self, plan: ReadPlan) -> list[Fetched]:
+        """Each object's planned ranges, fetched in parallel (urllib3: about twice as
+        fast as httpx on megabyte bodies)."""
         if self._store_http is None:
-            self._store_http = httpx.Client(timeout=self.timeout)
+            seconds = self.timeout if isinstance(self.timeout, int | float) else 60.0
+            self._store_http = urllib3.PoolManager(
+                maxsize=8, timeout=urllib3.Timeout(connect=10.0, read=seconds), retries=False
+            )
         if self._fetchers is None:
             self._fetchers = ThreadPoolExecutor(8, thread_name_prefix="r3store-fetch")
         store = self._store_http
@@ -286,15 +292,15 @@ class Client:
             index, byte_range = job
             headers = {"Range": f"bytes={byte_range.start}-{byte_range.end - 1}"}
             try:
-                response = store.get(plan.objects[index].url, headers=headers)
-            except httpx.HTTPError as exc:
+                response = store.request("GET", plan.objects[index].url, headers=headers)
+            except urllib3.exceptions.HTTPError as exc:
                 raise StoreError(f"cannot read from the object store: {exc}") from None
-            if response.status_code in (403, 404):  # expired, or compacted away
+            if response.status in (403, 404):  # expired, or compacted away
                 raise _Replan
-            if response.status_code not in (200, 206):
-                raise StoreError(f"the object store answered {response.status_code}")
-            data = response.content
-            if response.status_code == 200:  # the whole object: a store that ignores Range
+            if response.status not in (200, 206):
+                raise StoreError(f"the object store answered {response.status}")
+            data: bytes = response.data
+            if response.status == 200:  # the whole object: a store that ignores Range
                 data = data[byte_range.start : byte_range.end]
             if len(data) != byte_range.length:
                 raise StoreError("the object store returned a short range")
