@@ -115,7 +115,8 @@ def layout(stream: bytes) -> list[Message]:
 
 
 def base_bodies() -> list[tuple[bytes, list[TrajectoryWrite]]]:
-    """Valid uploads of `FUZZ_SPEC`: several dtypes, kinds, and optional columns."""
+    """Valid uploads of `FUZZ_SPEC`: several dtypes, kinds (encoded streams too), and
+    optional columns."""
     rng = np.random.default_rng(7)
     spec = FUZZ_SPEC
     out = []
@@ -136,6 +137,13 @@ def base_bodies() -> list[tuple[bytes, list[TrajectoryWrite]]]:
                 )
             )
         out.append((encode_writes(writes), writes))
+    encoded = []  # as the client sends them: its own streams, checked by decoding
+    for row in range(3):
+        tokens = int(rng.integers(2, 9))
+        ids = uniform_topk(rng, tokens - 1, spec.num_layers, spec.num_experts, spec.top_k)
+        write = TrajectoryWrite(f"fuzz/encoded/{row}", tokens, topk=ids, policy_version=row)
+        encoded.append(write.encode(spec))
+    out.append((encode_writes(encoded), encoded))
     return out
 
 
