@@ -4,12 +4,18 @@
 set -euo pipefail
 port=${1:-18330}
 repo=$(cd "$(dirname "$0")/.." && pwd)
+if curl -fsS "http://127.0.0.1:$port/healthz" > /dev/null 2>&1; then
+  echo "something already answers on port $port: pass another port" >&2
+  exit 2
+fi
 work=$(mktemp -d)
-trap 'pkill -f "$work/.venv/bin/r3store-server" || true; rm -rf "$work"' EXIT
+pid=
+trap '[ -n "$pid" ] && kill -- -"$pid" 2> /dev/null; sleep 1; rm -rf "$work"' EXIT
 git clone --quiet "$repo" "$work"
 cd "$work"
 start=$(date +%s.%N)
-R3STORE_PORT=$port PIP_NO_CACHE_DIR=1 make serve > "$work/serve.log" 2>&1 &
+R3STORE_PORT=$port PIP_NO_CACHE_DIR=1 setsid make serve > "$work/serve.log" 2>&1 &
+pid=$!  # setsid: make and the server in a process group of their own, stopped at exit
 for _ in $(seq 1 1200); do
   if curl -fsS "http://127.0.0.1:$port/healthz" > /dev/null 2>&1; then
     python3 -c "import sys; print(f'make serve to /healthz: {float(sys.argv[2]) - float(sys.argv[1]):.1f} s')" \
