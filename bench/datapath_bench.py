@@ -2,7 +2,8 @@
 baseline (one `.npy` of uint8 ids per trajectory, boto3, 8 threads) in the same run:
 
 - HTTP ingest of int32 engine output (what SGLang emits) from 8 client threads, the
-  client encoding (the default) and sending ids as they are;
+  client encoding (the default; one trajectory a request, and a group of 4) and sending
+  ids as they are;
 - `TrainerReader` into compact tensors ready for replay, through the server and
   directly from the object store (batches of 32, two micro-batches ahead), with the
   server's CPU time per token-layer of each and the reader's peak memory;
@@ -86,18 +87,24 @@ def run(seaweed: SeaweedFS, count: int = 256, tokens: int = 4096) -> list[Figure
             client.create_namespace("bench", SPEC)
             client.create_namespace("bench-ids", SPEC)
 
-            def ingest(through: Client, namespace: str) -> float:
-                def put(i: int) -> None:
-                    write = TrajectoryWrite(
-                        work.ids[i], tokens, topk=engine_output[i % len(engine_output)]
-                    )
-                    through.put(namespace, [write])
+            def ingest(through: Client, namespace: str, per_request: int = 1) -> float:
+                def put(first: int) -> None:
+                    writes = [
+                        TrajectoryWrite(
+                            work.ids[i], tokens, topk=engine_output[i % len(engine_output)]
+                        )
+                        for i in range(first, min(first + per_request, len(work.ids)))
+                    ]
+                    through.put(namespace, writes)
 
+                starts = range(0, len(work.ids), per_request)
                 with ThreadPoolExecutor(THREADS) as pool:
-                    return timed(lambda: list(pool.map(put, range(len(work.ids)))))
+                    return timed(lambda: list(pool.map(put, starts)))
 
             encoded_in = ingest(client, "bench")
             ids_in = ingest(plain, "bench-ids")
+            client.create_namespace("bench-grouped", SPEC)
+            grouped_in = ingest(client, "bench-grouped", per_request=4)
             batches = [work.ids[i : i + READ_BATCH] for i in range(0, len(work.ids), READ_BATCH)]
 
             def read(reader: TrainerReader, after: Callable[[object], object] = id) -> float:
@@ -139,6 +146,13 @@ def run(seaweed: SeaweedFS, count: int = 256, tokens: int = 4096) -> list[Figure
             naive_in,
             "naive uint8 write",
             ">= 1.0x",
+        ),
+        Figure(
+            "HTTP ingest of int32 engine output, 8 threads x 4 a request, encoded",
+            n / grouped_in / 1e6,
+            RATE,
+            naive_in,
+            "naive uint8 write",
         ),
         Figure(
             "HTTP ingest of int32 engine output, 8 threads, ids as sent",
