@@ -133,7 +133,9 @@ def _binaries(chunk: pa.Array) -> list[pa.Buffer | None]:
         return []
     data = data if data is not None else pa.py_buffer(b"")  # every value empty
     width = np.int64 if pa.types.is_large_binary(chunk.type) else np.int32
-    offsets = np.frombuffer(offsets_buffer, width)[chunk.offset : chunk.offset + len(chunk) + 1]
+    # validation checked that the buffer holds these offsets; it may hold stray bytes after
+    offsets = np.frombuffer(offsets_buffer, width, count=chunk.offset + len(chunk) + 1)
+    offsets = offsets[chunk.offset :]
     valid = chunk.is_valid().to_pylist()
     return [
         data.slice(int(offsets[i]), int(offsets[i + 1] - offsets[i])) if valid[i] else None

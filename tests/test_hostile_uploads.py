@@ -123,6 +123,32 @@ def test_binary_offsets_reaching_into_other_bytes(
     assert "'routes'" in message
 
 
+def test_stray_bytes_after_binary_offsets(http: httpx.Client, server: ServerProcess) -> None:
+    """An offsets buffer longer than its offsets (not a whole number of them) is read
+    for what it holds, not answered 500."""
+    write = writes(1, "uint8")[0]
+    table = pa.table(
+        {
+            "trajectory_id": ["stray"],
+            "num_tokens": pa.array([write.num_tokens], pa.int64()),
+            "routes_dtype": ["uint8"],
+            "routes": pa.array([np.ascontiguousarray(write.topk).tobytes()], pa.large_binary()),
+        }
+    )
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    body = bytearray(sink.getvalue().to_pybytes())
+    [batch] = [m for m in layout(bytes(body)) if m.kind == "record batch"]
+    routes_offsets = batch.buffers[9]  # buffers: id 0-2, num_tokens 3-4, dtype 5-7, routes 8-10
+    assert routes_offsets.length == 16
+    struct.pack_into("<q", body, routes_offsets.field_at + 8, 19)  # 2 offsets and 3 bytes
+    before = stored(http)
+    r = send(http, bytes(body))
+    assert r.status_code == 200, r.text
+    assert stored(http) == before + 1
+
+
 def test_invalid_utf8_names_column_and_row(http: httpx.Client, server: ServerProcess) -> None:
     body = encode_writes(writes(2, group_id="gg"))
     bad = patch(body, GROUP_ID_DATA, "B", [ord("g"), ord("g"), 0xFF])  # row 1 starts at byte 2

@@ -96,7 +96,11 @@ class UploadJudge:
         return int(body["trajectories"])
 
     def judge(self, body: bytes) -> Verdict:
-        before = self._stored()
+        try:
+            before = self._stored()
+        except self._transport_error as exc:  # the last answer left a broken connection
+            died = self.process.poll() is not None
+            return Verdict("died" if died else "dropped", None, f"before the upload: {exc!r}")
         try:
             r = self.http.post(
                 f"/v1/namespaces/{self.namespace}/trajectories",
