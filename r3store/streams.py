@@ -31,6 +31,17 @@ from r3store.routes import CHUNK_VALUES
 from r3store.spec import RouteSpec
 
 MAX_ROW_BYTES = 64 << 20  # decompressed ids of one segment; longer ones: send segments
+MAX_UPLOAD_BYTES = 256 << 20  # decompressed ids of all encoded segments of one upload
+
+
+def decoded_bytes(spec: RouteSpec, num_tokens: int) -> int:
+    """The ids a segment of `num_tokens` tokens decodes to, in bytes."""
+    return spec.num_layers * num_tokens * spec.top_k * spec.id_dtype.itemsize
+
+
+def fits(spec: RouteSpec, num_tokens: int) -> bool:
+    """Whether a segment may be sent encoded (else: as ids, or in shorter segments)."""
+    return decoded_bytes(spec, num_tokens) <= MAX_ROW_BYTES
 
 
 @dataclass(frozen=True)
@@ -59,13 +70,16 @@ def _exact(blob: bytes, expected: int, what: str, where: str) -> bytes:
             f"{where}: the {what} stream's frame declares {shown}; the spec and token count "
             f"make it {expected} bytes"
         )
-    stream = zstandard.ZstdDecompressor().decompressobj()
-    try:
-        data = stream.decompress(blob)
+    try:  # the output is bounded as it is made: a frame that lies about its size stops here
+        data = zstandard.ZstdDecompressor().decompress(
+            blob, max_output_size=expected, allow_extra_data=False
+        )
     except zstandard.ZstdError as exc:
-        raise InvalidRoutes(f"{where}: the {what} stream does not decompress: {exc}") from None
-    if len(data) != expected or not stream.eof or stream.unused_data:
-        raise InvalidRoutes(f"{where}: the {what} stream must be one whole zstd frame, alone")
+        raise InvalidRoutes(
+            f"{where}: the {what} stream is not one zstd frame of {expected} bytes: {exc}"
+        ) from None
+    if len(data) != expected:
+        raise InvalidRoutes(f"{where}: the {what} stream holds {len(data)} bytes, not {expected}")
     return data
 
 
@@ -182,7 +196,7 @@ def accept(
     the digest `codec.encode` would give the same routes. Raises `InvalidRoutes`."""
     layers, k, itemsize = spec.num_layers, spec.top_k, spec.id_dtype.itemsize
     cells = layers * num_tokens
-    if cells * k * itemsize > MAX_ROW_BYTES:
+    if not fits(spec, num_tokens):
         raise InvalidRoutes(
             f"{where}: {num_tokens} tokens of encoded routes decode to more than "
             f"{MAX_ROW_BYTES >> 20} MiB: send them as segments, or as ids"

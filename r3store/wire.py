@@ -24,7 +24,7 @@ from r3store.ipc import read_table
 from r3store.records import Batch, SegmentRead, TrajectoryRead, TrajectoryWrite, assemble
 from r3store.routes import Routes, from_mask, to_mask
 from r3store.spec import RouteSpec
-from r3store.streams import SentStreams
+from r3store.streams import MAX_UPLOAD_BYTES, SentStreams, decoded_bytes
 
 WIRE_VERSION = "1"
 CONTENT_TYPE = "application/vnd.apache.arrow.stream"
@@ -208,6 +208,17 @@ def decode_writes(body: bytes | bytearray | memoryview, spec: RouteSpec) -> list
         if "token_ids" in table.column_names
         else [None] * table.num_rows
     )
+    if RouteKind.ENCODED in kinds:  # what checking them will decompress, bounded first
+        total = sum(
+            decoded_bytes(spec, max(0, n or 0))
+            for n, kind in zip(num_tokens, kinds, strict=True)
+            if kind == RouteKind.ENCODED
+        )
+        if total > MAX_UPLOAD_BYTES:
+            raise InvalidInput(
+                f"the upload's encoded routes decode to {total} bytes; at most "
+                f"{MAX_UPLOAD_BYTES} in one upload: send fewer at a time"
+            )
     writes = []
     for i in range(table.num_rows):
         if ids[i] is None or num_tokens[i] is None or blobs[i] is None:

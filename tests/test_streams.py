@@ -3,25 +3,32 @@ by decoding, and refused, changing nothing, when they are not exactly canonical.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import zlib
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import numpy as np
+import pyarrow as pa
 import pytest
 import zstandard
 
-from helpers import MakeEngine, expected_ids, make_write
-from http_helpers import auth, make_namespace, service, upload
+from helpers import SPEC, MakeEngine, expected_ids, make_write
+from http_helpers import KEYS, ServerProcess, auth, make_namespace, service, upload
+from r3store import streams
 from r3store.codec import Transform
 from r3store.engine import Engine
-from r3store.errors import InvalidRoutes
+from r3store.errors import InvalidInput, InvalidRoutes
 from r3store.records import TrajectoryWrite
 from r3store.spec import RouteSpec
 from r3store.store import LocalStore
 from r3store.streams import MAX_ROW_BYTES, SentStreams
 from r3store.testing.synthetic import uniform_topk
+from r3store.wire import decode_writes, encode_writes
+from r3store_client import Client
 
 SPECS = [
     RouteSpec(4, 64, 4),
@@ -125,7 +132,7 @@ BAD: list[tuple[str, Callable[[], SentStreams], RouteSpec, str]] = [
         "trailing bytes",
         lambda: SentStreams(_frame(bytes(GOOD)) + b"\x00", 0),
         SET,
-        "one whole zstd frame, alone",
+        "not one zstd frame of 12 bytes",
     ),
     ("not zstd", lambda: SentStreams(zlib.compress(bytes(GOOD)), 0), SET, "not a zstd frame"),
     ("transform", lambda: replace(_sent(GOOD), transform=7), SET, "unknown route transform 7"),
@@ -206,6 +213,40 @@ def test_a_decompression_bomb_is_refused_before_it_is_decompressed(
         engine.put("ns", [TrajectoryWrite("bomb", tokens, encoded=bomb)])
 
 
+BOMB = """
+import resource, struct
+from r3store.errors import InvalidRoutes
+from r3store.spec import RouteSpec
+from r3store.streams import SentStreams, accept
+
+spec, tokens = RouteSpec(8, 64, 8), 65536  # 4 MiB of uint8 ids
+declared, block, blocks = 8 * tokens * 8, 1 << 17, 4096  # 512 MiB of RLE blocks
+header = struct.pack("<IBBI", 0xFD2FB528, 0x80, 7 << 3, declared)  # 128 KiB window
+body = b"".join(
+    ((block << 3) | (1 << 1) | (i == blocks - 1)).to_bytes(3, "little") + b"\\x01"
+    for i in range(blocks)
+)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    accept(SentStreams(header + body, 0), spec, tokens, b"", None, "bomb")
+    print("accepted")
+except InvalidRoutes as exc:
+    print("refused:", exc)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+
+
+def test_a_frame_that_lies_about_its_size_stops_at_that_size() -> None:
+    """A frame declaring 4 MiB whose blocks expand to 512 MiB: refused, and the
+    decompression stops at the declared size instead of making all of it."""
+    done = subprocess.run(
+        [sys.executable, "-c", BOMB], capture_output=True, text=True, timeout=120, check=True
+    )
+    verdict, grew = done.stdout.strip().splitlines()
+    assert verdict.startswith("refused: bomb: the ids stream is not one zstd frame")
+    assert int(grew) < 64, f"memory grew by {grew} MiB"
+
+
 def test_encoded_uploads_over_http(tmp_path: Path) -> None:
     spec = RouteSpec(4, 64, 4)  # the namespace http_helpers makes
     ids = uniform_topk(np.random.default_rng(3), 99, 4, 64, 4)
@@ -228,3 +269,37 @@ def test_encoded_uploads_over_http(tmp_path: Path) -> None:
         assert "x: token 0, layer 0" in refused.json()["error"]["message"]
         body = client.get("/v1/namespaces/ns", headers=auth("admin")).json()
         assert body["trajectories"] == 1
+
+
+def test_an_upload_decodes_to_a_bounded_total() -> None:
+    spec = RouteSpec(48, 128, 8)
+    tokens = MAX_ROW_BYTES // (48 * 8)  # each row at the per-segment limit
+    rows = [TrajectoryWrite(f"r{i}", tokens, encoded=_sent(GOOD)) for i in range(5)]
+    with pytest.raises(InvalidInput, match=r"decode to \d+ bytes; at most 268435456"):
+        decode_writes(encode_writes(rows), spec)
+
+
+def test_the_client_sends_too_long_segments_as_ids(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(streams, "MAX_ROW_BYTES", 4 * 50 * 4)  # L * T * K bytes: 50 tokens
+    kinds: list[str] = []
+
+    def seen(request: httpx.Request) -> None:
+        if request.url.path.endswith("/trajectories"):
+            table = pa.ipc.open_stream(request.read()).read_all()
+            kinds.extend(table.column("routes_kind").to_pylist())
+
+    server = ServerProcess(tmp_path, None)
+    try:
+        with (
+            httpx.Client(base_url=server.url, event_hooks={"request": [seen]}) as http,
+            Client(server.url, api_key=KEYS["admin"], http=http) as client,
+        ):
+            client.create_namespace("long", SPEC)
+            short, long = make_write("s", SPEC, tokens=50), make_write("l", SPEC, tokens=51)
+            client.put("long", [short, long])
+            assert kinds == ["encoded", "topk"]
+            assert client.get_batch("long", ["s", "l"]).missing == []
+    finally:
+        server.stop()

@@ -37,6 +37,7 @@ from r3store.records import Batch, PutResult, TrajectoryWrite
 from r3store.sampling import Strategy
 from r3store.spec import RouteSpec
 from r3store.store.base import ByteRange
+from r3store.streams import fits
 from r3store.wire import CONTENT_TYPE, ReadFormat, decode_batch, encode_writes
 
 RETRY_STATUS = {429, 502, 503, 504}
@@ -215,9 +216,9 @@ class Client:
         """Upload trajectories (or appended segments); returns after the durable commit.
         Routes are validated and encoded here first (unless `encode=False`): bad ones
         raise `InvalidRoutes` before anything is sent."""
-        if self.encode:
+        if self.encode:  # a segment too long to be checked by decoding goes as ids
             spec = self.spec(namespace)
-            writes = [write.encode(spec) for write in writes]
+            writes = [w.encode(spec) if fits(spec, w.num_tokens) else w for w in writes]
         response = self.request(
             "POST",
             f"/v1/namespaces/{namespace}/trajectories",

@@ -412,6 +412,8 @@ class MegatronReplay:
         """Load a micro-batch's routes without forgetting earlier ones, for pipeline
         schedules that run several forwards before their backwards: the forward replays
         the latest, recomputation during backward takes them in the order queued."""
+        if device is not None and isinstance(routes, CompactRoutes):
+            routes = routes.to(device)  # a byte a slot across; widened there
         data = self.indices(routes, layout)
         if device is not None:
             data = [d.to(device, non_blocking=True) for d in data]

@@ -39,9 +39,9 @@ class TrainerReader:
     `layout`: `padded` `[B, T, L, K]` or `packed` `[N, L, K]` with `cu_seqlens`;
     `major`: the storage order of the compact buffers (`layer`: each MoE layer's slice
     contiguous, as routers read them); `pin`: page-locked buffers for asynchronous
-    copies; `depth`: micro-batches fetched ahead by `iterate` (memory holds at most
-    `depth + 1`); `direct`: read the bytes from the object store itself, the server
-    only planning the read (S3-backed servers whose store the trainer can reach).
+    copies; `depth`: micro-batches fetched ahead by `iterate`; `direct`: read the bytes
+    from the object store itself, the server only planning the read (S3-backed servers
+    whose store the trainer can reach).
     """
 
     def __init__(
@@ -100,8 +100,9 @@ class TrainerReader:
         self, batches: Sequence[Sequence[str]], depth: int | None = None
     ) -> Iterator[CompactRoutes | RouteTensors]:
         """Yield each micro-batch's routes in order, keeping `depth` (default: the
-        reader's) fetches going ahead of the caller, no more: back-pressure bounds memory
-        to `depth + 1` micro-batches however slow the caller is."""
+        reader's) fetches going ahead of the caller, no more: however slow the caller,
+        memory holds those `depth` and the ones the caller still refers to (in a plain
+        `for` loop, the current and, while the next is handed over, the previous)."""
         ahead_n = self.depth if depth is None else depth
         if ahead_n < 1:
             raise ValueError(f"depth must be at least 1, got {ahead_n}")
