@@ -5,8 +5,10 @@ from __future__ import annotations
 import base64
 import io
 import pickle
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -237,6 +239,24 @@ def test_prefetch_depth_runs_ahead_and_no_further(
         )
     with pytest.raises(ValueError, match="depth"):
         TrainerReader(client, namespace, depth=0)
+
+
+def test_lazy_pools_are_made_once_under_racing_threads() -> None:
+    client = Client("http://127.0.0.1:9")  # never contacted
+    barrier = threading.Barrier(16)
+
+    def first_use(_: int) -> tuple[int, int, int]:
+        barrier.wait()
+        store, fetchers = client._direct()
+        return id(client.decoders), id(store), id(fetchers)
+
+    with ThreadPoolExecutor(16) as pool:
+        made = set(pool.map(first_use, range(16)))
+    assert len(made) == 1
+    clone = pickle.loads(pickle.dumps(client))  # its lock is made anew
+    assert clone.decoders is clone.decoders
+    clone.close()
+    client.close()
 
 
 def test_rank_slices_cover_the_batch_once() -> None:

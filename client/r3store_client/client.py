@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -99,24 +100,39 @@ class Client:
         self._decoders: ThreadPoolExecutor | None = None
         self._store_http: urllib3.PoolManager | None = None
         self._fetchers: ThreadPoolExecutor | None = None
+        self._made = threading.Lock()  # lazy connections and pools: one each, whoever asks
 
     # connection
 
     @property
     def http(self) -> httpx.Client:
-        if self._http is None:
-            self._http = httpx.Client(base_url=self.base_url, timeout=self.timeout)
-            self._own_http = True
-        return self._http
+        with self._made:
+            if self._http is None:
+                self._http = httpx.Client(base_url=self.base_url, timeout=self.timeout)
+                self._own_http = True
+            return self._http
 
     @property
     def decoders(self) -> ThreadPoolExecutor:
         """Threads that decode read answers (zstd and numpy release the GIL)."""
-        if self._decoders is None:
-            self._decoders = ThreadPoolExecutor(
-                min(8, os.cpu_count() or 1), thread_name_prefix="r3store-decode"
-            )
-        return self._decoders
+        with self._made:
+            if self._decoders is None:
+                self._decoders = ThreadPoolExecutor(
+                    min(8, os.cpu_count() or 1), thread_name_prefix="r3store-decode"
+                )
+            return self._decoders
+
+    def _direct(self) -> tuple[urllib3.PoolManager, ThreadPoolExecutor]:
+        """The object store's connections and the threads that fetch from it."""
+        with self._made:
+            if self._store_http is None:
+                seconds = self.timeout if isinstance(self.timeout, int | float) else 60.0
+                self._store_http = urllib3.PoolManager(
+                    maxsize=8, timeout=urllib3.Timeout(connect=10.0, read=seconds), retries=False
+                )
+            if self._fetchers is None:
+                self._fetchers = ThreadPoolExecutor(8, thread_name_prefix="r3store-fetch")
+            return self._store_http, self._fetchers
 
     def close(self) -> None:
         if self._http is not None and self._own_http:
@@ -145,7 +161,12 @@ class Client:
         state["_decoders"] = None
         state["_store_http"] = None
         state["_fetchers"] = None
+        del state["_made"]
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._made = threading.Lock()
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -279,14 +300,7 @@ class Client:
     def _fetch_objects(self, plan: ReadPlan) -> list[Fetched]:
         """Each object's planned ranges, fetched in parallel (urllib3: about twice as
         fast as httpx on megabyte bodies)."""
-        if self._store_http is None:
-            seconds = self.timeout if isinstance(self.timeout, int | float) else 60.0
-            self._store_http = urllib3.PoolManager(
-                maxsize=8, timeout=urllib3.Timeout(connect=10.0, read=seconds), retries=False
-            )
-        if self._fetchers is None:
-            self._fetchers = ThreadPoolExecutor(8, thread_name_prefix="r3store-fetch")
-        store = self._store_http
+        store, fetchers = self._direct()
         jobs = [(i, r) for i, o in enumerate(plan.objects) for r in o.ranges]
 
         def get(job: tuple[int, ByteRange]) -> bytes:
@@ -308,7 +322,7 @@ class Client:
             return data
 
         fetched = [Fetched() for _ in plan.objects]
-        for (index, byte_range), data in zip(jobs, self._fetchers.map(get, jobs), strict=True):
+        for (index, byte_range), data in zip(jobs, fetchers.map(get, jobs), strict=True):
             fetched[index].add(byte_range, data)
         return fetched
 
