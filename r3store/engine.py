@@ -49,6 +49,7 @@ from r3store.records import (
     TrajectoryWrite,
     check_id,
     check_namespace,
+    missing,
 )
 from r3store.routes import Routes
 from r3store.sampling import Candidate, Strategy, choose
@@ -439,8 +440,7 @@ class Engine:
         info, current, stale = self._lookup(namespace, ids, include_stale)
         reads = self._read(current, info.spec, decode)
         items: list[TrajectoryRead | None] = [reads.get(tid) for tid in ids]
-        missing = [tid for tid in dict.fromkeys(ids) if tid not in reads and tid not in stale]
-        return Batch(list(ids), items, missing, stale)
+        return Batch(list(ids), items, missing(ids, reads, stale), stale)
 
     def read_plan(
         self, namespace: str, ids: Sequence[str], expires: int, include_stale: bool = False
@@ -449,7 +449,7 @@ class Engine:
         a direct read, whose bytes the caller fetches from the object store itself.
         `InvalidInput` when the store hands out no URLs (the embedded store)."""
         info, current, stale = self._lookup(namespace, ids, include_stale)
-        if self._store.presign_get(namespace_key(namespace), expires) is None:
+        if not self._store.signs_urls:
             raise InvalidInput(
                 f"direct reads need an object store that signs URLs (S3); "
                 f"{self._store.description} does not: read through the server"
@@ -460,7 +460,7 @@ class Engine:
             list(ids),
             current(),
             stale,
-            lambda key: self._store.presign_get(key, expires) or "",
+            lambda key: self._store.presign_get(key, expires),
             lambda spans: plan_ranges(spans, config.coalesce_bytes, config.gap_bytes),
             time.time() + expires,
         )

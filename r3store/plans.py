@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from r3store.catalog_types import TrajectoryEntry
 from r3store.codec import EncodedRoutes
-from r3store.records import Batch, SegmentRead, TrajectoryRead, assemble
+from r3store.records import Batch, SegmentRead, TrajectoryRead, assemble, missing
 from r3store.shard import RouteSpans, Span
 from r3store.spec import RouteSpec
 from r3store.store.base import ByteRange
@@ -90,8 +90,9 @@ def make_plan(
         for tid in dict.fromkeys(ids)
         for e in found.get(tid, [])
     ]
-    missing = [tid for tid in dict.fromkeys(ids) if tid not in found and tid not in stale]
-    return ReadPlan(spec, list(ids), missing, stale, expires_at, objects, segments)
+    return ReadPlan(
+        spec, list(ids), missing(ids, found, stale), stale, expires_at, objects, segments
+    )
 
 
 class Fetched:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -218,6 +218,12 @@ class Batch:
     @property
     def lengths(self) -> list[int | None]:
         return [None if item is None else item.num_tokens for item in self.items]
+
+
+def missing(ids: Sequence[str], found: Container[str], stale: Container[str]) -> list[str]:
+    """The asked ids a read names missing: neither found nor stale, once each, in the
+    order asked."""
+    return [tid for tid in dict.fromkeys(ids) if tid not in found and tid not in stale]
 
 
 def assemble(

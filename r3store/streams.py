@@ -89,11 +89,17 @@ def _position(flat: int, num_tokens: int) -> str:
 
 
 def _first(
-    bad: npt.NDArray[np.bool_], rows: npt.NDArray[np.intp], num_tokens: int, where: str, why: str
+    bad: npt.NDArray[np.bool_],
+    rows: npt.NDArray[np.intp] | int,
+    num_tokens: int,
+    where: str,
+    why: str,
 ) -> None:
-    """Raise naming the first of `rows` (flat token-layer indices) where `bad` holds."""
+    """Raise naming the first row where `bad` holds: `rows` are the flat token-layer
+    indices of `bad`'s rows, or the first of them when they follow one another."""
     if bad.any():
-        flat = int(rows[int(np.flatnonzero(bad.reshape(bad.shape[0], -1).any(axis=1))[0])])
+        first = int(np.flatnonzero(bad.reshape(bad.shape[0], -1).any(axis=1))[0])
+        flat = rows + first if isinstance(rows, int) else int(rows[first])
         raise InvalidRoutes(f"{where}: {_position(flat, num_tokens)}: {why}")
 
 
@@ -166,18 +172,19 @@ def _check_order(
 ) -> None:
     """Ranks `[n]` (K <= 8) or positions `[n, K]`: a permutation, empty slots last."""
     k = spec.top_k
-    rows = np.arange(offset, offset + order.shape[0])
     if k <= LEHMER_MAX_K:
-        _first(order >= math.factorial(k), rows, num_tokens, where, f"an order rank >= {k}!")
+        _first(order >= math.factorial(k), offset, num_tokens, where, f"an order rank >= {k}!")
         perm = lehmer_table(k)[order]
     else:
         perm = order
         not_perm = (np.sort(perm, axis=1) != np.arange(k)).any(axis=1)
-        _first(not_perm, rows, num_tokens, where, "an order that is not a permutation of the slots")
+        _first(
+            not_perm, offset, num_tokens, where, "an order that is not a permutation of the slots"
+        )
     empty = np.arange(k, dtype=np.uint8) >= counts[:, None]
     _first(
         empty & (perm != np.arange(k)),
-        rows,
+        offset,
         num_tokens,
         where,
         "an order that does not keep empty slots last",
@@ -207,8 +214,8 @@ def accept(
         need = "needs an order stream" if spec.ordered else "takes no order stream"
         raise InvalidRoutes(f"{where}: the namespace {need}")
     ids = np.frombuffer(_exact(sent.ids, cells * k * itemsize, "ids", where), spec.id_dtype)
-    ids = ids.copy()
     if sent.transform == Transform.DELTA:
+        ids = ids.copy()  # undone in place
         codec.undelta(ids, k)
     counts = None
     if sent.counts is not None:

@@ -203,12 +203,8 @@ def decode_writes(body: bytes | bytearray | memoryview, spec: RouteSpec) -> list
     transforms = _column(table, "route_transform", "int", -1) if encoded else []
     counts = _optional_binaries(table, "route_counts") if encoded else []
     orders = _optional_binaries(table, "route_order") if encoded else []
-    tokens = (
-        _column(table, "token_ids", "bin")
-        if "token_ids" in table.column_names
-        else [None] * table.num_rows
-    )
-    if RouteKind.ENCODED in kinds:  # what checking them will decompress, bounded first
+    tokens = _optional_binaries(table, "token_ids")
+    if encoded:  # what checking them will decompress, bounded first
         total = sum(
             decoded_bytes(spec, max(0, n or 0))
             for n, kind in zip(num_tokens, kinds, strict=True)

@@ -81,13 +81,11 @@ class CompactRoutes:
     cu_seqlens: torch.Tensor | None = None
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> CompactRoutes:
-        cu = None if self.cu_seqlens is None else self.cu_seqlens.to(device)
-        return CompactRoutes(
-            self.ids.to(device, non_blocking=non_blocking),
-            self.counts.to(device, non_blocking=non_blocking),
-            self.lengths.to(device, non_blocking=non_blocking),
-            cu,
-        )
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=non_blocking)
+
+        cu = None if self.cu_seqlens is None else move(self.cu_seqlens)
+        return CompactRoutes(move(self.ids), move(self.counts), move(self.lengths), cu)
 
     @property
     def nbytes(self) -> int:

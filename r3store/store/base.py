@@ -74,10 +74,12 @@ class ObjectStore(ABC):
     def delete(self, key: str) -> None:
         """Remove the object; deleting a missing key is not an error."""
 
-    def presign_get(self, key: str, expires: int) -> str | None:
+    signs_urls = False  # whether `presign_get` hands out URLs
+
+    def presign_get(self, key: str, expires: int) -> str:
         """A URL that reads the object without credentials for `expires` seconds (a
-        `Range` header selects bytes), or None where the store has no such URLs."""
-        return None
+        `Range` header selects bytes); only where `signs_urls`."""
+        raise InvalidInput(f"{self.description} hands out no URLs to read objects")
 
     def ping(self) -> None:  # noqa: B027 - optional hook
         """Raise `StoreError` when the store cannot be reached."""

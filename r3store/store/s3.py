@@ -111,6 +111,8 @@ class S3Store(ObjectStore):
     def _key(self, key: str) -> str:
         return self._prefix + check_key(key)
 
+    signs_urls = True
+
     def presign_get(self, key: str, expires: int) -> str:
         """A presigned GET of the object (signed here, no request is made)."""
         params = {"Bucket": self.bucket, "Key": self._key(key)}
