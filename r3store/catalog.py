@@ -6,7 +6,9 @@ SQLAlchemy URL works with the same code. The object store is the source of truth
 settings and sampling counts live only here).
 
 A trajectory is one or more segments (multi-turn appends), each a row keyed by its
-start token; segment 0 starts at 0 and carries the trajectory's sampling count.
+route source and start token; the `engine` rows are the trajectory (segment 0 starts at 0
+and carries its sampling count), rows of other sources annotate them. Statistics tables:
+`r3store.catalog_stats`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
+from r3store import catalog_stats
+from r3store.catalog_stats import AgreementRecord, LoadRecord
 from r3store.catalog_types import (
     ApiKeyRecord,
     NamespaceInfo,
@@ -30,7 +34,7 @@ from r3store.catalog_types import (
     TrajectoryEntry,
 )
 from r3store.errors import Conflict, InvalidInput, NotFound, StoreError
-from r3store.policy import NamespaceSettings
+from r3store.policy import ENGINE, NamespaceSettings
 from r3store.shard import RouteSpans, Span
 from r3store.spec import RouteSpec
 
@@ -63,6 +67,7 @@ trajectories = sa.Table(
     metadata,
     sa.Column("namespace", sa.String(128), primary_key=True),
     sa.Column("trajectory_id", sa.String(256), primary_key=True),
+    sa.Column("source", sa.String(16), primary_key=True, server_default=ENGINE),
     sa.Column("start", sa.BigInteger, primary_key=True),
     sa.Column("group_id", sa.String(256)),
     sa.Column("policy_version", sa.BigInteger, nullable=False),
@@ -182,7 +187,9 @@ class Catalog:
         if url.startswith("sqlite"):
             sa.event.listen(self._engine, "connect", _sqlite_pragmas)
         with _translated():
+            _add_sources(self._engine)
             metadata.create_all(self._engine)
+            catalog_stats.metadata.create_all(self._engine)
 
     def close(self) -> None:
         self._engine.dispose()
@@ -276,6 +283,7 @@ class Catalog:
             )
             conn.execute(trajectories.delete().where(trajectories.c.namespace == name))
             conn.execute(shards.delete().where(shards.c.namespace == name))
+            catalog_stats.delete_namespace(conn, name)
             done = conn.execute(namespaces.delete().where(namespaces.c.name == name))
         if done.rowcount == 0:
             raise NotFound(f"no namespace {name!r}")
@@ -284,17 +292,21 @@ class Catalog:
     # trajectories
 
     def _select(self, namespace: str) -> sa.Select[Any]:
-        return sa.select(trajectories).where(trajectories.c.namespace == namespace)
+        """The trajectories' own rows (engine routes)."""
+        t = trajectories
+        return sa.select(t).where(t.c.namespace == namespace, t.c.source == ENGINE)
 
     def lookup(self, namespace: str, ids: Iterable[str]) -> dict[str, list[TrajectoryEntry]]:
-        """Segments of the ids that exist, in start order (missing ids are absent)."""
+        """Segments of the ids that exist, every source, in start order (missing ids
+        are absent)."""
         wanted = list(dict.fromkeys(ids))
         found: dict[str, list[TrajectoryEntry]] = defaultdict(list)
+        t = trajectories
         with self._connect() as conn:
             for begin in range(0, len(wanted), _BATCH):
                 part = wanted[begin : begin + _BATCH]
-                query = self._select(namespace).where(trajectories.c.trajectory_id.in_(part))
-                for row in conn.execute(query.order_by(trajectories.c.start)):
+                query = sa.select(t).where(t.c.namespace == namespace, t.c.trajectory_id.in_(part))
+                for row in conn.execute(query.order_by(t.c.start, t.c.source)):
                     found[row.trajectory_id].append(_from_row(row))
         return dict(found)
 
@@ -318,7 +330,7 @@ class Catalog:
         t = trajectories
         query = (
             sa.select(t.c.policy_version, sa.func.count())
-            .where(t.c.namespace == namespace, t.c.start == 0)
+            .where(t.c.namespace == namespace, t.c.start == 0, t.c.source == ENGINE)
             .group_by(t.c.policy_version)
             .order_by(t.c.policy_version)
         )
@@ -328,9 +340,21 @@ class Catalog:
     def count(self, namespace: str) -> int:
         """Trajectories (not segments) in the namespace."""
         query = sa.select(sa.func.count()).select_from(trajectories)
-        query = query.where(trajectories.c.namespace == namespace, trajectories.c.start == 0)
+        t = trajectories
+        query = query.where(t.c.namespace == namespace, t.c.start == 0, t.c.source == ENGINE)
         with self._connect() as conn:
             return int(conn.execute(query).scalar_one())
+
+    def sampling_totals(self, namespace: str) -> tuple[int, int]:
+        """Samplings of the namespace's trajectories, and trajectories sampled at all."""
+        t = trajectories
+        query = sa.select(
+            sa.func.coalesce(sa.func.sum(t.c.times_sampled), 0),
+            sa.func.count().filter(t.c.times_sampled > 0),
+        ).where(t.c.namespace == namespace, t.c.start == 0, t.c.source == ENGINE)
+        with self._connect() as conn:
+            total, sampled = conn.execute(query).one()
+        return int(total), int(sampled)
 
     def sampling_candidates(
         self, namespace: str, min_version: int | None, max_times: int | None
@@ -340,14 +364,14 @@ class Catalog:
         t = trajectories
         oldest = (
             sa.select(t.c.trajectory_id, sa.func.min(t.c.policy_version).label("oldest"))
-            .where(t.c.namespace == namespace)
+            .where(t.c.namespace == namespace, t.c.source == ENGINE)
             .group_by(t.c.trajectory_id)
             .subquery()
         )
         query = (
             sa.select(t.c.trajectory_id, t.c.group_id, t.c.created_at)
             .join(oldest, oldest.c.trajectory_id == t.c.trajectory_id)
-            .where(t.c.namespace == namespace, t.c.start == 0)
+            .where(t.c.namespace == namespace, t.c.start == 0, t.c.source == ENGINE)
         )
         if min_version is not None:
             query = query.where(oldest.c.oldest >= min_version)
@@ -363,7 +387,10 @@ class Catalog:
         with self._begin() as conn:
             for tid in ids:
                 query = t.update().where(
-                    t.c.namespace == namespace, t.c.trajectory_id == tid, t.c.start == 0
+                    t.c.namespace == namespace,
+                    t.c.trajectory_id == tid,
+                    t.c.start == 0,
+                    t.c.source == ENGINE,
                 )
                 if max_times is not None:
                     query = query.where(t.c.times_sampled < max_times)
@@ -431,7 +458,8 @@ class Catalog:
                     t.c.namespace == namespace, t.c.policy_version < min_version
                 )
                 victims.update(conn.execute(query).scalars())
-            first = sa.select(t.c.trajectory_id).where(t.c.namespace == namespace, t.c.start == 0)
+            first = self._select(namespace).with_only_columns(t.c.trajectory_id)
+            first = first.where(t.c.start == 0)
             if created_before is not None:
                 victims.update(conn.execute(first.where(t.c.created_at < created_before)).scalars())
             if sampled_at_least is not None:
@@ -500,10 +528,12 @@ class Catalog:
         try:
             with self._begin() as conn:
                 taken = conn.execute(
-                    t.delete().where(t.c.shard_key == old).returning(t.c.trajectory_id, t.c.start)
+                    t.delete()
+                    .where(t.c.shard_key == old)
+                    .returning(t.c.trajectory_id, t.c.source, t.c.start)
                 )
-                still = {(r.trajectory_id, r.start) for r in taken}
-                moved = [e for e in entries if (e.trajectory_id, e.start) in still]
+                still = {(r.trajectory_id, r.source, r.start) for r in taken}
+                moved = [e for e in entries if (e.trajectory_id, e.source, e.start) in still]
                 self._insert(conn, new, moved)
                 conn.execute(shards.update().where(shards.c.key == old).values(retired_at=now))
         except Conflict as exc:
@@ -545,10 +575,47 @@ class Catalog:
             raise NotFound(f"no shard {key!r} in the catalog")
         return ShardInfo(**row._mapping)
 
-    def commit_shard(self, shard: ShardInfo, entries: Sequence[TrajectoryEntry]) -> None:
-        """Record a stored shard and its rows in one transaction: all visible, or none."""
+    def commit_shard(
+        self,
+        shard: ShardInfo,
+        entries: Sequence[TrajectoryEntry],
+        loads: Sequence[LoadRecord] = (),
+    ) -> None:
+        """Record a stored shard, its rows and their expert load in one transaction:
+        all visible, or none."""
         with self._begin() as conn:
             self._insert(conn, shard, entries)
+            catalog_stats.insert_loads(conn, loads)
+
+    # statistics (r3store.catalog_stats)
+
+    def expert_loads(
+        self, namespace: str, source: str, shape: tuple[int, int]
+    ) -> dict[int, tuple[int, Any]]:
+        with self._connect() as conn:
+            return catalog_stats.loads(conn, namespace, source, shape)  # type: ignore[arg-type]
+
+    def annotated_ids(self, namespace: str) -> list[str]:
+        """Trajectories holding routes of a source other than engine."""
+        t = trajectories
+        query = (
+            sa.select(t.c.trajectory_id)
+            .where(t.c.namespace == namespace, t.c.source != ENGINE)
+            .distinct()
+            .order_by(t.c.trajectory_id)
+        )
+        with self._connect() as conn:
+            return list(conn.execute(query).scalars())
+
+    def add_agreements(self, records: Sequence[AgreementRecord]) -> None:
+        with self._begin() as conn:
+            catalog_stats.upsert_agreements(conn, records)
+
+    def agreements(
+        self, namespace: str, pair: tuple[str, str], num_layers: int
+    ) -> dict[int, tuple[int, int, Any]]:
+        with self._connect() as conn:
+            return catalog_stats.agreements(conn, namespace, pair, num_layers)  # type: ignore[arg-type]
 
     @staticmethod
     def _insert(conn: Connection, shard: ShardInfo, entries: Sequence[TrajectoryEntry]) -> None:
@@ -559,12 +626,13 @@ class Catalog:
     def replace_all(
         self,
         spaces: Sequence[NamespaceInfo],
-        contents: Iterator[tuple[ShardInfo, list[TrajectoryEntry]]],
+        contents: Iterator[tuple[ShardInfo, list[TrajectoryEntry], list[LoadRecord]]],
     ) -> None:
         """Empty the catalog and fill it again, in one transaction (used by rebuilds)."""
         with self._begin() as conn:
             for table in (trajectories, shards, namespaces):
                 conn.execute(table.delete())
+            catalog_stats.delete_all(conn)
             for ns in spaces:
                 conn.execute(
                     namespaces.insert().values(
@@ -575,5 +643,34 @@ class Catalog:
                         policy_version=ns.policy_version,
                     )
                 )
-            for shard, entries in contents:
+            for shard, entries, loads in contents:
                 self._insert(conn, shard, entries)
+                catalog_stats.insert_loads(conn, loads)
+
+
+def _add_sources(engine: Engine) -> None:
+    """Bring a catalog made before route sources up to date: its trajectory rows are
+    engine routes, and the source joins the key. The table is made again under the
+    new key and the rows copied, in one transaction."""
+    inspector = sa.inspect(engine)
+    if not inspector.has_table("trajectories"):
+        return
+    if "source" in {c["name"] for c in inspector.get_columns("trajectories")}:
+        return
+    old = [c["name"] for c in inspector.get_columns("trajectories")]
+    listed = ", ".join(old)
+    key = inspector.get_pk_constraint("trajectories").get("name")
+    with engine.begin() as conn:
+        if key and engine.dialect.name != "sqlite":  # named per schema in PostgreSQL
+            conn.execute(sa.text(f"ALTER TABLE trajectories DROP CONSTRAINT {key}"))
+        for index in inspector.get_indexes("trajectories"):
+            conn.execute(sa.text(f"DROP INDEX {index['name']}"))
+        conn.execute(sa.text("ALTER TABLE trajectories RENAME TO trajectories_before_sources"))
+        trajectories.create(conn)
+        conn.execute(
+            sa.text(
+                f"INSERT INTO trajectories ({listed}, source) "
+                f"SELECT {listed}, '{ENGINE}' FROM trajectories_before_sources"
+            )
+        )
+        conn.execute(sa.text("DROP TABLE trajectories_before_sources"))

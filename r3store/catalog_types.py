@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from r3store.policy import NamespaceSettings
+from r3store.policy import ENGINE, NamespaceSettings, Source
 from r3store.shard import RouteSpans
 from r3store.spec import RouteSpec
 
@@ -79,6 +79,7 @@ class TrajectoryEntry:
     created_at: float
     spans: RouteSpans
     times_sampled: int = 0
+    source: Source = ENGINE
 
 
 @dataclass(frozen=True)
@@ -91,3 +92,5 @@ class NamespaceUsage:
     live_route_bytes: int
     dead_route_bytes: int
     by_policy_version: dict[int, int]  # trajectories by the version of their first segment
+    samplings: int = 0  # trajectories handed out by `sample`, all together
+    sampled: int = 0  # trajectories sampled at least once

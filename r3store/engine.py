@@ -22,7 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from r3store import codec, streams
+from r3store import codec, stats, streams
+from r3store.analytics import Analytics
 from r3store.catalog import Catalog
 from r3store.catalog_types import ApiKeyRecord, NamespaceInfo, NamespaceUsage, TrajectoryEntry
 from r3store.errors import (
@@ -38,25 +39,34 @@ from r3store.errors import (
 from r3store.keys import TOMBSTONE_PREFIX, namespace_key
 from r3store.maintenance import Maintenance
 from r3store.plans import ReadPlan, make_plan
-from r3store.policy import NamespaceSettings, is_stale, staleness_floor
+from r3store.policy import ENGINE, NamespaceSettings, Source, is_stale, staleness_floor
 from r3store.reader import ReaderConfig, ShardReader, plan_ranges
 from r3store.rebuild import RebuildReport, rebuild_catalog
 from r3store.records import (
     Batch,
     PutResult,
-    Segment,
     TrajectoryRead,
     TrajectoryWrite,
     check_id,
     check_namespace,
+    check_source,
     missing,
 )
 from r3store.routes import Routes
 from r3store.sampling import Candidate, Strategy, choose
 from r3store.shard import ShardRow
+from r3store.sources import choose_source, inherit
 from r3store.spec import RouteSpec
 from r3store.store.base import ObjectStore
-from r3store.writer import GroupCommitter, WriterConfig, WriterStats, as_segment, settle_rows
+from r3store.writer import (
+    GroupCommitter,
+    RowKey,
+    WriterConfig,
+    WriterStats,
+    known_segments,
+    row_key,
+    settle_rows,
+)
 
 
 @dataclass(frozen=True)
@@ -66,8 +76,8 @@ class EncodedPut:
     namespace: str
     spec: RouteSpec
     fresh: list[ShardRow]  # the rows to store
-    results: dict[tuple[str, int], PutResult]  # per (id, start); fresh ones until committed
-    order: list[tuple[str, int]]  # the writes' order, for the answer
+    results: dict[RowKey, PutResult]  # per (id, source, start); fresh ones until committed
+    order: list[RowKey]  # the writes' order, for the answer
 
 
 @dataclass(frozen=True)
@@ -88,7 +98,8 @@ def _salt(write: TrajectoryWrite) -> bytes:
         write.policy_version,
         write.group_id is None,
     )
-    return head + hashlib.sha256(group).digest()
+    tail = b"" if write.source == ENGINE else write.source.encode()
+    return head + hashlib.sha256(group).digest() + tail
 
 
 def manifest(info: NamespaceInfo) -> bytes:
@@ -151,6 +162,7 @@ class Engine:
         )
         self._specs: dict[str, RouteSpec] = {}
         self._lock = threading.Lock()
+        self.analytics = Analytics(catalog, self._reader, self.spec)
 
     def close(self) -> None:
         """Commit what is pending, then stop the threads and release connections."""
@@ -189,6 +201,7 @@ class Engine:
         """Trajectories by policy version, shards and their live and dead bytes."""
         self.namespace(namespace)  # NotFound for unknown names
         shards = self._catalog.shard_usage(namespace)
+        samplings, sampled = self._catalog.sampling_totals(namespace)
         return NamespaceUsage(
             trajectories=self._catalog.count(namespace),
             shards=len(shards),
@@ -196,6 +209,8 @@ class Engine:
             live_route_bytes=sum(u.live_bytes for u in shards),
             dead_route_bytes=sum(u.route_bytes - u.live_bytes for u in shards),
             by_policy_version=self._catalog.count_by_version(namespace),
+            samplings=samplings,
+            sampled=sampled,
         )
 
     def add_key(self, name: str, role: str, namespaces: list[str], digest: bytes) -> None:
@@ -222,7 +237,10 @@ class Engine:
         """Make the catalog again from the object store alone (the source of truth)."""
         with self._lock:
             self._specs.clear()
-        return rebuild_catalog(self._store, self._catalog, progress)
+        report = rebuild_catalog(self._store, self._catalog, progress)
+        for info in self._catalog.list_namespaces():
+            self.analytics.compare_all(info.name)
+        return report
 
     # namespaces
 
@@ -315,12 +333,14 @@ class Engine:
         encoded (pure CPU work, in the caller's thread)."""
         if write.encoded is not None:
             where = write.trajectory_id
-            encoded = streams.accept(
+            encoded, load = streams.accept_counted(
                 write.encoded, spec, write.num_tokens, _salt(write), write.tokens(), where
             )
         else:
+            routes = _canonical(spec, write)
+            load = stats.expert_load(routes, spec)
             encoded = codec.encode(
-                _canonical(spec, write),
+                routes,
                 spec,
                 self.config.compression_level,
                 salt=_salt(write),
@@ -334,6 +354,8 @@ class Engine:
             num_tokens=write.num_tokens,
             prompt_len=write.prompt_len,
             routes=encoded,
+            source=write.source,
+            load=load,
         )
 
     def put(self, namespace: str, writes: Sequence[TrajectoryWrite]) -> list[PutResult]:
@@ -353,28 +375,29 @@ class Engine:
         what the commit would). The result no longer refers to the writes' arrays, so
         a caller can free them before the commit."""
         info = self.namespace(namespace)
-        seen: set[tuple[str, int]] = set()
+        seen: set[RowKey] = set()
         for write in writes:
             write.check()
-            key = (write.trajectory_id, write.start)
+            key = (write.trajectory_id, write.source, write.start)
             if key in seen:
                 raise InvalidInput(
                     f"trajectory {write.trajectory_id!r} from token {write.start} "
-                    "appears twice in one put"
+                    f"({write.source} routes) appears twice in one put"
                 )
             seen.add(key)
+        known = self._catalog.lookup(namespace, {w.trajectory_id for w in writes}) if writes else {}
+        stored = known_segments(known)
+        writes = [inherit(w, stored, writes) for w in writes]
+        for write in writes:
             if is_stale(write.policy_version, info.policy_version, info.settings):
                 raise StalePolicy(
                     f"{write.trajectory_id}: policy version {write.policy_version} is older "
                     f"than the window (current {info.policy_version}, "
                     f"max lag {info.settings.max_policy_lag})"
                 )
-        known = self._catalog.lookup(namespace, {w.trajectory_id for w in writes}) if writes else {}
-        stored = {tid: [as_segment(e) for e in segments] for tid, segments in known.items()}
-        writes = [self._inherit(w, stored, writes) for w in writes]
         rows = [self.prepare(info.spec, write) for write in writes]
         fresh, results = settle_rows(rows, stored)  # refuse now what the commit would
-        order = [(r.trajectory_id, r.start) for r in rows]
+        order = [row_key(r) for r in rows]
         return EncodedPut(namespace, info.spec, fresh, results, order)
 
     def commit(self, put: EncodedPut) -> list[PutResult]:
@@ -391,31 +414,9 @@ class Engine:
                     "retries are idempotent"
                 ) from None
             for result in committed:
-                results[(result.trajectory_id, result.start)] = result
+                results[(result.trajectory_id, result.source, result.start)] = result
+            self.analytics.compare_sources(put.namespace, put.spec, put.fresh)
         return [results[key] for key in put.order]
-
-    @staticmethod
-    def _inherit(
-        write: TrajectoryWrite, stored: dict[str, list[Segment]], batch: Sequence[TrajectoryWrite]
-    ) -> TrajectoryWrite:
-        """An appended segment takes its trajectory's group and prompt length."""
-        if write.start == 0:
-            return write
-        first = next(
-            (s for s in stored.get(write.trajectory_id, []) if s.start == 0), None
-        ) or next(
-            (w for w in batch if w.trajectory_id == write.trajectory_id and w.start == 0), None
-        )
-        if first is None:
-            raise InvalidInput(
-                f"{write.trajectory_id}: cannot append from token {write.start} "
-                "to a trajectory that is not stored"
-            )
-        if write.group_id is not None and write.group_id != first.group_id:
-            raise InvalidInput(f"{write.trajectory_id}: an appended segment changes the group id")
-        if write.prompt_len not in (0, first.prompt_len):
-            raise InvalidInput(f"{write.trajectory_id}: an appended segment changes prompt_len")
-        return dataclasses.replace(write, group_id=first.group_id, prompt_len=first.prompt_len)
 
     def flush(self) -> None:
         """Commit pending writes now instead of waiting for the commit interval."""
@@ -429,6 +430,7 @@ class Engine:
         ids: Sequence[str],
         decode: bool = True,
         include_stale: bool = False,
+        source: Source | None = None,
     ) -> Batch:
         """Routes of `ids`, in the order asked.
 
@@ -436,19 +438,28 @@ class Engine:
         the staleness window are named in `Batch.stale` instead of being served, unless
         `include_stale`. With `decode=False` each item carries its segments' stored
         streams instead of decoded `Routes`, for callers that forward them.
+
+        Each trajectory is served from one route source: `source` when given (ids that
+        hold no routes of it for all their tokens are missing), else the first of the
+        namespace's `read_sources` it holds; `TrajectoryRead.source` says which.
         """
-        info, current, stale = self._lookup(namespace, ids, include_stale)
+        info, current, stale = self._lookup(namespace, ids, include_stale, source)
         reads = self._read(current, info.spec, decode)
         items: list[TrajectoryRead | None] = [reads.get(tid) for tid in ids]
         return Batch(list(ids), items, missing(ids, reads, stale), stale)
 
     def read_plan(
-        self, namespace: str, ids: Sequence[str], expires: int, include_stale: bool = False
+        self,
+        namespace: str,
+        ids: Sequence[str],
+        expires: int,
+        include_stale: bool = False,
+        source: Source | None = None,
     ) -> ReadPlan:
         """Where the routes of `ids` lie, with URLs that read them for `expires` seconds:
         a direct read, whose bytes the caller fetches from the object store itself.
         `InvalidInput` when the store hands out no URLs (the embedded store)."""
-        info, current, stale = self._lookup(namespace, ids, include_stale)
+        info, current, stale = self._lookup(namespace, ids, include_stale, source)
         if not self._store.signs_urls:
             raise InvalidInput(
                 f"direct reads need an object store that signs URLs (S3); "
@@ -466,18 +477,20 @@ class Engine:
         )
 
     def _lookup(
-        self, namespace: str, ids: Sequence[str], include_stale: bool
+        self, namespace: str, ids: Sequence[str], include_stale: bool, source: Source | None
     ) -> tuple[NamespaceInfo, Callable[[], dict[str, list[TrajectoryEntry]]], list[str]]:
-        """The namespace, a lookup of `ids` that leaves out (and names in the list)
-        trajectories older than the staleness window unless `include_stale`."""
+        """The namespace, a lookup of `ids` (the segments of the source each is served
+        from) that leaves out (and names in the list) trajectories older than the
+        staleness window unless `include_stale`."""
         info = self.namespace(namespace)
         for tid in ids:
             check_id(tid)
+        wanted = info.settings.read_sources if source is None else [check_source(source)]
         floor = None if include_stale else staleness_floor(info.policy_version, info.settings)
         stale: list[str] = []
 
         def current() -> dict[str, list[TrajectoryEntry]]:
-            found = self._catalog.lookup(namespace, ids)
+            found = self._served(namespace, ids, wanted)
             stale.clear()
             if floor is not None:
                 for tid, segments in list(found.items()):
@@ -487,6 +500,17 @@ class Engine:
             return found
 
         return info, current, stale
+
+    def _served(
+        self, namespace: str, ids: Sequence[str], wanted: Sequence[Source]
+    ) -> dict[str, list[TrajectoryEntry]]:
+        """The segments of the source each found id is served from."""
+        served = {}
+        for tid, segments in self._catalog.lookup(namespace, ids).items():
+            chosen = choose_source(segments, wanted)
+            if chosen is not None:
+                served[tid] = chosen[1]
+        return served
 
     def get(self, namespace: str, trajectory_id: str) -> Routes:
         """One trajectory's routes; `NotFound` if it is not stored (or stale)."""
@@ -519,8 +543,10 @@ class Engine:
         candidates = [Candidate(tid, group, created) for tid, group, created in rows]
         chosen = choose(candidates, n, strategy, whole_groups, random.Random(seed))
         taken = self._catalog.mark_sampled(namespace, chosen, limit)
-        reads = self._read(lambda: self._catalog.lookup(namespace, taken), info.spec, decode)
-        return Batch(taken, [reads.get(tid) for tid in taken], [], [])
+        wanted = info.settings.read_sources
+        reads = self._read(lambda: self._served(namespace, taken, wanted), info.spec, decode)
+        missed = [tid for tid in taken if tid not in reads]  # none of `read_sources` held
+        return Batch(taken, [reads.get(tid) for tid in taken], missed, [])
 
     def _read(
         self,

@@ -183,6 +183,7 @@ class Maintenance:
                     e.num_tokens,
                     e.prompt_len,
                     stream,
+                    e.source,
                 )
             )
         built = build_shard(namespace, spec, rows, self.row_group_bytes)

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from r3store.catalog_types import NamespaceInfo
 from r3store.errors import InvalidInput
 from r3store.plans import PlannedObject, PlannedSegment, ReadPlan
-from r3store.policy import MAX_POLICY_VERSION, NamespaceSettings
+from r3store.policy import ENGINE, MAX_POLICY_VERSION, NamespaceSettings, Source
 from r3store.sampling import Strategy
 from r3store.shard import RouteSpans, Span
 from r3store.spec import MAX_EXPERTS, MAX_LAYERS, MAX_TOP_K, RouteSpec
@@ -20,6 +20,10 @@ from r3store.store.base import ByteRange
 from r3store.wire import ReadFormat
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+_SOURCE_DOC = (
+    "serve routes of this source only (ids without them for all their tokens are missing); "
+    "default: the first of the namespace's read_sources each trajectory holds"
+)
 
 
 class RouteSpecModel(BaseModel):
@@ -92,6 +96,7 @@ class PutItem(BaseModel):
     trajectory_id: str
     start: int
     created: bool = Field(description="false: already stored with the same content")
+    source: Source = ENGINE
 
 
 class PutResponse(BaseModel):
@@ -105,6 +110,7 @@ class BatchRequest(BaseModel):
     ids: list[str] = Field(min_length=1, max_length=10_000)
     format: ReadFormat = Field(ReadFormat.ENCODED, strict=False)  # enums come as strings
     include_stale: bool = False
+    source: Source | None = Field(None, description=_SOURCE_DOC)
 
 
 # SampleRequest: take trajectories from the buffer
@@ -139,6 +145,7 @@ class PlanRequest(BaseModel):
     ids: list[str] = Field(min_length=1, max_length=10_000)
     include_stale: bool = False
     expires: int = Field(60, ge=1, le=3600, description="seconds the URLs stay valid")
+    source: Source | None = Field(None, description=_SOURCE_DOC)
 
 
 class SpanModel(BaseModel):
@@ -169,6 +176,7 @@ class PlannedSegmentModel(BaseModel):
     route_counts: SpanModel | None
     route_order: SpanModel | None
     token_ids: SpanModel | None
+    source: Source = ENGINE
 
 
 class ReadPlanModel(BaseModel):
@@ -214,6 +222,7 @@ class ReadPlanModel(BaseModel):
                     route_counts=span(g.spans.counts),
                     route_order=span(g.spans.order),
                     token_ids=span(g.spans.tokens),
+                    source=g.source,
                 )
                 for g in plan.segments
             ],
@@ -247,6 +256,7 @@ class ReadPlanModel(BaseModel):
                     g.route_transform,
                     span(g.token_ids),
                 ),
+                g.source,
             )
             for g in self.segments
         ]
@@ -261,8 +271,73 @@ class ReadPlanModel(BaseModel):
         )
 
 
+# statistics (r3store.analytics)
+class VersionLoadModel(BaseModel):
+    policy_version: int
+    tokens: int = Field(description="tokens of the segments counted")
+    load: list[list[int]] = Field(description="[layer][expert] token-layers that chose it")
+    imbalance: list[float | None] = Field(description="per layer: busiest expert / mean")
+
+
+class ExpertLoadModel(BaseModel):
+    source: Source
+    versions: list[VersionLoadModel]
+
+
+class VersionAgreementModel(BaseModel):
+    policy_version: int
+    segments: int
+    tokens: int
+    agreement: list[float | None] = Field(
+        description="per layer: sum |A & B| / sum min(|A|, |B|) over token-layers both hold"
+    )
+    overall: float | None
+
+
+class AgreementModel(BaseModel):
+    sources: tuple[Source, Source]
+    versions: list[VersionAgreementModel]
+
+
+class DriftStepModel(BaseModel):
+    before: int = Field(description="policy version")
+    after: int = Field(description="the next policy version holding routes")
+    divergence: list[float | None] = Field(description="per layer: Jensen-Shannon, base 2")
+
+
+class DriftModel(BaseModel):
+    source: Source
+    steps: list[DriftStepModel]
+
+
+class TrajectoryLoadRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    ids: list[str] = Field(min_length=1, max_length=10_000)
+    include_stale: bool = False
+    source: Source | None = Field(None, description=_SOURCE_DOC)
+
+
+class TrajectoryLoadModel(BaseModel):
+    trajectory_id: str
+    source: Source
+    num_tokens: int
+    load: list[list[int]] = Field(description="[layer][expert] token-layers that chose it")
+
+
+class TrajectoryLoadsModel(BaseModel):
+    ids: list[str]
+    missing: list[str]
+    stale: list[str]
+    trajectories: list[TrajectoryLoadModel] = Field(description="found ids, in the order asked")
+
+
 __all__ = [
+    "AgreementModel",
     "BatchRequest",
+    "DriftModel",
+    "DriftStepModel",
+    "ExpertLoadModel",
     "ErrorBody",
     "ErrorDetail",
     "Health",
@@ -280,4 +355,9 @@ __all__ = [
     "RouteSpecModel",
     "SpanModel",
     "SampleRequest",
+    "TrajectoryLoadModel",
+    "TrajectoryLoadRequest",
+    "TrajectoryLoadsModel",
+    "VersionAgreementModel",
+    "VersionLoadModel",
 ]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from r3store.catalog_types import TrajectoryEntry
 from r3store.codec import EncodedRoutes
+from r3store.policy import ENGINE, Source
 from r3store.records import Batch, SegmentRead, TrajectoryRead, assemble, missing
 from r3store.shard import RouteSpans, Span
 from r3store.spec import RouteSpec
@@ -40,6 +41,7 @@ class PlannedSegment:
     digest: bytes
     obj: int  # index into `ReadPlan.objects`
     spans: RouteSpans
+    source: Source = ENGINE
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,7 @@ def make_plan(
             e.digest,
             index[e.shard_key],
             e.spans,
+            e.source,
         )
         for tid in dict.fromkeys(ids)
         for e in found.get(tid, [])
@@ -125,5 +128,7 @@ def reads_of(plan: ReadPlan, fetched: list[Fetched]) -> Batch:
         segments = [
             SegmentRead(s.start, s.num_tokens, s.policy_version, streams) for s, streams in parts
         ]
-        reads[tid] = assemble(segments, (tid, first.group_id, first.prompt_len))
+        reads[tid] = assemble(
+            segments, (tid, first.group_id, first.prompt_len), source=first.source
+        )
     return Batch(plan.ids, [reads.get(t) for t in plan.ids], plan.missing, plan.stale)

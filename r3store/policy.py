@@ -7,11 +7,21 @@ JSON of the wrong type (`"4"`, `true`) is refused rather than coerced.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_POLICY_VERSION = 2**63 - 1
 MAX_TIMES_SAMPLED = 2**31 - 1
 MAX_TTL_SECONDS = 1e10  # about 317 years
+
+# Where a segment's routes come from: `engine`, observed at rollout (the trajectory
+# itself); `predicted`, a predictor's top-k for the same tokens, which replay takes
+# instead of the observed ones (PR2); `trainer`, what the trainer's own routers chose.
+Source = Literal["engine", "predicted", "trainer"]
+SOURCES: tuple[Source, ...] = ("engine", "predicted", "trainer")
+ENGINE: Source = "engine"
+DEFAULT_READ_SOURCES: tuple[Source, ...] = ("predicted", "engine")
 
 
 class Retention(BaseModel):
@@ -54,6 +64,20 @@ class NamespaceSettings(BaseModel):
         description="a trajectory is sampled at most this often; None: no limit",
     )
     retention: Retention = Field(default_factory=Retention)
+    read_sources: list[Source] = Field(
+        default_factory=lambda: list(DEFAULT_READ_SOURCES),
+        min_length=1,
+        max_length=len(SOURCES),
+        description="the route source a read serves by default: the first of these that "
+        "a trajectory holds for all its tokens",
+    )
+
+    @field_validator("read_sources")
+    @classmethod
+    def _distinct(cls, value: list[Source]) -> list[Source]:
+        if len(set(value)) != len(value):
+            raise ValueError("read_sources names a source twice")
+        return value
 
 
 def staleness_floor(current_version: int, settings: NamespaceSettings) -> int | None:

@@ -143,7 +143,7 @@ class ShardReader:
             ]
             identity = (first.trajectory_id, first.group_id, first.prompt_len)
             if not decode:
-                return assemble(reads, identity)
+                return assemble(reads, identity, source=first.source)
             return assemble(
                 reads,
                 identity,
@@ -155,6 +155,7 @@ class ShardReader:
                     None if s.tokens is None else codec.decode_tokens(s.tokens, e.num_tokens)
                     for s, e in zip(encoded, segments, strict=True)
                 ],
+                first.source,
             )
 
         return {item.trajectory_id: item for item in self._pool.map(finish, found.values())}

@@ -10,16 +10,20 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from r3store import codec, stats
 from r3store.catalog import Catalog
+from r3store.catalog_stats import LoadRecord
 from r3store.catalog_types import NamespaceInfo, ShardInfo, TrajectoryEntry
 from r3store.codec import EncodedRoutes, Transform
 from r3store.errors import CorruptShard, R3StoreError
 from r3store.keys import NAMESPACE_PREFIX, SHARD_PREFIX
 from r3store.maintenance import read_tombstones
-from r3store.policy import NamespaceSettings
-from r3store.shard import META_CREATED, locate_rows, places_of, shard_spec
+from r3store.policy import ENGINE, NamespaceSettings
+from r3store.records import check_source
+from r3store.shard import META_CREATED, ShardRow, locate_rows, places_of, shard_spec
 from r3store.spec import RouteSpec
 from r3store.store.base import ObjectStore
+from r3store.writer import load_records
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +41,7 @@ class RebuildReport:
 
 def _load_shard(
     store: ObjectStore, key: str, size: int
-) -> tuple[ShardInfo, RouteSpec, list[TrajectoryEntry]]:
+) -> tuple[ShardInfo, RouteSpec, list[TrajectoryEntry], list[EncodedRoutes]]:
     data = store.get(key)
     try:
         pf = pq.ParquetFile(pa.BufferReader(data))
@@ -59,6 +63,11 @@ def _load_shard(
         )
     ]
     spans = locate_rows(data, streams)
+    sources = (  # format 1 shards hold engine routes only
+        table.column("source").to_pylist()
+        if "source" in table.column_names
+        else [ENGINE] * table.num_rows
+    )
     rows = table.select(
         [
             "trajectory_id",
@@ -79,14 +88,40 @@ def _load_shard(
             row_index=place.row,
             created_at=created,
             spans=span,
+            source=check_source(source),
             **row,
         )
-        for row, place, stream, span in zip(rows, places_of(metadata), streams, spans, strict=True)
+        for row, place, stream, span, source in zip(
+            rows, places_of(metadata), streams, spans, sources, strict=True
+        )
     ]
     shard = ShardInfo(
         key, namespace, size, len(entries), sum(e.route_bytes for e in entries), created
     )
-    return shard, spec, entries
+    return shard, spec, entries, streams
+
+
+def _loads(
+    key: str, spec: RouteSpec, kept: list[tuple[TrajectoryEntry, EncodedRoutes]]
+) -> list[LoadRecord]:
+    """The expert load of a shard's kept rows, counted from their routes."""
+    if not kept:
+        return []
+    rows = [
+        ShardRow(
+            e.trajectory_id,
+            e.start,
+            e.group_id,
+            e.policy_version,
+            e.num_tokens,
+            e.prompt_len,
+            stream,
+            e.source,
+            stats.expert_load(codec.decode(stream, spec, e.num_tokens), spec),
+        )
+        for e, stream in kept
+    ]
+    return load_records(kept[0][0].namespace, key, rows)
 
 
 def rebuild_catalog(
@@ -117,11 +152,11 @@ def rebuild_catalog(
             report.skipped.append(f"{info.key}: {exc}")
     dropped = read_tombstones(store)
     objects = [info for info in store.list(SHARD_PREFIX) if info.key.endswith(".parquet")]
-    loaded: list[tuple[ShardInfo, list[TrajectoryEntry]]] = []
-    seen: dict[tuple[str, str, int], bytes] = {}
+    loaded: list[tuple[ShardInfo, list[TrajectoryEntry], list[LoadRecord]]] = []
+    seen: dict[tuple[str, str, str, int], bytes] = {}
     for done, info in enumerate(objects, start=1):
         try:
-            shard, spec, entries = _load_shard(store, info.key, info.size)
+            shard, spec, entries, streams = _load_shard(store, info.key, info.size)
         except R3StoreError as exc:
             log.warning("skipping %s: %s", info.key, exc)
             report.skipped.append(f"{info.key}: {exc}")
@@ -131,25 +166,30 @@ def rebuild_catalog(
                 shard.namespace, spec, shard.created_at, 0, NamespaceSettings()
             )
         kept = []
-        for entry in entries:
+        for entry, stream in zip(entries, streams, strict=True):
             if (entry.namespace, entry.trajectory_id, entry.start, entry.digest) in dropped:
                 report.dropped += 1
                 continue
-            key = (entry.namespace, entry.trajectory_id, entry.start)
+            key = (entry.namespace, entry.trajectory_id, entry.source, entry.start)
             first = seen.get(key)
             if first is None:
                 seen[key] = entry.digest
-                kept.append(entry)
+                kept.append((entry, stream))
             elif first == entry.digest:
                 report.duplicates += 1
             else:
                 report.conflicts.append(f"{entry.namespace}/{entry.trajectory_id} in {info.key}")
-        loaded.append((shard, kept))
+        try:
+            loads = _loads(info.key, spec, kept)
+        except R3StoreError as exc:  # the rows stay; their statistics are left out
+            log.warning("expert load of %s not counted: %s", info.key, exc)
+            loads = []
+        loaded.append((shard, [entry for entry, _stream in kept], loads))
         report.trajectories += len(kept)
         if progress is not None:
             progress(done, len(objects))
 
-    def contents() -> Iterator[tuple[ShardInfo, list[TrajectoryEntry]]]:
+    def contents() -> Iterator[tuple[ShardInfo, list[TrajectoryEntry], list[LoadRecord]]]:
         yield from loaded
 
     catalog.replace_all(list(spaces.values()), contents())

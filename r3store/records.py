@@ -14,7 +14,7 @@ import numpy.typing as npt
 from r3store import codec
 from r3store.codec import EncodedRoutes
 from r3store.errors import Conflict, InvalidInput
-from r3store.policy import MAX_POLICY_VERSION
+from r3store.policy import ENGINE, MAX_POLICY_VERSION, SOURCES, Source
 from r3store.routes import Routes, from_mask, from_topk
 from r3store.spec import RouteSpec
 from r3store.streams import SentStreams
@@ -42,6 +42,14 @@ def check_namespace(name: str) -> str:
     return name
 
 
+def check_source(value: object) -> Source:
+    """A route source: one of `policy.SOURCES`."""
+    for source in SOURCES:
+        if value == source and isinstance(value, str):
+            return source
+    raise InvalidInput(f"unknown route source {value!r}: use one of {', '.join(SOURCES)}")
+
+
 def check_id(value: str, what: str = "trajectory id") -> str:
     """Ids: 1-256 characters; no control characters (C0, DEL, C1) and no lone
     surrogates (text that is not Unicode)."""
@@ -67,6 +75,10 @@ class TrajectoryWrite:
     `start`, which must be where the trajectory now ends; each segment has its own
     policy version. `group_id` and `prompt_len` belong to the first segment; an
     appended one leaves them unset or repeats them.
+
+    `source` says whose routes these are (`policy.Source`). `engine` routes make the
+    trajectory; another source annotates a stored engine segment of the same start and
+    length, whose group, prompt length and policy version it takes.
     """
 
     trajectory_id: str
@@ -79,6 +91,7 @@ class TrajectoryWrite:
     start: int = 0
     token_ids: Any = None
     encoded: SentStreams | None = None
+    source: Source = ENGINE
 
     def tokens(self) -> npt.NDArray[np.int32] | None:
         """The token ids as `[num_tokens]` int32, checked; None when not given."""
@@ -118,6 +131,7 @@ class TrajectoryWrite:
 
     def check(self) -> None:
         check_id(self.trajectory_id)
+        check_source(self.source)
         if self.group_id is not None:
             check_id(self.group_id, "group id")
         for name, low, high in _RANGES:
@@ -146,6 +160,7 @@ class Segment:
     digest: bytes
     group_id: str | None
     prompt_len: int
+    policy_version: int = 0
 
 
 def settle(write_id: str, start: int, digest: bytes, stored: list[Segment]) -> bool:
@@ -174,6 +189,7 @@ class PutResult:
     trajectory_id: str
     created: bool  # False: it was already stored with the same content
     start: int = 0
+    source: Source = ENGINE
 
 
 @dataclass(frozen=True)
@@ -199,6 +215,7 @@ class TrajectoryRead:
     segments: list[SegmentRead]
     routes: Routes | None = None
     token_ids: npt.NDArray[np.int32] | None = None  # -1 where a segment came without them
+    source: Source = ENGINE  # whose routes these are
 
 
 @dataclass(frozen=True)
@@ -231,6 +248,7 @@ def assemble(
     identity: tuple[str, str | None, int],
     routes: Sequence[Routes] | None = None,
     tokens: Sequence[npt.NDArray[np.int32] | None] | None = None,
+    source: Source = ENGINE,
 ) -> TrajectoryRead:
     """One trajectory from its segments in token order: `identity` is its id, group and
     prompt length; `routes` and `tokens` are each segment's, when decoded. Token ids
@@ -253,4 +271,5 @@ def assemble(
         segments=list(segments),
         routes=None if routes is None else Routes.concat(list(routes)),
         token_ids=joined,
+        source=source,
     )

@@ -15,6 +15,7 @@ import io
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -22,9 +23,11 @@ import pyarrow.parquet as pq
 from r3store.codec import EncodedRoutes, Transform
 from r3store.errors import CorruptShard
 from r3store.keys import shard_key
+from r3store.policy import ENGINE, Source
 from r3store.spec import RouteSpec
 
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"  # 2: the `source` column; 1 (without it: engine routes) still read
+READ_VERSIONS = ("1", "2")
 META_FORMAT = b"r3store.format_version"
 META_SPEC = b"r3store.route_spec"
 META_NAMESPACE = b"r3store.namespace"
@@ -45,6 +48,7 @@ SCHEMA = pa.schema(
         pa.field("route_counts", pa.binary()),
         pa.field("route_order", pa.binary()),
         pa.field("token_ids", pa.binary()),
+        pa.field("source", pa.string(), nullable=False),
     ]
 )
 META_COLUMNS = [
@@ -64,6 +68,8 @@ class ShardRow:
     num_tokens: int  # tokens in this segment
     prompt_len: int
     routes: EncodedRoutes
+    source: Source = ENGINE
+    load: Any = None  # [L, E] expert counts (`r3store.stats`), when computed
 
     @property
     def digest(self) -> bytes:
@@ -144,6 +150,7 @@ def _table(namespace: str, rows: Sequence[ShardRow]) -> pa.Table:
             "route_counts": pa.array([r.routes.counts for r in rows], pa.binary()),
             "route_order": pa.array([r.routes.order for r in rows], pa.binary()),
             "token_ids": pa.array([r.routes.tokens for r in rows], pa.binary()),
+            "source": pa.array([r.source for r in rows], pa.string()),
         },
         schema=SCHEMA,
     )
@@ -176,7 +183,7 @@ def build_shard(
         sink,
         schema,
         compression=compression,
-        use_dictionary=["namespace", "group_id"],
+        use_dictionary=["namespace", "group_id", "source"],
         write_statistics=["trajectory_id", "policy_version", "num_tokens"],
         data_page_size=row_group_bytes,
     ) as writer:
@@ -242,8 +249,10 @@ def shard_spec(metadata: pq.FileMetaData) -> tuple[str, RouteSpec]:
     """The namespace and route spec a shard was written with; checks the format version."""
     kv = metadata.metadata or {}
     version = kv.get(META_FORMAT, b"").decode()
-    if version != FORMAT_VERSION:
-        raise CorruptShard(f"shard format version {version!r}; this build reads {FORMAT_VERSION!r}")
+    if version not in READ_VERSIONS:
+        raise CorruptShard(
+            f"shard format version {version!r}; this build reads {', '.join(READ_VERSIONS)}"
+        )
     return kv[META_NAMESPACE].decode(), RouteSpec.from_json(kv[META_SPEC])
 
 

@@ -27,8 +27,9 @@ import zstandard
 from r3store import codec
 from r3store.codec import LEHMER_MAX_K, EncodedRoutes, Transform, lehmer_table
 from r3store.errors import InvalidRoutes
-from r3store.routes import CHUNK_VALUES
+from r3store.routes import CHUNK_VALUES, Routes
 from r3store.spec import RouteSpec
+from r3store.stats import Counts, expert_load
 
 MAX_ROW_BYTES = 64 << 20  # decompressed ids of one segment; longer ones: send segments
 MAX_UPLOAD_BYTES = 256 << 20  # decompressed ids of all encoded segments of one upload
@@ -201,6 +202,18 @@ def accept(
 ) -> EncodedRoutes:
     """Check `sent` against `spec` and return what to store: the client's frames, and
     the digest `codec.encode` would give the same routes. Raises `InvalidRoutes`."""
+    return accept_counted(sent, spec, num_tokens, salt, token_ids, where)[0]
+
+
+def accept_counted(
+    sent: SentStreams,
+    spec: RouteSpec,
+    num_tokens: int,
+    salt: bytes,
+    token_ids: npt.NDArray[np.int32] | None,
+    where: str,
+) -> tuple[EncodedRoutes, Counts]:
+    """`accept`, and the expert load of the routes (`r3store.stats.expert_load`)."""
     layers, k, itemsize = spec.num_layers, spec.top_k, spec.id_dtype.itemsize
     cells = layers * num_tokens
     if not fits(spec, num_tokens):
@@ -242,6 +255,8 @@ def accept(
     tokens_raw = b"" if token_ids is None else token_ids.astype("<i4").tobytes()
     counts_raw = b"" if full or counts is None else counts.tobytes()
     shape = (layers, num_tokens, k)
+    sets_counts = None if full or counts is None else counts.reshape(layers, num_tokens)
+    load = expert_load(Routes(ids.reshape(shape), sets_counts), spec)
     return EncodedRoutes(
         ids=sent.ids,
         counts=None if full else sent.counts,
@@ -249,4 +264,4 @@ def accept(
         transform=Transform(sent.transform),
         digest=codec.content_digest(spec, ids, shape, counts_raw, order_raw, tokens_raw, salt),
         tokens=codec.compress_tokens(token_ids),
-    )
+    ), load

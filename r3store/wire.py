@@ -21,7 +21,15 @@ from r3store import codec
 from r3store.codec import EncodedRoutes, Transform
 from r3store.errors import InvalidInput, InvalidRoutes
 from r3store.ipc import read_table
-from r3store.records import Batch, SegmentRead, TrajectoryRead, TrajectoryWrite, assemble
+from r3store.policy import ENGINE
+from r3store.records import (
+    Batch,
+    SegmentRead,
+    TrajectoryRead,
+    TrajectoryWrite,
+    assemble,
+    check_source,
+)
 from r3store.routes import Routes, from_mask, to_mask
 from r3store.spec import RouteSpec
 from r3store.streams import MAX_UPLOAD_BYTES, SentStreams, decoded_bytes
@@ -61,6 +69,7 @@ UPLOAD_COLUMNS = {  # the columns `encode_writes` sends, with their Arrow types
     "route_counts": pa.large_binary(),
     "route_order": pa.large_binary(),
     "token_ids": pa.large_binary(),
+    "source": pa.string(),
 }
 
 
@@ -86,6 +95,7 @@ def encode_writes(writes: Sequence[TrajectoryWrite]) -> bytes:
             *(w.trajectory_id, w.num_tokens, w.start, w.prompt_len, w.policy_version),
             *(w.group_id, str(kind), dtype, routes, *extra),
             None if tokens is None else tokens.astype("<i4").tobytes(),
+            w.source,
         ]
         for name, value in zip(UPLOAD_COLUMNS, values, strict=True):
             rows[name].append(value)
@@ -204,6 +214,7 @@ def decode_writes(body: bytes | bytearray | memoryview, spec: RouteSpec) -> list
     counts = _optional_binaries(table, "route_counts") if encoded else []
     orders = _optional_binaries(table, "route_order") if encoded else []
     tokens = _optional_binaries(table, "token_ids")
+    sources = _column(table, "source", "str", ENGINE)
     if encoded:  # what checking them will decompress, bounded first
         total = sum(
             decoded_bytes(spec, max(0, n or 0))
@@ -234,6 +245,7 @@ def decode_writes(body: bytes | bytearray | memoryview, spec: RouteSpec) -> list
             "policy_version": versions[i],
             "start": starts[i],
             "token_ids": token_ids,
+            "source": check_source(sources[i]),
         }
         if kind == RouteKind.ENCODED:
             if transforms[i] < 0:
@@ -308,6 +320,7 @@ def encode_batch(batch: Batch, spec: RouteSpec, fmt: ReadFormat) -> bytes:
             "route_counts",
             "route_order",
             "token_ids",
+            "source",
         )
     }
     seen: set[str] = set()
@@ -325,6 +338,7 @@ def encode_batch(batch: Batch, spec: RouteSpec, fmt: ReadFormat) -> bytes:
             cols["policy_version"].append(segment.policy_version)
             cols["group_id"].append(item.group_id)
             cols["prompt_len"].append(item.prompt_len)
+            cols["source"].append(item.source)
             if fmt is ReadFormat.ENCODED:
                 cols["route_transform"].append(int(stored.transform))
                 cols["route_ids"].append(stored.ids)
@@ -359,6 +373,7 @@ def encode_batch(batch: Batch, spec: RouteSpec, fmt: ReadFormat) -> bytes:
             "route_counts": pa.array(cols["route_counts"], pa.large_binary()),
             "route_order": pa.array(cols["route_order"], pa.large_binary()),
             "token_ids": pa.array(cols["token_ids"], pa.large_binary()),
+            "source": pa.array(cols["source"], pa.string()),
         }
     )
     meta = {
@@ -435,9 +450,10 @@ def _trajectory(
             tokens.append(None if blob is None else np.frombuffer(blob, "<i4"))
     first = rows[0]
     identity = (first["trajectory_id"], first["group_id"], first["prompt_len"])
+    source = check_source(first.get("source") or ENGINE)
     if not decode:
-        return assemble(segments, identity)
-    return assemble(segments, identity, parts, tokens)
+        return assemble(segments, identity, source=source)
+    return assemble(segments, identity, parts, tokens, source)
 
 
 def _plain_routes(row: dict[str, Any], spec: RouteSpec, fmt: ReadFormat, n: int) -> Routes:

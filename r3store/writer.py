@@ -21,13 +21,16 @@ import logging
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from r3store.catalog import Catalog
+from r3store.catalog_stats import LoadRecord
 from r3store.catalog_types import ShardInfo, TrajectoryEntry
 from r3store.errors import Backpressure, Conflict, R3StoreError
+from r3store.policy import ENGINE, Source
 from r3store.records import PutResult, Segment, settle
 from r3store.shard import BuiltShard, ShardRow, build_shard
 from r3store.spec import RouteSpec
@@ -57,28 +60,66 @@ class WriterConfig:
 
 
 def as_segment(row: ShardRow | TrajectoryEntry) -> Segment:
-    return Segment(row.start, row.num_tokens, row.digest, row.group_id, row.prompt_len)
+    return Segment(
+        row.start, row.num_tokens, row.digest, row.group_id, row.prompt_len, row.policy_version
+    )
+
+
+RowKey = tuple[str, Source, int]  # trajectory id, source, start
+Known = dict[tuple[str, Source], list[Segment]]  # stored segments per id and source
+
+
+def row_key(row: ShardRow) -> RowKey:
+    return (row.trajectory_id, row.source, row.start)
+
+
+def known_segments(found: dict[str, list[TrajectoryEntry]]) -> Known:
+    """What a catalog lookup found, as segments per trajectory and source."""
+    known: Known = defaultdict(list)
+    for segments in found.values():
+        for e in segments:
+            known[(e.trajectory_id, e.source)].append(as_segment(e))
+    return dict(known)
 
 
 def settle_rows(
-    rows: list[ShardRow], known: dict[str, list[Segment]]
-) -> tuple[list[ShardRow], dict[tuple[str, int], PutResult]]:
-    """Settle rows (in start order) against the segments `known` per trajectory.
+    rows: list[ShardRow], known: Known
+) -> tuple[list[ShardRow], dict[RowKey, PutResult]]:
+    """Settle rows (in start order) against the segments `known` per trajectory and
+    source.
 
-    Returns the rows to store and a result per `(id, start)`; raises on the first
-    conflict or bad append. `known` is not changed.
+    Returns the rows to store and a result per `(id, source, start)`; raises on the
+    first conflict or bad append. `known` is not changed.
     """
     fresh: list[ShardRow] = []
-    results: dict[tuple[str, int], PutResult] = {}
-    staged: dict[str, list[Segment]] = defaultdict(list)
+    results: dict[RowKey, PutResult] = {}
+    staged: Known = defaultdict(list)
     for row in sorted(rows, key=lambda r: r.start):
-        tid = row.trajectory_id
-        created = settle(tid, row.start, row.digest, known.get(tid, []) + staged[tid])
+        unit = (row.trajectory_id, row.source)
+        where = row.trajectory_id
+        if row.source != ENGINE:
+            where = f"{where} ({row.source} routes)"
+        created = settle(where, row.start, row.digest, known.get(unit, []) + staged[unit])
         if created:
-            staged[tid].append(as_segment(row))
+            staged[unit].append(as_segment(row))
             fresh.append(row)
-        results[(tid, row.start)] = PutResult(tid, created, row.start)
+        results[row_key(row)] = PutResult(row.trajectory_id, created, row.start, row.source)
     return fresh, results
+
+
+def load_records(namespace: str, key: str, rows: Sequence[ShardRow]) -> list[LoadRecord]:
+    """The expert load of a shard's rows, summed per policy version and source."""
+    summed: dict[tuple[int, Source], tuple[int, Any]] = {}
+    for row in rows:
+        if row.load is None:
+            continue
+        unit = (row.policy_version, row.source)
+        tokens, counts = summed.get(unit, (0, 0))
+        summed[unit] = (tokens + row.num_tokens, counts + row.load)
+    return [
+        LoadRecord(namespace, key, version, source, tokens, counts)
+        for (version, source), (tokens, counts) in sorted(summed.items())
+    ]
 
 
 def shard_records(
@@ -97,6 +138,7 @@ def shard_records(
         TrajectoryEntry(
             namespace=namespace,
             trajectory_id=row.trajectory_id,
+            source=row.source,
             start=row.start,
             group_id=row.group_id,
             policy_version=row.policy_version,
@@ -290,7 +332,8 @@ class GroupCommitter:
             self._store.put_if_absent(built.key, built.data)
             shard, entries = shard_records(namespace, built, to_write)
             try:
-                self._catalog.commit_shard(shard, entries)
+                loads = load_records(namespace, built.key, to_write)
+                self._catalog.commit_shard(shard, entries, loads)
             except Conflict:
                 # another replica committed some of these ids first: the shard is an
                 # orphan nobody points at; settle every unit again, each on its own
@@ -317,10 +360,7 @@ class GroupCommitter:
         conflict or a bad append fails alone; the others keep their fresh rows."""
         namespace = units[0].namespace
         ids = [row.trajectory_id for unit in units for row in unit.rows]
-        known = {
-            tid: [as_segment(e) for e in segments]
-            for tid, segments in self._catalog.lookup(namespace, ids).items()
-        }
+        known = known_segments(self._catalog.lookup(namespace, ids))
         accepted = []
         for unit in units:
             try:
@@ -329,6 +369,6 @@ class GroupCommitter:
                 unit.future.set_exception(exc)
                 continue
             for row in fresh:
-                known.setdefault(row.trajectory_id, []).append(as_segment(row))
-            accepted.append((unit, fresh, [settled[(r.trajectory_id, r.start)] for r in unit.rows]))
+                known.setdefault((row.trajectory_id, row.source), []).append(as_segment(row))
+            accepted.append((unit, fresh, [settled[row_key(r)] for r in unit.rows]))
         return accepted

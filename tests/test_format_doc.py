@@ -21,6 +21,7 @@ import pytest
 import sqlalchemy as sa
 import zstandard
 
+from r3store import catalog_stats
 from r3store.catalog import Catalog, metadata
 from r3store.engine import Engine
 from r3store.policy import NamespaceSettings
@@ -131,7 +132,8 @@ ORDERED = {  # namespace -> spec and the routes sent (kept to check the order st
 @pytest.fixture(scope="module")
 def stored(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     """Shards of every kind the codec writes: uint8 and uint16 ids, both transforms,
-    counts, both order encodings, token ids, null and set groups, appended segments.
+    counts, both order encodings, token ids, null and set groups, appended segments,
+    routes of another source.
     Returns the object store's directory and the ordered namespaces' routes as sent."""
     root = tmp_path_factory.mktemp("stored")
     rng = np.random.default_rng(11)
@@ -154,6 +156,8 @@ def stored(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, An
             "a", 20, topk=uniform_topk(rng, 19, 4, 128, 8), start=50, policy_version=4
         )
         engine.put("sets", [appended])
+        trainer = TrajectoryWrite("b", 9, topk=uniform_topk(rng, 9, 4, 128, 8), source="trainer")
+        engine.put("sets", [trainer])
 
         engine.create_namespace("recurring", RouteSpec(4, 256, 8))
         pool = uniform_topk(rng, 8, 1, 256, 8)[:, 0]  # few sets, recurring: stored sorted
@@ -218,7 +222,7 @@ def test_digest_recipe_recomputes_every_stored_digest(
         stored_digests = pq.read_table(path).column("digest").to_pylist()
         assert scope["digests"] == stored_digests, path.name
         checked += len(stored_digests)
-    assert checked == 8
+    assert checked == 9
 
 
 def _digits(rank: int, k: int) -> list[int]:
@@ -304,8 +308,9 @@ def _columns(names: Any) -> str:
 def test_catalog_tables_are_documented() -> None:
     catalog = section(FORMAT.read_text(), "## Catalog")
     documented = re.findall(r"^### `(\w+)`$", catalog, flags=re.M)
-    assert sorted(documented) == sorted(metadata.tables)
-    for name, sa_table in metadata.tables.items():
+    tables = {**metadata.tables, **catalog_stats.metadata.tables}
+    assert sorted(documented) == sorted(tables)
+    for name, sa_table in tables.items():
         text = section(catalog, f"### `{name}`")
         rows = table(text, ["column", "type", "meaning"])
         assert [(code(c), kind) for c, kind, _ in rows] == [

@@ -31,9 +31,17 @@ import httpx
 import urllib3
 
 from r3store.errors import R3StoreError, StoreError, error_class
-from r3store.models import NamespacePublic, PolicyVersionSet, ReadPlanModel
+from r3store.models import (
+    AgreementModel,
+    DriftModel,
+    ExpertLoadModel,
+    NamespacePublic,
+    PolicyVersionSet,
+    ReadPlanModel,
+    TrajectoryLoadsModel,
+)
 from r3store.plans import Fetched, ReadPlan, reads_of
-from r3store.policy import NamespaceSettings
+from r3store.policy import NamespaceSettings, Source
 from r3store.records import Batch, PutResult, TrajectoryWrite
 from r3store.sampling import Strategy
 from r3store.spec import RouteSpec
@@ -255,10 +263,13 @@ class Client:
         include_stale: bool = False,
         fmt: ReadFormat = ReadFormat.ENCODED,
         decode: bool = True,
+        source: Source | None = None,
     ) -> Batch:
         """Routes of `ids` in the order asked; `missing` and `stale` name the others.
-        `decode=False` keeps the stored streams (`tensors.compact` decodes them)."""
-        return self.fetch(namespace, ids, include_stale, fmt, decode)[1]
+        `decode=False` keeps the stored streams (`tensors.compact` decodes them).
+        Each trajectory comes from one route source (`TrajectoryRead.source`): `source`
+        if given, else the first of the namespace's `read_sources` it holds."""
+        return self.fetch(namespace, ids, include_stale, fmt, decode, source)[1]
 
     def fetch(
         self,
@@ -267,29 +278,49 @@ class Client:
         include_stale: bool = False,
         fmt: ReadFormat = ReadFormat.ENCODED,
         decode: bool = True,
+        source: Source | None = None,
     ) -> tuple[RouteSpec, Batch]:
         """Like `get_batch`, with the namespace's route spec."""
-        body = {"ids": list(ids), "include_stale": include_stale, "format": str(fmt)}
+        body = {
+            "ids": list(ids),
+            "include_stale": include_stale,
+            "format": str(fmt),
+            "source": source,
+        }
         response = self.request("POST", f"/v1/namespaces/{namespace}/routes/batch", json=body)
         return decode_batch(response.content, decode=decode, executor=self.decoders)
 
     def plan(
-        self, namespace: str, ids: Sequence[str], include_stale: bool = False, expires: int = 60
+        self,
+        namespace: str,
+        ids: Sequence[str],
+        include_stale: bool = False,
+        expires: int = 60,
+        source: Source | None = None,
     ) -> ReadPlan:
         """Where the routes of `ids` lie in the object store, with URLs that read them
         (S3-backed servers; `InvalidInput` from the embedded store)."""
-        body = {"ids": list(ids), "include_stale": include_stale, "expires": expires}
+        body = {
+            "ids": list(ids),
+            "include_stale": include_stale,
+            "expires": expires,
+            "source": source,
+        }
         response = self.request("POST", f"/v1/namespaces/{namespace}/routes/plan", json=body)
         return ReadPlanModel.model_validate(response.json()).to_plan()
 
     def fetch_direct(
-        self, namespace: str, ids: Sequence[str], include_stale: bool = False
+        self,
+        namespace: str,
+        ids: Sequence[str],
+        include_stale: bool = False,
+        source: Source | None = None,
     ) -> tuple[RouteSpec, Batch]:
         """Like `fetch(..., decode=False)`, the bytes read from the object store itself
         (ranges in parallel): the server only looks them up. URLs that expired or an
         object compacted away meanwhile: planned again, once."""
         for attempt in range(2):
-            plan = self.plan(namespace, ids, include_stale)
+            plan = self.plan(namespace, ids, include_stale, source=source)
             try:
                 return plan.spec, reads_of(plan, self._fetch_objects(plan))
             except _Replan:
@@ -344,3 +375,45 @@ class Client:
             "POST", f"/v1/namespaces/{namespace}/routes/sample", json=body, idempotent=False
         )
         return decode_batch(response.content, executor=self.decoders)[1]
+
+    # statistics
+
+    def expert_load(
+        self, namespace: str, source: Source = "engine", versions: tuple[int, int] | None = None
+    ) -> ExpertLoadModel:
+        """Expert load per policy version (optionally those in `versions`, inclusive)."""
+        params: dict[str, Any] = {"source": source}
+        if versions is not None:
+            params["min_version"], params["max_version"] = versions
+        response = self.request("GET", f"/v1/namespaces/{namespace}/stats/experts", params=params)
+        return ExpertLoadModel.model_validate(response.json())
+
+    def agreement(
+        self, namespace: str, a: Source = "engine", b: Source = "trainer"
+    ) -> AgreementModel:
+        """Agreement per policy version and layer between two route sources."""
+        params = {"a": a, "b": b}
+        response = self.request("GET", f"/v1/namespaces/{namespace}/stats/agreement", params=params)
+        return AgreementModel.model_validate(response.json())
+
+    def drift(self, namespace: str, source: Source = "engine") -> DriftModel:
+        """Per-layer divergence of expert load from each policy version to the next."""
+        response = self.request(
+            "GET", f"/v1/namespaces/{namespace}/stats/drift", params={"source": source}
+        )
+        return DriftModel.model_validate(response.json())
+
+    def trajectory_loads(
+        self,
+        namespace: str,
+        ids: Sequence[str],
+        include_stale: bool = False,
+        source: Source | None = None,
+    ) -> TrajectoryLoadsModel:
+        """Per-expert token counts of each trajectory's routes (as a read would serve
+        them), to balance micro-batches across expert-parallel ranks."""
+        body = {"ids": list(ids), "include_stale": include_stale, "source": source}
+        response = self.request(
+            "POST", f"/v1/namespaces/{namespace}/stats/experts/trajectories", json=body
+        )
+        return TrajectoryLoadsModel.model_validate(response.json())

@@ -167,12 +167,17 @@ async def read_batch(
     """The routes of the trajectories a trainer rank holds, in the order asked.
 
     Missing and stale ids are named in the stream's metadata, never dropped silently.
-    Reader or admin.
+    Each trajectory comes from one route source (its rows' `source` column): `source`
+    if given, else the first of the namespace's `read_sources` it holds. Reader or admin.
     """
 
     def fetch() -> Response:
         batch = engine.get_batch(
-            namespace, body.ids, decode=False, include_stale=body.include_stale
+            namespace,
+            body.ids,
+            decode=False,
+            include_stale=body.include_stale,
+            source=body.source,
         )
         return _answer(batch, engine.spec(namespace), body.format, metrics)
 
@@ -196,7 +201,7 @@ async def read_plan(
         expires = max(1, min(expires, int(settings.maintenance_grace)))
 
     def plan() -> ReadPlanModel:
-        found = engine.read_plan(namespace, body.ids, expires, body.include_stale)
+        found = engine.read_plan(namespace, body.ids, expires, body.include_stale, body.source)
         return ReadPlanModel.of(found)
 
     return await deadline.run(plan, what="the read plan")

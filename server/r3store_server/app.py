@@ -16,7 +16,16 @@ from r3store import models
 from r3store.engine import Engine
 from r3store.maintenance import Maintenance
 from r3store.policy import NamespaceSettings, Retention
-from r3store_server import api_namespaces, api_routes, apidocs, errors, openapi, operations
+from r3store_server import (
+    api_namespaces,
+    api_routes,
+    api_stats,
+    apidocs,
+    errors,
+    openapi,
+    operations,
+    ui,
+)
 from r3store_server.auth import KeyRing
 from r3store_server.backends import build_engine
 from r3store_server.limits import JSON_BODY_BYTES, JsonBodyLimit, MemoryBudget
@@ -98,6 +107,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     errors.install(app)
     app.add_middleware(JsonBodyLimit, is_upload=api_routes.is_upload, limit=JSON_BODY_BYTES)
     app.middleware("http")(observe)
-    for router in (operations.router, api_namespaces.router, api_routes.router):
+    routers = (operations, api_namespaces, api_routes, api_stats, ui)
+    for router in (module.router for module in routers):
         app.include_router(router)
     return app
