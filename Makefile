@@ -22,12 +22,12 @@ $(SERVE_STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e .
 	touch $@
 
-# the test stack: Debian's PostgreSQL, kubectl and curl; torch (CPU), transformers,
-# megatron-core and the dev tools
+# the test stack: Debian's PostgreSQL, kubectl, curl and chromium (headless, for the
+# status page); torch (CPU), transformers, megatron-core and the dev tools
 $(TEST_STAMP): pyproject.toml $(SERVE_STAMP)
-	@(ls /usr/lib/postgresql/*/bin/initdb && command -v kubectl && command -v curl) \
-		>/dev/null 2>&1 || (apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql kubectl curl)
+	@(ls /usr/lib/postgresql/*/bin/initdb && command -v kubectl && command -v curl \
+		&& command -v chromium) >/dev/null 2>&1 || (apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql kubectl curl chromium)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet '$(TORCH)'
 	$(PY) -m pip install --quiet -e '.[dev,torch]' 'transformers==5.24.0'

@@ -67,6 +67,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         eng = app.state.engine = engine if engine is not None else build_engine(settings)
         keyring.attach(lambda: eng.list_keys(active_only=True))
         app.state.metrics.watch(eng)
+        app.state.metrics.watch_namespaces(eng)
         log.info("r3store serving on %s", eng.store_description)
         log.info("catalog: %s", settings.catalog_description())
         if not keyring.enabled:

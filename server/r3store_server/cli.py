@@ -10,6 +10,7 @@ new, empty embedded store unless asked (`--init`).
     r3store settings run1 --max-lag 2 --keep-versions 4 --ttl 86400
     r3store settings run1 --max-lag none     # only what is given changes; none clears
     r3store stats [run1]
+    r3store stats run1 --experts  # expert load, agreement between sources, drift
     r3store maintain            # retention, compaction and collection, now
     r3store keys create trainer --role reader --namespace run1   # shows the key once
     r3store keys revoke trainer
@@ -30,10 +31,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 import r3store
+from r3store import stats as stats_lib
 from r3store.engine import Engine
 from r3store.errors import InvalidConfig, R3StoreError
-from r3store.policy import NamespaceSettings
+from r3store.policy import SOURCES, NamespaceSettings
 from r3store.spec import RouteSpec
 from r3store_server.auth import digest
 from r3store_server.backends import build_engine
@@ -73,7 +77,7 @@ def _namespace(info: Any, count: int | None = None) -> dict[str, Any]:
     }
 
 
-def stats(engine: Engine, name: str | None) -> dict[str, Any]:
+def stats(engine: Engine, name: str | None, experts: bool = False) -> dict[str, Any]:
     names = [name] if name else [n.name for n in engine.list_namespaces()]
     out: dict[str, Any] = {}
     for ns in names:
@@ -82,7 +86,44 @@ def stats(engine: Engine, name: str | None) -> dict[str, Any]:
             **usage.__dict__,
             "by_policy_version": {str(v): n for v, n in usage.by_policy_version.items()},
         }
+        if experts:
+            out[ns].update(route_stats(engine, ns))
     return out
+
+
+def _rounded(values: list[float | None]) -> list[float | None]:
+    return [None if v is None else round(v, 4) for v in values]
+
+
+def route_stats(engine: Engine, ns: str, top: int = 3) -> dict[str, Any]:
+    """Expert load per source and policy version (per layer: imbalance, and the `top`
+    busiest experts with their share), agreement between sources, drift."""
+    analytics = engine.analytics
+    loads: dict[str, Any] = {}
+    for source in SOURCES:
+        for v in analytics.loads(ns, source):
+            layers = []
+            for row in v.load:
+                total = int(row.sum()) or 1
+                busiest = [int(e) for e in np.argsort(-row, kind="stable")[:top]]
+                layers.append({str(e): round(int(row[e]) / total, 4) for e in busiest})
+            loads.setdefault(source, {})[str(v.policy_version)] = {
+                "tokens": v.tokens,
+                "imbalance": _rounded(stats_lib.imbalance(v.load)),
+                "busiest": layers,
+            }
+    agreement: dict[str, Any] = {}
+    for i, a in enumerate(SOURCES):
+        for b in SOURCES[i + 1 :]:
+            for held in analytics.agreement(ns, a, b):
+                overall = held.overlap.overall
+                agreement.setdefault(f"{a}/{b}", {})[str(held.policy_version)] = {
+                    "segments": held.segments,
+                    "overall": None if overall is None else round(overall, 4),
+                    "per_layer": _rounded(held.overlap.fraction),
+                }
+    drift = {f"{d.before}->{d.after}": _rounded(d.divergence) for d in analytics.drift(ns)}
+    return {"expert_load": loads, "agreement": agreement, "drift": drift}
 
 
 def keys(engine: Engine, args: argparse.Namespace) -> Any:
@@ -264,6 +305,11 @@ def parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("stats", parents=[common], help="trajectories, bytes, per policy version")
     st.add_argument("name", nargs="?", help="the namespace; default: all")
+    st.add_argument(
+        "--experts",
+        action="store_true",
+        help="also expert load per policy version, agreement between route sources, drift",
+    )
 
     maintain = sub.add_parser(
         "maintain", parents=[common], help="run retention, compaction and collection now"
@@ -355,7 +401,7 @@ def run(args: argparse.Namespace, settings: Settings) -> Any:
             current = engine.namespace(args.name).settings
             return _namespace(engine.update_settings(args.name, changed(current, args)))
         if args.command == "stats":
-            return stats(engine, args.name)
+            return stats(engine, args.name, args.experts)
         if args.command == "keys":
             return keys(engine, args)
         maintenance = engine.maintenance(grace_seconds=args.grace, orphan_seconds=args.orphan_age)

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from r3store import stats
 from r3store.engine import Engine
+from r3store.errors import R3StoreError
 from r3store.maintenance import Maintenance
+from r3store.policy import SOURCES
+
+log = logging.getLogger(__name__)
 
 
 class _EngineCollector(Collector):
@@ -65,6 +71,9 @@ class Metrics:
     def watch(self, engine: Engine) -> None:
         self.registry.register(_EngineCollector(engine))
 
+    def watch_namespaces(self, engine: Engine) -> None:
+        self.registry.register(_NamespaceCollector(engine))
+
     def watch_maintenance(self, maintenance: Maintenance) -> None:
         self.registry.register(_MaintenanceCollector(maintenance))
 
@@ -96,3 +105,74 @@ class _MaintenanceCollector(Collector):
             "trajectories dropped by retention",
             totals.trajectories_dropped,
         )
+
+
+class _NamespaceCollector(Collector):
+    """Per namespace, read from the catalog at each scrape: trajectories and policy
+    version; of the newest policy version holding routes, per layer, the expert-load
+    imbalance (busiest over mean), the agreement between route sources and the drift
+    from the version before. Per-expert counts stay out (layers x experts series):
+    `GET .../stats/experts` has them."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        trajectories = GaugeMetricFamily(
+            "r3store_namespace_trajectories", "trajectories stored", labels=["namespace"]
+        )
+        version = GaugeMetricFamily(
+            "r3store_namespace_policy_version", "current policy version", labels=["namespace"]
+        )
+        imbalance = GaugeMetricFamily(
+            "r3store_expert_load_imbalance",
+            "newest policy version: busiest expert's load over the mean, per layer",
+            labels=["namespace", "source", "layer"],
+        )
+        agreement = GaugeMetricFamily(
+            "r3store_route_agreement",
+            "newest policy version measured: agreement between two route sources, per layer",
+            labels=["namespace", "sources", "layer"],
+        )
+        drift = GaugeMetricFamily(
+            "r3store_router_drift",
+            "Jensen-Shannon divergence of engine expert load from the previous version",
+            labels=["namespace", "layer"],
+        )
+        try:
+            self._gather(trajectories, version, imbalance, agreement, drift)
+        except R3StoreError as exc:  # the catalog is down: the other metrics still answer
+            log.warning("namespace metrics not gathered: %s", exc)
+        yield from (trajectories, version, imbalance, agreement, drift)
+
+    def _gather(
+        self,
+        trajectories: GaugeMetricFamily,
+        version: GaugeMetricFamily,
+        imbalance: GaugeMetricFamily,
+        agreement: GaugeMetricFamily,
+        drift: GaugeMetricFamily,
+    ) -> None:
+        analytics = self._engine.analytics
+        for info in self._engine.list_namespaces():
+            ns = info.name
+            trajectories.add_metric([ns], self._engine.count(ns))
+            version.add_metric([ns], info.policy_version)
+            for source in SOURCES:
+                loads = analytics.loads(ns, source)
+                if loads:
+                    for layer, value in enumerate(stats.imbalance(loads[-1].load)):
+                        if value is not None:
+                            imbalance.add_metric([ns, source, str(layer)], value)
+            for i, a in enumerate(SOURCES):
+                for b in SOURCES[i + 1 :]:
+                    held = analytics.agreement(ns, a, b)
+                    if held:
+                        for layer, value in enumerate(held[-1].overlap.fraction):
+                            if value is not None:
+                                agreement.add_metric([ns, f"{a}/{b}", str(layer)], value)
+            steps = analytics.drift(ns)
+            if steps:
+                for layer, value in enumerate(steps[-1].divergence):
+                    if value is not None:
+                        drift.add_metric([ns, str(layer)], value)
