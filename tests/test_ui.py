@@ -128,7 +128,8 @@ def test_the_page_renders_the_routes_in_chromium(
         assert 0.5 < min(expected) < max(expected) < 1.0
         np.testing.assert_allclose(shown, expected, atol=1e-6)
         png = browser.screenshot(ARTIFACTS / "ui-namespace.png")
-        assert png.startswith(b"\x89PNG") and len(png) > 10_000
+        assert png.startswith(b"\x89PNG")
+        assert len(png) > 10_000
     finally:
         browser.close()
 
@@ -137,10 +138,12 @@ def test_the_page_takes_the_api_keys(served: tuple[ServerProcess, dict]) -> None
     server, _ = served
     with httpx.Client(base_url=server.url) as http:
         refused = http.get("/ui")
-        assert refused.status_code == 401 and "<form" in refused.text
+        assert refused.status_code == 401
+        assert "<form" in refused.text
         scoped = http.get("/ui", headers={"X-API-Key": KEYS["other"]})
         assert scoped.status_code == 200
-        assert "/ui/namespaces/other" in scoped.text and "/ui/namespaces/ns'" not in scoped.text
+        assert "/ui/namespaces/other" in scoped.text
+        assert "/ui/namespaces/ns'" not in scoped.text
         assert (
             http.get("/ui/namespaces/ns", headers={"X-API-Key": KEYS["other"]}).status_code == 403
         )
@@ -155,11 +158,15 @@ def test_the_page_takes_the_api_keys(served: tuple[ServerProcess, dict]) -> None
             content=f"key={KEYS['reader']}",
             headers={"Content-Type": "application/x-www-form-urlencoded"},
         )
-        assert good.status_code == 303 and good.headers["location"] == "/ui"
+        assert good.status_code == 303
+        assert good.headers["location"] == "/ui"
         cookie = good.headers["set-cookie"]
-        assert "HttpOnly" in cookie and "SameSite=strict" in cookie and "Path=/ui" in cookie
+        assert "HttpOnly" in cookie
+        assert "SameSite=strict" in cookie
+        assert "Path=/ui" in cookie
         page = http.get("/ui", headers={"Cookie": f"r3store_key={KEYS['reader']}"})
-        assert page.status_code == 200 and "/ui/namespaces/ns" in page.text
+        assert page.status_code == 200
+        assert "/ui/namespaces/ns" in page.text
         # the API never takes the cookie
         api = http.get("/v1/namespaces", headers={"Cookie": f"r3store_key={KEYS['reader']}"})
         assert api.status_code == 401
