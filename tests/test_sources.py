@@ -45,7 +45,7 @@ def overlap(a: np.ndarray, b: np.ndarray) -> list[float]:
 def js(p: np.ndarray, q: np.ndarray) -> float:
     p, q = p / p.sum(), q / q.sum()
     m = (p + q) / 2
-    kl = lambda x: sum(xi * np.log2(xi / mi) for xi, mi in zip(x, m) if xi > 0)  # noqa: E731
+    kl = lambda x: sum(xi * np.log2(xi / mi) for xi, mi in zip(x, m, strict=False) if xi > 0)  # noqa: E731
     return float((kl(p) + kl(q)) / 2)
 
 
@@ -192,7 +192,9 @@ def test_a_read_serves_one_source_whole(engine: Engine) -> None:
     )
     # predicted covers the first segment only: the default read serves the engine routes
     [item] = engine.get_batch("ns", ["t"]).items
-    assert item is not None and item.source == "engine" and item.num_tokens == 30
+    assert item is not None
+    assert item.source == "engine"
+    assert item.num_tokens == 30
     assert engine.get_batch("ns", ["t"], source="predicted").missing == ["t"]
     engine.put(
         "ns",
@@ -203,12 +205,15 @@ def test_a_read_serves_one_source_whole(engine: Engine) -> None:
         ],
     )
     [item] = engine.get_batch("ns", ["t"]).items
-    assert item is not None and item.source == "predicted" and item.num_tokens == 30
+    assert item is not None
+    assert item.source == "predicted"
+    assert item.num_tokens == 30
     settings = NamespaceSettings(read_sources=["trainer"])
     engine.update_settings("ns", settings)
     assert engine.get_batch("ns", ["t"]).missing == ["t"]
     sampled = engine.sample("ns", 1)
-    assert sampled.ids == ["t"] and sampled.missing == ["t"]
+    assert sampled.ids == ["t"]
+    assert sampled.missing == ["t"]
 
 
 def test_retention_compaction_and_rebuild_keep_sources_together(engine: Engine) -> None:
@@ -240,7 +245,8 @@ def test_retention_compaction_and_rebuild_keep_sources_together(engine: Engine) 
     maintenance.run()
     assert engine.get_batch("ns", ["e0"], source="trainer").missing == ["e0"]
     [kept] = engine.get_batch("ns", ["e1"], source="trainer").items
-    assert kept is not None and kept.source == "trainer"
+    assert kept is not None
+    assert kept.source == "trainer"
     assert engine.rebuild().trajectories == 2  # the dropped trajectory stays dropped
 
 
@@ -263,7 +269,8 @@ def test_a_catalog_made_before_sources_is_brought_up_to_date(tmp_path: Path) -> 
         db.execute("DROP TABLE t_new")
     with Engine(LocalStore(tmp_path / "objects"), Catalog(url)) as engine:
         [item] = engine.get_batch("ns", ["t"]).items
-        assert item is not None and item.source == "engine"
+        assert item is not None
+        assert item.source == "engine"
         engine.put(
             "ns", [TrajectoryWrite("t", 20, topk=make_write("o", tokens=20).topk, source="trainer")]
         )
