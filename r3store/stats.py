@@ -39,11 +39,14 @@ def _valid(
 def expert_load(routes: Routes, spec: RouteSpec) -> Counts:
     """`[L, E]` int64: token-layers that chose each expert, per layer."""
     layers = routes.layers
-    num_layers, _tokens, _k = layers.shape
-    offsets = (np.arange(num_layers, dtype=np.int64) * spec.num_experts)[:, None, None]
-    flat = (layers.astype(np.int64) + offsets)[_valid(routes.layer_counts, layers.shape)]
-    counts = np.bincount(flat, minlength=num_layers * spec.num_experts)
-    return counts.reshape(num_layers, spec.num_experts).astype(np.int64)
+    num_layers, num_tokens, k = layers.shape
+    out = np.empty((num_layers, spec.num_experts), np.int64)
+    for layer in range(num_layers):
+        out[layer] = np.bincount(layers[layer].reshape(-1), minlength=spec.num_experts)
+    if routes.layer_counts is not None:  # canonical empty slots hold expert 0: take them off
+        held = routes.layer_counts.sum(axis=1, dtype=np.int64)
+        out[:, 0] -= num_tokens * k - held
+    return out
 
 
 @dataclass(frozen=True)

@@ -160,12 +160,14 @@ def test_cli_settings_change_only_what_is_given(tmp_path: Path) -> None:
         "max_policy_lag": 3,
         "max_times_sampled": None,
         "retention": {"keep_versions": None, "ttl_seconds": 60.0, "evict_after_sampled": False},
+        "read_sources": ["predicted", "engine"],
     }
     after = settings("--keep-versions", "2", "--max-times-sampled", "5", "--evict-after-sampled")
     assert after == {
         "max_policy_lag": 3,
         "max_times_sampled": 5,
         "retention": {"keep_versions": 2, "ttl_seconds": 60.0, "evict_after_sampled": True},
+        "read_sources": ["predicted", "engine"],
     }
     assert settings() == after  # nothing given: nothing changes
     cleared = settings("--max-lag", "none", "--ttl", "none", "--no-evict-after-sampled")
@@ -173,6 +175,7 @@ def test_cli_settings_change_only_what_is_given(tmp_path: Path) -> None:
         "max_policy_lag": None,
         "max_times_sampled": 5,
         "retention": {"keep_versions": 2, "ttl_seconds": None, "evict_after_sampled": False},
+        "read_sources": ["predicted", "engine"],
     }
 
 
