@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from r3store.catalog import Catalog
 from r3store.errors import ObjectNotFound, R3StoreError
 from r3store.keys import SHARD_PREFIX, TOMBSTONE_PREFIX, tombstone_key
-from r3store.shard import ShardRow, Span, build_shard
+from r3store.shard import Span, build_shard
 from r3store.spec import RouteSpec
 from r3store.store.base import ObjectStore
-from r3store.writer import shard_records
+from r3store.writer import row_of, shard_records
 
 
 def read_tombstones(store: ObjectStore) -> set[tuple[str, str, int, bytes]]:
@@ -171,21 +171,7 @@ class Maintenance:
         def read(span: Span) -> bytes:
             return data[span.offset : span.end]
 
-        rows = []
-        for e in entries:
-            stream = e.spans.streams(read, e.digest)
-            rows.append(
-                ShardRow(
-                    e.trajectory_id,
-                    e.start,
-                    e.group_id,
-                    e.policy_version,
-                    e.num_tokens,
-                    e.prompt_len,
-                    stream,
-                    e.source,
-                )
-            )
+        rows = [row_of(e, e.spans.streams(read, e.digest)) for e in entries]
         built = build_shard(namespace, spec, rows, self.row_group_bytes)
         self.store.put_if_absent(built.key, built.data)
         shard, fresh = shard_records(namespace, built, rows)

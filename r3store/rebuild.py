@@ -20,10 +20,10 @@ from r3store.keys import NAMESPACE_PREFIX, SHARD_PREFIX
 from r3store.maintenance import read_tombstones
 from r3store.policy import ENGINE, NamespaceSettings
 from r3store.records import check_source
-from r3store.shard import META_CREATED, ShardRow, locate_rows, places_of, shard_spec
+from r3store.shard import META_CREATED, locate_rows, places_of, shard_spec
 from r3store.spec import RouteSpec
 from r3store.store.base import ObjectStore
-from r3store.writer import load_records
+from r3store.writer import load_records, row_of
 
 log = logging.getLogger(__name__)
 
@@ -108,17 +108,7 @@ def _loads(
     if not kept:
         return []
     rows = [
-        ShardRow(
-            e.trajectory_id,
-            e.start,
-            e.group_id,
-            e.policy_version,
-            e.num_tokens,
-            e.prompt_len,
-            stream,
-            e.source,
-            stats.expert_load(codec.decode(stream, spec, e.num_tokens), spec),
-        )
+        row_of(e, stream, stats.expert_load(codec.decode(stream, spec, e.num_tokens), spec))
         for e, stream in kept
     ]
     return load_records(kept[0][0].namespace, key, rows)

@@ -29,6 +29,7 @@ from typing import Any
 from r3store.catalog import Catalog
 from r3store.catalog_stats import LoadRecord
 from r3store.catalog_types import ShardInfo, TrajectoryEntry
+from r3store.codec import EncodedRoutes
 from r3store.errors import Backpressure, Conflict, R3StoreError
 from r3store.policy import ENGINE, Source
 from r3store.records import PutResult, Segment, settle
@@ -120,6 +121,22 @@ def load_records(namespace: str, key: str, rows: Sequence[ShardRow]) -> list[Loa
         LoadRecord(namespace, key, version, source, tokens, counts)
         for (version, source), (tokens, counts) in sorted(summed.items())
     ]
+
+
+def row_of(entry: TrajectoryEntry, routes: EncodedRoutes, load: Any = None) -> ShardRow:
+    """A stored segment as a shard row again (compaction, rebuild): its entry's
+    metadata and its stored streams."""
+    return ShardRow(
+        entry.trajectory_id,
+        entry.start,
+        entry.group_id,
+        entry.policy_version,
+        entry.num_tokens,
+        entry.prompt_len,
+        routes,
+        entry.source,
+        load,
+    )
 
 
 def shard_records(
