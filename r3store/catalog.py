@@ -60,6 +60,7 @@ shards = sa.Table(
     sa.Column("route_bytes", sa.BigInteger, nullable=False),  # of all its rows, as written
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("retired_at", sa.Float),  # no rows point here since; object goes after a grace
+    sa.Column("rest_level", sa.SmallInteger),  # zstd level of a shard written at rest
 )
 
 trajectories = sa.Table(
@@ -87,6 +88,18 @@ trajectories = sa.Table(
     sa.Column("order_length", sa.BigInteger),
     sa.Column("tokens_offset", sa.BigInteger),
     sa.Column("tokens_length", sa.BigInteger),
+    # compression at rest: the ids streams' zstd dictionary, and the shared prefix
+    # (a row of the same shard) this segment continues
+    sa.Column("dictionary", sa.LargeBinary(16)),
+    sa.Column("prefix_tokens", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("prefix_digest", sa.LargeBinary(16)),
+    sa.Column("prefix_transform", sa.SmallInteger),
+    sa.Column("prefix_ids_offset", sa.BigInteger),
+    sa.Column("prefix_ids_length", sa.BigInteger),
+    sa.Column("prefix_counts_offset", sa.BigInteger),
+    sa.Column("prefix_counts_length", sa.BigInteger),
+    sa.Column("prefix_order_offset", sa.BigInteger),
+    sa.Column("prefix_order_length", sa.BigInteger),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("times_sampled", sa.Integer, nullable=False, default=0),
     sa.Index("ix_trajectories_group", "namespace", "group_id"),
@@ -108,29 +121,66 @@ _BATCH = 500  # ids per IN (...) query
 
 
 _SPAN_COLUMNS = ("ids", "counts", "order", "tokens")
+_PREFIX_COLUMNS = ("ids", "counts", "order")
+
+
+def _put_spans(row: dict[str, Any], spans: RouteSpans | None, at: str) -> None:
+    names = _SPAN_COLUMNS if at == "" else _PREFIX_COLUMNS
+    for name in names:
+        span: Span | None = None if spans is None else getattr(spans, name)
+        row[f"{at}{name}_offset"] = None if span is None else span.offset
+        row[f"{at}{name}_length"] = None if span is None else span.length
 
 
 def _to_row(entry: TrajectoryEntry) -> dict[str, Any]:
     row = {k: v for k, v in entry.__dict__.items() if k != "spans"}
-    row["transform"] = entry.spans.transform
-    for name in _SPAN_COLUMNS:
-        span: Span | None = getattr(entry.spans, name)
-        row[f"{name}_offset"] = None if span is None else span.offset
-        row[f"{name}_length"] = None if span is None else span.length
+    spans = entry.spans
+    row["transform"] = spans.transform
+    _put_spans(row, spans, "")
+    row["dictionary"] = spans.dictionary
+    row["prefix_tokens"] = spans.prefix_tokens
+    row["prefix_transform"] = None if spans.prefix is None else spans.prefix.transform
+    row["prefix_digest"] = None if spans.prefix is None else spans.prefix_digest
+    _put_spans(row, spans.prefix, "prefix_")
     return row
+
+
+def _take_spans(data: dict[str, Any], names: tuple[str, ...], at: str) -> dict[str, Span | None]:
+    spans = {}
+    for name in names:
+        offset, length = data.pop(f"{at}{name}_offset"), data.pop(f"{at}{name}_length")
+        spans[name] = None if offset is None else Span(offset, length)
+    if spans["ids"] is None and (at == "" or data["prefix_tokens"]):
+        raise StoreError(f"catalog row of {data['trajectory_id']!r} has no {at}ids span")
+    return spans
 
 
 def _from_row(row: Any) -> TrajectoryEntry:
     data = dict(row._mapping)
-    spans = {}
-    for name in _SPAN_COLUMNS:
-        offset, length = data.pop(f"{name}_offset"), data.pop(f"{name}_length")
-        spans[name] = None if offset is None else Span(offset, length)
-    ids = spans["ids"]
-    if ids is None:
-        raise StoreError(f"catalog row of {data['trajectory_id']!r} has no ids span")
-    transform = data.pop("transform")
-    routes = RouteSpans(ids, spans["counts"], spans["order"], transform, spans["tokens"])
+    spans = _take_spans(data, _SPAN_COLUMNS, "")
+    shared = _take_spans(data, _PREFIX_COLUMNS, "prefix_")
+    dictionary, tokens = data.pop("dictionary"), data.pop("prefix_tokens")
+    prefix_transform, prefix_digest = data.pop("prefix_transform"), data.pop("prefix_digest")
+    prefix = None
+    if tokens:
+        prefix = RouteSpans(
+            shared["ids"],  # type: ignore[arg-type]
+            shared["counts"],
+            shared["order"],
+            prefix_transform,
+            dictionary=dictionary,
+        )
+    routes = RouteSpans(
+        spans["ids"],  # type: ignore[arg-type]
+        spans["counts"],
+        spans["order"],
+        data.pop("transform"),
+        spans["tokens"],
+        dictionary,
+        prefix,
+        tokens,
+        prefix_digest or b"",
+    )
     return TrajectoryEntry(**data, spans=routes)
 
 
@@ -188,6 +238,7 @@ class Catalog:
             sa.event.listen(self._engine, "connect", _sqlite_pragmas)
         with _translated():
             _add_sources(self._engine)
+            _add_columns(self._engine)
             metadata.create_all(self._engine)
             catalog_stats.metadata.create_all(self._engine)
 
@@ -508,6 +559,7 @@ class Catalog:
                     r.rows or 0,
                     int(r.bytes or 0),
                     r.created_at,
+                    r.rest_level,
                 )
                 for r in conn.execute(query.order_by(s.c.created_at))
             ]
@@ -515,10 +567,10 @@ class Catalog:
     def entries_in(self, key: str) -> list[TrajectoryEntry]:
         return self._entries(sa.select(trajectories).where(trajectories.c.shard_key == key))
 
-    def replace_shard(
-        self, old: str, new: ShardInfo, entries: Sequence[TrajectoryEntry], now: float
+    def replace_shards(
+        self, old: Sequence[str], new: ShardInfo, entries: Sequence[TrajectoryEntry], now: float
     ) -> int:
-        """Point the rows of shard `old` at `new` in one transaction, and retire `old`.
+        """Point the rows of shards `old` at `new` in one transaction, and retire `old`.
 
         The rows are taken with one `DELETE ... RETURNING`, which sees the latest state:
         rows dropped by retention, or moved by a compaction running elsewhere, since
@@ -529,16 +581,41 @@ class Catalog:
             with self._begin() as conn:
                 taken = conn.execute(
                     t.delete()
-                    .where(t.c.shard_key == old)
+                    .where(t.c.shard_key.in_(old))
                     .returning(t.c.trajectory_id, t.c.source, t.c.start)
                 )
                 still = {(r.trajectory_id, r.source, r.start) for r in taken}
                 moved = [e for e in entries if (e.trajectory_id, e.source, e.start) in still]
                 self._insert(conn, new, moved)
-                conn.execute(shards.update().where(shards.c.key == old).values(retired_at=now))
+                conn.execute(shards.update().where(shards.c.key.in_(old)).values(retired_at=now))
         except Conflict as exc:
-            raise Conflict(f"compaction of {old} raced another: {exc}") from exc
+            raise Conflict(f"rewriting {', '.join(old)} raced another pass: {exc}") from exc
         return len(moved)
+
+    def dictionary_for(self, namespace: str, version: int) -> tuple[bytes, int] | None:
+        """The dictionary of the newest policy version at or below `version` whose rows
+        use one, and that version."""
+        t = trajectories
+        query = (
+            sa.select(t.c.dictionary, t.c.policy_version)
+            .where(
+                t.c.namespace == namespace,
+                t.c.dictionary.is_not(None),
+                t.c.policy_version <= version,
+            )
+            .order_by(t.c.policy_version.desc())
+            .limit(1)
+        )
+        with self._connect() as conn:
+            row = conn.execute(query).first()
+        return None if row is None else (row.dictionary, row.policy_version)
+
+    def dictionaries_in_use(self) -> set[tuple[str, bytes]]:
+        """(namespace, digest) of every dictionary a row names."""
+        t = trajectories
+        query = sa.select(t.c.namespace, t.c.dictionary).where(t.c.dictionary.is_not(None))
+        with self._connect() as conn:
+            return {(r.namespace, r.dictionary) for r in conn.execute(query.distinct())}
 
     def retire_empty(self, key: str, now: float) -> bool:
         """Retire a shard no row points at (checked in the same transaction)."""
@@ -674,3 +751,22 @@ def _add_sources(engine: Engine) -> None:
             )
         )
         conn.execute(sa.text("DROP TABLE trajectories_before_sources"))
+
+
+def _add_columns(engine: Engine) -> None:
+    """Bring a catalog made before compression at rest up to date: the columns it lacks
+    are added (empty: no dictionary, no shared prefix)."""
+    inspector = sa.inspect(engine)
+    with engine.begin() as conn:
+        for table in (trajectories, shards):
+            if not inspector.has_table(table.name):
+                continue
+            present = {c["name"] for c in inspector.get_columns(table.name)}
+            for column in table.columns:
+                if column.name in present:
+                    continue
+                kind = column.type.compile(dialect=engine.dialect)
+                default = column.server_default
+                if default is not None:  # a literal: the value rows made before it hold
+                    kind += f" NOT NULL DEFAULT '{default.arg}'"  # type: ignore[attr-defined]
+                conn.execute(sa.text(f"ALTER TABLE {table.name} ADD COLUMN {column.name} {kind}"))

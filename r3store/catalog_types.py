@@ -41,6 +41,7 @@ class ShardInfo:
     route_bytes: int
     created_at: float
     retired_at: float | None = None
+    rest_level: int | None = None  # the zstd level it was written at by `Maintenance`
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class ShardUsage:
     live_rows: int
     live_bytes: int  # route bytes of the rows still pointing here
     created_at: float
+    rest_level: int | None = None
 
     @property
     def live_fraction(self) -> float:

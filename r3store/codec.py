@@ -19,11 +19,18 @@ frame:
   producer's slot order (log2(K!) bits of information in 16); for K > 8, `[L, T, K]`
   uint8 where slot i of the producer's order holds sorted slot `order[i]`.
 
+At rest (`r3store.rest`) two things may change: the ids stream is compressed with a
+namespace's zstd `Dictionary` (named by its digest in `EncodedRoutes.dictionary`), and
+a row may hold only the tokens after a prefix it shares with other samples of its
+group (`EncodedRoutes.prefix`: the streams of the first `prefix_tokens` tokens, stored
+once in the shard). Decoding puts the two parts back together.
+
 All of it is pure: bytes in, arrays out, no I/O.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import io
@@ -55,7 +62,11 @@ class Transform(IntEnum):
 class EncodedRoutes:
     """The stored streams of one segment and a digest of its canonical content.
 
-    `tokens`, when the producer sent token ids, is a zstd frame of `[T]` int32 LE.
+    `tokens`, when the producer sent token ids, is a zstd frame of `[T]` int32 LE (of
+    the whole segment, prefix included). `dictionary`: the digest of the zstd dictionary
+    the ids streams (this row's and its prefix's) need. `prefix`: the streams of the
+    first `prefix_tokens` tokens, shared with other rows; the others then cover the
+    tokens after them.
     """
 
     ids: bytes
@@ -64,13 +75,54 @@ class EncodedRoutes:
     transform: Transform
     digest: bytes
     tokens: bytes | None = None
+    dictionary: bytes | None = None
+    prefix: EncodedRoutes | None = None
+    prefix_tokens: int = 0
 
     @property
     def nbytes(self) -> int:
+        """Bytes of this row's own streams (a shared prefix not included)."""
         return sum(len(s or b"") for s in (self.ids, self.counts, self.order, self.tokens))
 
 
+@dataclass(frozen=True, eq=False)
+class Dictionary:
+    """A zstd dictionary (`zstd -D` applies it too) and its digest, SHA-256[:16]."""
+
+    data: bytes
+    digest: bytes
+
+    @staticmethod
+    def of(data: bytes) -> Dictionary:
+        return Dictionary(data, hashlib.sha256(data).digest()[:16])
+
+    @functools.cached_property
+    def _zdict(self) -> zstandard.ZstdCompressionDict:
+        return zstandard.ZstdCompressionDict(self.data)
+
+    def compressor(self, level: int) -> zstandard.ZstdCompressor:
+        cache: dict[tuple[bytes, int], zstandard.ZstdCompressor] = _local.__dict__.setdefault(
+            "dict_compressors", {}
+        )
+        if (self.digest, level) not in cache:
+            cache[(self.digest, level)] = zstandard.ZstdCompressor(
+                level=level, dict_data=self._zdict
+            )
+        return cache[(self.digest, level)]
+
+    def decompressor(self) -> zstandard.ZstdDecompressor:
+        cache: dict[bytes, zstandard.ZstdDecompressor] = _local.__dict__.setdefault(
+            "dict_decompressors", {}
+        )
+        if self.digest not in cache:
+            if len(cache) >= 64:
+                cache.clear()
+            cache[self.digest] = zstandard.ZstdDecompressor(dict_data=self._zdict)
+        return cache[self.digest]
+
+
 _local = threading.local()
+Dictionaries = dict[bytes, "Dictionary"]  # by digest
 
 
 def _compressor(level: int) -> zstandard.ZstdCompressor:
@@ -118,9 +170,12 @@ def encode(
     salt: bytes = b"",
     token_ids: npt.NDArray[np.int32] | None = None,
     digest: bool = True,
+    dictionary: Dictionary | None = None,
 ) -> EncodedRoutes:
     """Encode canonical routes (as `r3store.routes` makes them) into storage streams
     (`digest=False`: leave the digest empty, for a client whose server computes it).
+    With a `dictionary`, the ids stream is compressed with it at `level`, both ways
+    tried (sorted ids and gaps).
 
     The digest covers the canonical content (not the compressed bytes) and `salt`,
     which callers use for the trajectory's metadata. Work goes a chunk of tokens at a
@@ -142,6 +197,8 @@ def encode(
     )
 
     compressor, fast = _compressor(level), _compressor(1)
+    if dictionary is not None:
+        compressor = fast = dictionary.compressor(level)
     k = spec.top_k
     sample = (SAMPLE_BYTES // raw.itemsize) // k * k
     plain_n = len(compressor.compress(raw[:sample].data))
@@ -152,12 +209,43 @@ def encode(
         transform, ids_z = Transform.SORTED, _compress_chunks(compressor, raw, k, delta=False)
     return EncodedRoutes(
         ids=ids_z,
-        counts=None if counts is None else compressor.compress(counts_raw),
-        order=None if order_raw is None else compressor.compress(order_raw),
+        counts=None if counts is None else _compressor(level).compress(counts_raw),
+        order=None if order_raw is None else _compressor(level).compress(order_raw),
         transform=transform,
         digest=content,
         tokens=compress_tokens(token_ids),
+        dictionary=None if dictionary is None else dictionary.digest,
     )
+
+
+def load_dictionary(data: bytes, digest: bytes) -> Dictionary:
+    """A dictionary read back, checked against the digest it is named by."""
+    dictionary = Dictionary.of(data)
+    if dictionary.digest != digest:
+        raise CorruptShard(f"dictionary {digest.hex()} holds other bytes")
+    return dictionary
+
+
+def self_contained(encoded: EncodedRoutes) -> bool:
+    """Whether the streams decode alone (no dictionary, no shared prefix)."""
+    return encoded.dictionary is None and encoded.prefix is None
+
+
+def portable(
+    encoded: EncodedRoutes, spec: RouteSpec, num_tokens: int, dictionary: Dictionary | None
+) -> EncodedRoutes:
+    """Streams that decode alone (no dictionary, no shared prefix), encoded again at
+    level 1 when `encoded` needs either; digest and token ids unchanged."""
+    if self_contained(encoded):
+        return encoded
+    again = encode(decode(encoded, spec, num_tokens, dictionary), spec, 1, digest=False)
+    return dataclasses.replace(again, digest=encoded.digest, tokens=encoded.tokens)
+
+
+def sorted_ids(routes: Routes, spec: RouteSpec) -> npt.NDArray[Any]:
+    """`[L, T, K]`: what the ids stream holds before compression (the sets, sorted)."""
+    layers = np.ascontiguousarray(routes.layers, dtype=spec.id_dtype)
+    return _split_order(layers, routes.layer_counts, spec)[0] if spec.ordered else layers
 
 
 def compress_tokens(token_ids: npt.NDArray[np.int32] | None) -> bytes | None:
@@ -271,9 +359,10 @@ def undelta(flat: npt.NDArray[Any], k: int) -> None:
                 step *= 2
 
 
-def _unzstd(blob: bytes, expected: int, what: str) -> bytes:
+def _unzstd(blob: bytes, expected: int, what: str, dictionary: Dictionary | None = None) -> bytes:
+    decompressor = _decompressor() if dictionary is None else dictionary.decompressor()
     try:
-        data = _decompressor().decompress(blob, max_output_size=expected)
+        data = decompressor.decompress(blob, max_output_size=expected)
     except zstandard.ZstdError as exc:
         raise CorruptShard(f"cannot decompress the {what} stream: {exc}") from exc
     if len(data) != expected:
@@ -281,14 +370,43 @@ def _unzstd(blob: bytes, expected: int, what: str) -> bytes:
     return data
 
 
-def decode(encoded: EncodedRoutes, spec: RouteSpec, num_tokens: int) -> Routes:
-    """Decode storage streams back into canonical `Routes` (ids as a layer-major view)."""
+def decode(
+    encoded: EncodedRoutes,
+    spec: RouteSpec,
+    num_tokens: int,
+    dictionary: Dictionary | None = None,
+) -> Routes:
+    """Decode storage streams back into canonical `Routes` (ids as a layer-major view).
+    `dictionary` is the one `encoded.dictionary` names, when it names one."""
+    if encoded.dictionary is not None and (
+        dictionary is None or dictionary.digest != encoded.dictionary
+    ):
+        raise CorruptShard(
+            f"the ids stream needs dictionary {encoded.dictionary.hex()}, "
+            f"given {'none' if dictionary is None else dictionary.digest.hex()}"
+        )
+    if encoded.prefix is not None:
+        head = encoded.prefix_tokens
+        if not 0 < head < num_tokens or encoded.prefix.prefix is not None:
+            raise CorruptShard(f"a prefix of {head} tokens in a segment of {num_tokens}")
+        own = dataclasses.replace(encoded, prefix=None, prefix_tokens=0)
+        return Routes.concat(
+            [
+                decode(encoded.prefix, spec, head, dictionary),
+                decode(own, spec, num_tokens - head, dictionary),
+            ]
+        )
     ids_z, counts_z, order_z = encoded.ids, encoded.counts, encoded.order
     transform = int(encoded.transform)
     layers, k = spec.num_layers, spec.top_k
     shape = (layers, num_tokens, k)
     n_ids = layers * num_tokens * k
-    raw = _unzstd(ids_z, n_ids * spec.id_dtype.itemsize, "ids")
+    raw = _unzstd(
+        ids_z,
+        n_ids * spec.id_dtype.itemsize,
+        "ids",
+        None if encoded.dictionary is None else dictionary,
+    )
     ids = np.frombuffer(raw, dtype=spec.id_dtype).copy()
     if transform == Transform.DELTA:
         undelta(ids, k)

@@ -36,7 +36,7 @@ from r3store.errors import (
     StalePolicy,
     StoreError,
 )
-from r3store.keys import TOMBSTONE_PREFIX, namespace_key
+from r3store.keys import TOMBSTONE_PREFIX, dictionary_key, namespace_key
 from r3store.maintenance import Maintenance
 from r3store.plans import ReadPlan, make_plan
 from r3store.policy import ENGINE, NamespaceSettings, Source, is_stale, staleness_floor
@@ -472,6 +472,7 @@ class Engine:
             current(),
             stale,
             lambda key: self._store.presign_get(key, expires),
+            lambda digest: dictionary_key(namespace, digest),
             lambda spans: plan_ranges(spans, config.coalesce_bytes, config.gap_bytes),
             time.time() + expires,
         )

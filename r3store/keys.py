@@ -3,9 +3,10 @@
     namespaces/<namespace>.json                       a namespace's manifest
     shards/<namespace>/<ms>-<uuid>.parquet            an immutable shard
     tombstones/<namespace>/<ms>-<uuid>.json           segments retention dropped
+    dictionaries/<namespace>/<digest>.zdict           a zstd dictionary (by content)
 
-Keys are unique (time and a UUID) and written create-only, so no writer overwrites
-another's object.
+Keys are unique (time and a UUID, or the content's digest) and written create-only, so
+no writer overwrites another's object.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import uuid
 NAMESPACE_PREFIX = "namespaces/"
 SHARD_PREFIX = "shards/"
 TOMBSTONE_PREFIX = "tombstones/"
+DICTIONARY_PREFIX = "dictionaries/"
 
 
 def namespace_key(name: str) -> str:
@@ -34,3 +36,8 @@ def shard_key(namespace: str, now: float | None = None) -> str:
 
 def tombstone_key(namespace: str, now: float) -> str:
     return f"{TOMBSTONE_PREFIX}{namespace}/{_stamp(now)}.json"
+
+
+def dictionary_key(namespace: str, digest: bytes) -> str:
+    """Where a namespace's zstd dictionary lies: named by its digest (SHA-256[:16])."""
+    return f"{DICTIONARY_PREFIX}{namespace}/{digest.hex()}.zdict"

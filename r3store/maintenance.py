@@ -12,11 +12,19 @@ One pass (`Maintenance.run`), for every namespace:
    digests); the catalog switches to the new shard in one transaction (a
    `DELETE ... RETURNING` of the old rows, so two passes at once never duplicate or
    revive a row) and the old shard is retired. A shard with no live row is retired.
-3. Collection: retired shards' objects are deleted once retired for `grace_seconds` (so
+3. Rest: shards written more than `cold_seconds` ago are merged (up to
+   `rest_shard_bytes` of routes each, oldest first; small shards already at rest join
+   the next merge) and their rows encoded again at rest (`r3store.rest`: the namespace's
+   dictionary for their policy version, stored create-only under its digest and
+   trained from the version's first cold trajectories; a high zstd level; prompt routes
+   stored once per group). The catalog switches as in compaction, all merged shards at
+   once.
+4. Collection: retired shards' objects are deleted once retired for `grace_seconds` (so
    reads that looked up the old rows still find them), then their catalog rows; objects
    under `shards/` that no catalog row names (a crash between upload and commit) are
    deleted once older than `orphan_seconds`, far longer than any commit takes: a shard
    uploaded by a replica whose catalog commit is still under way is not an orphan.
+   Dictionaries no row names are deleted once older than `orphan_seconds` too.
 
 Objects are deleted only after the catalog no longer points at them. The clock is
 injectable, for tests.
@@ -24,20 +32,31 @@ injectable, for tests.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from r3store import codec, rest
 from r3store.catalog import Catalog
-from r3store.errors import ObjectNotFound, R3StoreError
-from r3store.keys import SHARD_PREFIX, TOMBSTONE_PREFIX, tombstone_key
-from r3store.shard import Span, build_shard
+from r3store.catalog_types import ShardUsage, TrajectoryEntry
+from r3store.codec import Dictionary, EncodedRoutes, load_dictionary
+from r3store.errors import ObjectExists, ObjectNotFound, R3StoreError
+from r3store.keys import (
+    DICTIONARY_PREFIX,
+    SHARD_PREFIX,
+    TOMBSTONE_PREFIX,
+    dictionary_key,
+    tombstone_key,
+)
+from r3store.shard import BuiltShard, ShardRow, Span, build_shard
 from r3store.spec import RouteSpec
 from r3store.store.base import ObjectStore
-from r3store.writer import row_of, shard_records
+from r3store.writer import route_bytes, row_of, shard_records
 
 
 def read_tombstones(store: ObjectStore) -> set[tuple[str, str, int, bytes]]:
@@ -56,6 +75,10 @@ def read_tombstones(store: ObjectStore) -> set[tuple[str, str, int, bytes]]:
 log = logging.getLogger(__name__)
 
 
+def _reader(data: memoryview) -> Callable[[Span], bytes]:
+    return lambda span: bytes(data[span.offset : span.end])
+
+
 @dataclass
 class MaintenanceReport:
     trajectories_dropped: int = 0
@@ -64,6 +87,10 @@ class MaintenanceReport:
     objects_deleted: int = 0
     orphans_deleted: int = 0
     tombstones_deleted: int = 0
+    shards_merged: int = 0  # shards rewritten at rest (merged into `shards_at_rest`)
+    shards_at_rest: int = 0
+    rest_bytes_saved: int = 0  # route bytes, before minus after
+    dictionaries_trained: int = 0
     live_bytes: int = 0
     dead_bytes: int = 0
 
@@ -83,7 +110,11 @@ class Maintenance:
         compact_below: float = 0.5,
         grace_seconds: float = 600.0,
         orphan_seconds: float = 3600.0,
+        cold_seconds: float | None = 600.0,
+        rest_level: int = rest.REST_LEVEL,
+        rest_shard_bytes: int = 64 << 20,
     ) -> None:
+        """`cold_seconds=None` leaves shards as ingest wrote them."""
         self.catalog = catalog
         self.store = store
         self.spec = spec
@@ -92,7 +123,11 @@ class Maintenance:
         self.compact_below = compact_below
         self.grace_seconds = grace_seconds
         self.orphan_seconds = orphan_seconds
+        self.cold_seconds = cold_seconds
+        self.rest_level = rest_level
+        self.rest_shard_bytes = rest_shard_bytes
         self.totals = MaintenanceReport()
+        self._dictionaries: dict[tuple[str, bytes], Dictionary] = {}
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> MaintenanceReport:
         """One pass; `progress(done, total)` is called per shard considered."""
@@ -100,12 +135,17 @@ class Maintenance:
         for info in self.catalog.list_namespaces():
             report.trajectories_dropped += self.apply_retention(info.name)
         self.compact(report, progress)
+        self.settle(report, progress)
         self.collect(report)
         for usage in self.catalog.shard_usage():
             report.live_bytes += usage.live_bytes
             report.dead_bytes += usage.route_bytes - usage.live_bytes
         for name in (
             "tombstones_deleted",
+            "shards_merged",
+            "shards_at_rest",
+            "rest_bytes_saved",
+            "dictionaries_trained",
             "trajectories_dropped",
             "shards_compacted",
             "shards_retired",
@@ -166,21 +206,137 @@ class Maintenance:
         if not entries:
             return
         data = self.store.get(key)
-        spec = self.spec(namespace)
 
         def read(span: Span) -> bytes:
             return data[span.offset : span.end]
 
         rows = [row_of(e, e.spans.streams(read, e.digest)) for e in entries]
-        built = build_shard(namespace, spec, rows, self.row_group_bytes)
+        at_rest = self.catalog.shard(key).rest_level
+        built = self._replace([key], namespace, entries, rows, now, at_rest)
+        log.info("compacted %s into %s (%d rows)", key, built.key, len(rows))
+
+    def _replace(
+        self,
+        old: list[str],
+        namespace: str,
+        entries: list[TrajectoryEntry],
+        rows: list[ShardRow],
+        now: float,
+        rest_level: int | None,
+    ) -> BuiltShard:
+        """Write `rows` (those of `entries`, in order) into a new shard and point the
+        catalog at it instead of `old`."""
+        built = build_shard(namespace, self.spec(namespace), rows, self.row_group_bytes)
         self.store.put_if_absent(built.key, built.data)
         shard, fresh = shard_records(namespace, built, rows)
+        shard = dataclasses.replace(shard, rest_level=rest_level)
         moved = [  # the rows keep when they were stored and how often they were sampled
-            dataclasses.replace(new, created_at=old.created_at, times_sampled=old.times_sampled)
-            for new, old in zip(fresh, entries, strict=True)
+            dataclasses.replace(new, created_at=e.created_at, times_sampled=e.times_sampled)
+            for new, e in zip(fresh, entries, strict=True)
         ]
-        self.catalog.replace_shard(key, shard, moved, now)
-        log.info("compacted %s into %s (%d rows)", key, built.key, len(moved))
+        self.catalog.replace_shards(old, shard, moved, now)
+        return built
+
+    def settle(
+        self, report: MaintenanceReport, progress: Callable[[int, int], None] | None = None
+    ) -> None:
+        """Merge cold shards and encode their rows at rest (the module docstring, 3)."""
+        if self.cold_seconds is None:
+            return
+        cutoff = self.clock() - self.cold_seconds
+        small = self.rest_shard_bytes // 4
+        by_namespace: dict[str, list[ShardUsage]] = defaultdict(list)
+        for usage in self.catalog.shard_usage():
+            cold = usage.live_rows and usage.created_at < cutoff
+            if cold and (usage.rest_level is None or usage.live_bytes < small):
+                by_namespace[usage.namespace].append(usage)
+        batches = [b for usages in by_namespace.values() for b in self._batches(usages)]
+        for done, batch in enumerate(batches, start=1):
+            if progress is not None:
+                progress(done, len(batches))
+            try:
+                self._settle(batch, report)
+            except R3StoreError as exc:  # left as it was; the next pass tries again
+                log.warning("rest encoding of %d shards failed: %s", len(batch), exc)
+
+    def _batches(self, usages: list[ShardUsage]) -> list[list[ShardUsage]]:
+        """Consecutive shards (oldest first) of up to `rest_shard_bytes` of routes; a
+        lone shard already at rest is left alone."""
+        batches: list[list[ShardUsage]] = [[]]
+        size = 0
+        for usage in usages:
+            if batches[-1] and size + usage.live_bytes > self.rest_shard_bytes:
+                batches.append([])
+                size = 0
+            batches[-1].append(usage)
+            size += usage.live_bytes
+        return [b for b in batches if b and not (len(b) == 1 and b[0].rest_level is not None)]
+
+    def _settle(self, batch: list[ShardUsage], report: MaintenanceReport) -> None:
+        namespace, spec = batch[0].namespace, self.spec(batch[0].namespace)
+        entries: list[TrajectoryEntry] = []
+        stored: list[EncodedRoutes] = []
+        for usage in batch:
+            data = memoryview(self.store.get(usage.key))
+            held = self.catalog.entries_in(usage.key)
+            entries += held
+            stored += [e.spans.streams(_reader(data), e.digest) for e in held]
+        before = sum(route_bytes(stored))
+        fresh = [i for i, s in enumerate(stored) if codec.self_contained(s)]
+        by_version: dict[int, list[int]] = defaultdict(list)
+        for i in fresh:
+            by_version[entries[i].policy_version].append(i)
+        for version, picked in sorted(by_version.items()):
+            cold = [
+                rest.ColdRow(
+                    codec.decode(stored[i], spec, entries[i].num_tokens),
+                    stored[i],
+                    entries[i].group_id,
+                    entries[i].source,
+                    entries[i].start,
+                    entries[i].prompt_len,
+                )
+                for i in picked
+            ]
+            dictionary = self._dictionary(namespace, version, spec, cold, report)
+            settled = rest.settle(spec, cold, dictionary, self.rest_level)
+            for i, encoded in zip(picked, settled, strict=True):
+                stored[i] = encoded
+        rows = [row_of(e, s) for e, s in zip(entries, stored, strict=True)]
+        keys = [u.key for u in batch]
+        built = self._replace(keys, namespace, entries, rows, self.clock(), self.rest_level)
+        report.shards_merged += len(batch)
+        report.shards_at_rest += 1
+        report.rest_bytes_saved += before - sum(route_bytes(stored))
+        log.info("%d shards of %s at rest in %s", len(batch), namespace, built.key)
+
+    def _dictionary(
+        self,
+        namespace: str,
+        version: int,
+        spec: RouteSpec,
+        cold: list[rest.ColdRow],
+        report: MaintenanceReport,
+    ) -> Dictionary | None:
+        """The dictionary of `version`: its own if it has one, else one trained from
+        `cold` (stored first), else the newest of an earlier version, else none."""
+        found = self.catalog.dictionary_for(namespace, version)
+        if found is not None and found[1] == version:
+            return self._load_dictionary(namespace, found[0])
+        trained = rest.train(rest.samples(spec, [c.routes for c in cold]))
+        if trained is not None:
+            with contextlib.suppress(ObjectExists):  # named by content: the same bytes
+                self.store.put_if_absent(dictionary_key(namespace, trained.digest), trained.data)
+            self._dictionaries[(namespace, trained.digest)] = trained
+            report.dictionaries_trained += 1
+            return trained
+        return None if found is None else self._load_dictionary(namespace, found[0])
+
+    def _load_dictionary(self, namespace: str, digest: bytes) -> Dictionary:
+        if (namespace, digest) not in self._dictionaries:
+            data = self.store.get(dictionary_key(namespace, digest))
+            self._dictionaries[(namespace, digest)] = load_dictionary(data, digest)
+        return self._dictionaries[(namespace, digest)]
 
     def collect(self, report: MaintenanceReport) -> None:
         cutoff = self.clock() - self.grace_seconds
@@ -192,6 +348,13 @@ class Maintenance:
         orphaned = self.clock() - self.orphan_seconds
         for info in self.store.list(SHARD_PREFIX):
             if info.key not in known and info.modified < orphaned:
+                self.store.delete(info.key)
+                report.orphans_deleted += 1
+        used = self.catalog.dictionaries_in_use()
+        for info in self.store.list(DICTIONARY_PREFIX):
+            namespace, _, name = info.key[len(DICTIONARY_PREFIX) :].rpartition("/")
+            digest = bytes.fromhex(name.removesuffix(".zdict"))
+            if (namespace, digest) not in used and info.modified < orphaned:
                 self.store.delete(info.key)
                 report.orphans_deleted += 1
         # a tombstone matters while a shard holding its segments exists; compaction never

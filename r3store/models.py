@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from r3store.catalog_types import NamespaceInfo
 from r3store.errors import InvalidInput
-from r3store.plans import PlannedObject, PlannedSegment, ReadPlan
+from r3store.plans import PlannedDictionary, PlannedObject, PlannedSegment, ReadPlan
 from r3store.policy import ENGINE, MAX_POLICY_VERSION, NamespaceSettings, Source
 from r3store.sampling import Strategy
 from r3store.shard import RouteSpans, Span
@@ -177,6 +177,25 @@ class PlannedSegmentModel(BaseModel):
     route_order: SpanModel | None
     token_ids: SpanModel | None
     source: Source = ENGINE
+    route_dictionary: str | None = Field(
+        None, description="hex digest of the dictionary the ids streams need (dictionaries)"
+    )
+    prefix: PlannedPrefixModel | None = Field(
+        None, description="the streams of the first `tokens` tokens, shared with other rows"
+    )
+
+
+class PlannedPrefixModel(BaseModel):
+    tokens: int = Field(gt=0)
+    route_transform: int
+    route_ids: SpanModel
+    route_counts: SpanModel | None
+    route_order: SpanModel | None
+
+
+class PlannedDictionaryModel(BaseModel):
+    digest: str = Field(description="hex, SHA-256[:16] of the dictionary's bytes")
+    url: str = Field(description="a presigned GET of the whole dictionary")
 
 
 class ReadPlanModel(BaseModel):
@@ -189,11 +208,24 @@ class ReadPlanModel(BaseModel):
     expires_at: float = Field(description="seconds since the epoch")
     objects: list[PlannedObjectModel]
     segments: list[PlannedSegmentModel]
+    dictionaries: list[PlannedDictionaryModel] = []
 
     @classmethod
     def of(cls, plan: ReadPlan) -> ReadPlanModel:
         def span(s: Span | None) -> SpanModel | None:
             return None if s is None else SpanModel(offset=s.offset, length=s.length)
+
+        def prefix(spans: RouteSpans) -> PlannedPrefixModel | None:
+            shared = spans.prefix
+            if shared is None:
+                return None
+            return PlannedPrefixModel(
+                tokens=spans.prefix_tokens,
+                route_transform=shared.transform,
+                route_ids=SpanModel(offset=shared.ids.offset, length=shared.ids.length),
+                route_counts=span(shared.counts),
+                route_order=span(shared.order),
+            )
 
         return cls(
             spec=RouteSpecModel.of(plan.spec),
@@ -223,14 +255,29 @@ class ReadPlanModel(BaseModel):
                     route_order=span(g.spans.order),
                     token_ids=span(g.spans.tokens),
                     source=g.source,
+                    route_dictionary=None
+                    if g.spans.dictionary is None
+                    else g.spans.dictionary.hex(),
+                    prefix=prefix(g.spans),
                 )
                 for g in plan.segments
+            ],
+            dictionaries=[
+                PlannedDictionaryModel(digest=d.digest.hex(), url=d.url) for d in plan.dictionaries
             ],
         )
 
     def to_plan(self) -> ReadPlan:
         def span(s: SpanModel | None) -> Span | None:
             return None if s is None else s.to_span()
+
+        def digest_of(text: str | None) -> bytes | None:
+            if text is None:
+                return None
+            try:
+                return bytes.fromhex(text)
+            except ValueError:
+                raise InvalidInput(f"not a hex digest: {text[:40]!r}") from None
 
         objects = [
             PlannedObject(o.key, o.url, [ByteRange(a, b) for a, b in o.ranges])
@@ -255,6 +302,17 @@ class ReadPlanModel(BaseModel):
                     span(g.route_order),
                     g.route_transform,
                     span(g.token_ids),
+                    digest_of(g.route_dictionary),
+                    None
+                    if g.prefix is None
+                    else RouteSpans(
+                        g.prefix.route_ids.to_span(),
+                        span(g.prefix.route_counts),
+                        span(g.prefix.route_order),
+                        g.prefix.route_transform,
+                        dictionary=digest_of(g.route_dictionary),
+                    ),
+                    0 if g.prefix is None else g.prefix.tokens,
                 ),
                 g.source,
             )
@@ -268,6 +326,7 @@ class ReadPlanModel(BaseModel):
             self.expires_at,
             objects,
             segments,
+            [PlannedDictionary(bytes.fromhex(d.digest), d.url) for d in self.dictionaries],
         )
 
 

@@ -8,11 +8,12 @@ segment's streams out of them (`Fetched`, `reads_of`). Pure: URLs come from a ca
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 
+from r3store import codec
 from r3store.catalog_types import TrajectoryEntry
-from r3store.codec import EncodedRoutes
+from r3store.codec import Dictionaries, Dictionary, EncodedRoutes
 from r3store.policy import ENGINE, Source
 from r3store.records import Batch, SegmentRead, TrajectoryRead, assemble, missing
 from r3store.shard import RouteSpans, Span
@@ -45,6 +46,14 @@ class PlannedSegment:
 
 
 @dataclass(frozen=True)
+class PlannedDictionary:
+    """A zstd dictionary some planned streams need: its digest, and a URL that reads it."""
+
+    digest: bytes
+    url: str
+
+
+@dataclass(frozen=True)
 class ReadPlan:
     """What a batch read would return, as places to fetch: `ids` in the order asked,
     `missing` and `stale` as a batch read names them, segments in token order."""
@@ -56,6 +65,7 @@ class ReadPlan:
     expires_at: float
     objects: list[PlannedObject]
     segments: list[PlannedSegment]
+    dictionaries: list[PlannedDictionary] = field(default_factory=list)
 
 
 def make_plan(
@@ -64,6 +74,7 @@ def make_plan(
     found: dict[str, list[TrajectoryEntry]],
     stale: list[str],
     presign: Callable[[str], str],
+    dictionary_key: Callable[[bytes], str],
     cover: Callable[[Iterable[Span]], list[ByteRange]],
     expires_at: float,
 ) -> ReadPlan:
@@ -93,8 +104,16 @@ def make_plan(
         for tid in dict.fromkeys(ids)
         for e in found.get(tid, [])
     ]
+    digests = sorted({d for s in segments if (d := s.spans.dictionary) is not None})
     return ReadPlan(
-        spec, list(ids), missing(ids, found, stale), stale, expires_at, objects, segments
+        spec,
+        list(ids),
+        missing(ids, found, stale),
+        stale,
+        expires_at,
+        objects,
+        segments,
+        [PlannedDictionary(d, presign(dictionary_key(d))) for d in digests],
     )
 
 
@@ -115,9 +134,52 @@ class Fetched:
         raise KeyError(span)
 
 
-def reads_of(plan: ReadPlan, fetched: list[Fetched]) -> Batch:
+def read_of(
+    segments: Sequence[tuple[int, int, int]],
+    encoded: Sequence[EncodedRoutes],
+    identity: tuple[str, str | None, int],
+    source: Source,
+    spec: RouteSpec,
+    dictionaries: Dictionaries,
+    decode: bool,
+    portable: bool = False,
+) -> TrajectoryRead:
+    """One trajectory from its segments' `(start, num_tokens, policy_version)` and
+    stored streams: decoded, or as streams when `decode` is False. Streams handed out
+    decode alone: those that need a dictionary or a shared prefix are encoded again
+    (`codec.portable`) when `portable`, else the trajectory is decoded."""
+
+    def dictionary(digest: bytes | None) -> Dictionary | None:
+        return None if digest is None else dictionaries.get(digest)
+
+    if not decode and portable:
+        encoded = [
+            codec.portable(s, spec, seg[1], dictionary(s.dictionary))
+            for seg, s in zip(segments, encoded, strict=True)
+        ]
+    if not decode and all(codec.self_contained(s) for s in encoded):
+        reads = [SegmentRead(*seg, s) for seg, s in zip(segments, encoded, strict=True)]
+        return assemble(reads, identity, source=source)
+
+    return assemble(
+        [SegmentRead(*seg, None) for seg in segments],
+        identity,
+        [
+            codec.decode(s, spec, seg[1], dictionary(s.dictionary))
+            for seg, s in zip(segments, encoded, strict=True)
+        ],
+        [
+            None if s.tokens is None else codec.decode_tokens(s.tokens, seg[1])
+            for seg, s in zip(segments, encoded, strict=True)
+        ],
+        source,
+    )
+
+
+def reads_of(plan: ReadPlan, fetched: list[Fetched], dictionaries: Dictionaries) -> Batch:
     """The batch a read answers, its segments carrying their stored streams (decode
-    them with `codec.decode`, or `tensors.compact`); `fetched[i]` holds object i's."""
+    them with `codec.decode`, or `tensors.compact`), or decoded when stored with a
+    dictionary (from `dictionaries`) or a shared prefix; `fetched[i]` holds object i's."""
     by_id: dict[str, list[tuple[PlannedSegment, EncodedRoutes]]] = {}
     for seg in plan.segments:
         streams = seg.spans.streams(fetched[seg.obj].slice, seg.digest)
@@ -125,10 +187,13 @@ def reads_of(plan: ReadPlan, fetched: list[Fetched]) -> Batch:
     reads: dict[str, TrajectoryRead] = {}
     for tid, parts in by_id.items():
         first = parts[0][0]
-        segments = [
-            SegmentRead(s.start, s.num_tokens, s.policy_version, streams) for s, streams in parts
-        ]
-        reads[tid] = assemble(
-            segments, (tid, first.group_id, first.prompt_len), source=first.source
+        reads[tid] = read_of(
+            [(s.start, s.num_tokens, s.policy_version) for s, _ in parts],
+            [streams for _, streams in parts],
+            (tid, first.group_id, first.prompt_len),
+            first.source,
+            plan.spec,
+            dictionaries,
+            decode=False,
         )
     return Batch(plan.ids, [reads.get(t) for t in plan.ids], plan.missing, plan.stale)

@@ -17,15 +17,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from r3store import codec
 from r3store.catalog_types import TrajectoryEntry
-from r3store.codec import EncodedRoutes
-from r3store.plans import Fetched
-from r3store.records import SegmentRead, TrajectoryRead, assemble
+from r3store.codec import Dictionaries, Dictionary, EncodedRoutes, load_dictionary
+from r3store.keys import dictionary_key
+from r3store.plans import Fetched, read_of
+from r3store.records import TrajectoryRead
 from r3store.shard import BuiltShard, Span
 from r3store.spec import RouteSpec
 from r3store.store.base import ByteRange, ObjectStore
 
+DICTIONARY_CACHE_BYTES = 64 << 20
 K = TypeVar("K")
 V = TypeVar("V")
 
@@ -92,6 +93,7 @@ class ShardReader:
         self._store = store
         self.config = config
         self._recent: _LRU[str, bytes] = _LRU(config.cache_bytes)
+        self._dictionaries: _LRU[tuple[str, bytes], Dictionary] = _LRU(DICTIONARY_CACHE_BYTES)
         self._pool = ThreadPoolExecutor(config.threads, thread_name_prefix="r3store-read")
 
     def close(self) -> None:
@@ -103,6 +105,18 @@ class ShardReader:
         if len(built.data) <= self.config.cache_bytes // 2:
             self._recent.put(built.key, built.data, len(built.data))
 
+    def dictionaries(self, namespace: str, digests: Iterable[bytes | None]) -> Dictionaries:
+        """The dictionaries named (cached: they never change), read from the store."""
+        out: Dictionaries = {}
+        for digest in set(digests) - {None}:
+            assert digest is not None
+            cached = self._dictionaries.get((namespace, digest))
+            if cached is None:
+                cached = load_dictionary(self._store.get(dictionary_key(namespace, digest)), digest)
+                self._dictionaries.put((namespace, digest), cached, len(cached.data))
+            out[digest] = cached
+        return out
+
     def _fetch(self, key: str, byte_range: ByteRange) -> bytes:
         data = self._recent.get(key)
         if data is not None:
@@ -112,11 +126,18 @@ class ShardReader:
     def read(
         self, found: dict[str, list[TrajectoryEntry]], spec: RouteSpec, decode: bool = True
     ) -> dict[str, TrajectoryRead]:
-        """Fetch, and unless `decode` is False decode, the segments of catalog entries."""
+        """Fetch, and unless `decode` is False decode, the segments of catalog entries.
+        Undecoded reads hold streams that decode alone: a segment stored with a
+        dictionary or a shared prefix is encoded again without them."""
         by_shard: dict[str, list[TrajectoryEntry]] = defaultdict(list)
+        namespace = ""
         for segments in found.values():
             for entry in segments:
                 by_shard[entry.shard_key].append(entry)
+                namespace = entry.namespace
+        dictionaries = self.dictionaries(
+            namespace, (e.spans.dictionary for items in by_shard.values() for e in items)
+        )
         jobs = [
             (key, byte_range)
             for key, items in by_shard.items()
@@ -137,25 +158,15 @@ class ShardReader:
         def finish(segments: list[TrajectoryEntry]) -> TrajectoryRead:
             encoded = [stored(e) for e in segments]
             first = segments[0]
-            reads = [
-                SegmentRead(e.start, e.num_tokens, e.policy_version, None if decode else s)
-                for e, s in zip(segments, encoded, strict=True)
-            ]
-            identity = (first.trajectory_id, first.group_id, first.prompt_len)
-            if not decode:
-                return assemble(reads, identity, source=first.source)
-            return assemble(
-                reads,
-                identity,
-                [
-                    codec.decode(s, spec, e.num_tokens)
-                    for s, e in zip(encoded, segments, strict=True)
-                ],
-                [
-                    None if s.tokens is None else codec.decode_tokens(s.tokens, e.num_tokens)
-                    for s, e in zip(encoded, segments, strict=True)
-                ],
+            return read_of(
+                [(e.start, e.num_tokens, e.policy_version) for e in segments],
+                encoded,
+                (first.trajectory_id, first.group_id, first.prompt_len),
                 first.source,
+                spec,
+                dictionaries,
+                decode,
+                portable=True,
             )
 
         return {item.trajectory_id: item for item in self._pool.map(finish, found.values())}

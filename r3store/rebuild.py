@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -14,16 +16,25 @@ from r3store import codec, stats
 from r3store.catalog import Catalog
 from r3store.catalog_stats import LoadRecord
 from r3store.catalog_types import NamespaceInfo, ShardInfo, TrajectoryEntry
-from r3store.codec import EncodedRoutes, Transform
+from r3store.codec import Dictionary, EncodedRoutes, Transform, load_dictionary
 from r3store.errors import CorruptShard, R3StoreError
-from r3store.keys import NAMESPACE_PREFIX, SHARD_PREFIX
+from r3store.keys import NAMESPACE_PREFIX, SHARD_PREFIX, dictionary_key
 from r3store.maintenance import read_tombstones
 from r3store.policy import ENGINE, NamespaceSettings
 from r3store.records import check_source
-from r3store.shard import META_CREATED, locate_rows, places_of, shard_spec
+from r3store.shard import (
+    META_CREATED,
+    PREFIX,
+    SEGMENT,
+    Link,
+    link_prefixes,
+    locate_rows,
+    places_of,
+    shard_spec,
+)
 from r3store.spec import RouteSpec
 from r3store.store.base import ObjectStore
-from r3store.writer import load_records, row_of
+from r3store.writer import load_records, route_bytes, row_of
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +50,13 @@ class RebuildReport:
     skipped: list[str] = field(default_factory=list)  # unreadable objects
 
 
+def _column(table: pa.Table, name: str, default: object) -> list[Any]:
+    """A column's values, or `default` for each row of a shard written before it."""
+    if name in table.column_names:
+        return table.column(name).to_pylist()  # type: ignore[no-any-return]
+    return [default] * table.num_rows
+
+
 def _load_shard(
     store: ObjectStore, key: str, size: int
 ) -> tuple[ShardInfo, RouteSpec, list[TrajectoryEntry], list[EncodedRoutes]]:
@@ -51,23 +69,37 @@ def _load_shard(
     metadata = pf.metadata
     namespace, spec = shard_spec(metadata)
     created = float((metadata.metadata or {}).get(META_CREATED, b"0"))
+    digests = table.column("digest").to_pylist()
+    dictionaries = _column(table, "route_dictionary", None)
+    prefix_digests = _column(table, "prefix_digest", None)
+    prefix_tokens = _column(table, "prefix_tokens", 0)
     streams = [
-        EncodedRoutes(ids, counts, order, Transform(transform), b"", tokens)
-        for ids, counts, order, transform, tokens in zip(
+        EncodedRoutes(ids, counts, order, Transform(transform), b"", tokens, dictionary)
+        for ids, counts, order, transform, tokens, dictionary in zip(
             table.column("route_ids").to_pylist(),
             table.column("route_counts").to_pylist(),
             table.column("route_order").to_pylist(),
             table.column("route_transform").to_pylist(),
             table.column("token_ids").to_pylist(),
+            dictionaries,
             strict=True,
         )
     ]
-    spans = locate_rows(data, streams)
-    sources = (  # format 1 shards hold engine routes only
-        table.column("source").to_pylist()
-        if "source" in table.column_names
-        else [ENGINE] * table.num_rows
-    )
+    kinds = _column(table, "kind", SEGMENT)
+    links = [Link(*link) for link in zip(digests, prefix_digests, prefix_tokens, strict=True)]
+    spans = link_prefixes(locate_rows(data, streams), kinds, links)
+    by_digest = {d: s for d, s, k in zip(digests, streams, kinds, strict=True) if k == PREFIX}
+    streams = [  # each row's with the prefix it continues (for the load count)
+        s
+        if link.prefix_digest is None
+        else dataclasses.replace(
+            s,
+            prefix=dataclasses.replace(by_digest[link.prefix_digest], digest=link.prefix_digest),
+            prefix_tokens=link.prefix_tokens,
+        )
+        for s, link in zip(streams, links, strict=True)
+    ]
+    sources = _column(table, "source", ENGINE)  # format 1 shards hold engine routes only
     rows = table.select(
         [
             "trajectory_id",
@@ -79,38 +111,46 @@ def _load_shard(
             "digest",
         ]
     ).to_pylist()
+    kept = [i for i, kind in enumerate(kinds) if kind != PREFIX]
+    charged = route_bytes([streams[i] for i in kept])
+    places = places_of(metadata)
     entries = [
         TrajectoryEntry(
             namespace=namespace,
-            route_bytes=stream.nbytes,
+            route_bytes=nbytes,
             shard_key=key,
-            row_group=place.row_group,
-            row_index=place.row,
+            row_group=places[i].row_group,
+            row_index=places[i].row,
             created_at=created,
-            spans=span,
-            source=check_source(source),
-            **row,
+            spans=spans[i],
+            source=check_source(sources[i]),
+            **rows[i],
         )
-        for row, place, stream, span, source in zip(
-            rows, places_of(metadata), streams, spans, sources, strict=True
-        )
+        for i, nbytes in zip(kept, charged, strict=True)
     ]
     shard = ShardInfo(
         key, namespace, size, len(entries), sum(e.route_bytes for e in entries), created
     )
-    return shard, spec, entries, streams
+    return shard, spec, entries, [streams[i] for i in kept]
 
 
 def _loads(
-    key: str, spec: RouteSpec, kept: list[tuple[TrajectoryEntry, EncodedRoutes]]
+    key: str,
+    spec: RouteSpec,
+    kept: list[tuple[TrajectoryEntry, EncodedRoutes]],
+    dictionary: Callable[[str, bytes | None], Dictionary | None],
 ) -> list[LoadRecord]:
     """The expert load of a shard's kept rows, counted from their routes."""
     if not kept:
         return []
-    rows = [
-        row_of(e, stream, stats.expert_load(codec.decode(stream, spec, e.num_tokens), spec))
-        for e, stream in kept
-    ]
+
+    def load(e: TrajectoryEntry, stream: EncodedRoutes) -> Any:
+        routes = codec.decode(
+            stream, spec, e.num_tokens, dictionary(e.namespace, stream.dictionary)
+        )
+        return stats.expert_load(routes, spec)
+
+    rows = [row_of(e, stream, load(e, stream)) for e, stream in kept]
     return load_records(kept[0][0].namespace, key, rows)
 
 
@@ -141,6 +181,16 @@ def rebuild_catalog(
         except (ValueError, KeyError, TypeError, R3StoreError) as exc:
             report.skipped.append(f"{info.key}: {exc}")
     dropped = read_tombstones(store)
+    dictionaries: dict[tuple[str, bytes], Dictionary] = {}
+
+    def dictionary(namespace: str, digest: bytes | None) -> Dictionary | None:
+        if digest is None:
+            return None
+        if (namespace, digest) not in dictionaries:
+            data = store.get(dictionary_key(namespace, digest))
+            dictionaries[(namespace, digest)] = load_dictionary(data, digest)
+        return dictionaries[(namespace, digest)]
+
     objects = [info for info in store.list(SHARD_PREFIX) if info.key.endswith(".parquet")]
     loaded: list[tuple[ShardInfo, list[TrajectoryEntry], list[LoadRecord]]] = []
     seen: dict[tuple[str, str, str, int], bytes] = {}
@@ -170,7 +220,7 @@ def rebuild_catalog(
             else:
                 report.conflicts.append(f"{entry.namespace}/{entry.trajectory_id} in {info.key}")
         try:
-            loads = _loads(info.key, spec, kept)
+            loads = _loads(info.key, spec, kept, dictionary)
         except R3StoreError as exc:  # the rows stay; their statistics are left out
             log.warning("expert load of %s not counted: %s", info.key, exc)
             loads = []

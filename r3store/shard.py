@@ -11,6 +11,7 @@ with one ranged GET.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import time
 from collections.abc import Callable, Sequence
@@ -26,8 +27,10 @@ from r3store.keys import shard_key
 from r3store.policy import ENGINE, Source
 from r3store.spec import RouteSpec
 
-FORMAT_VERSION = "2"  # 2: the `source` column; 1 (without it: engine routes) still read
-READ_VERSIONS = ("1", "2")
+# 3: dictionaries and shared prefixes; 2: the `source` column; 1 (engine routes only)
+FORMAT_VERSION = "3"
+READ_VERSIONS = ("1", "2", "3")
+SEGMENT, PREFIX = "segment", "prefix"  # the `kind` of a row
 META_FORMAT = b"r3store.format_version"
 META_SPEC = b"r3store.route_spec"
 META_NAMESPACE = b"r3store.namespace"
@@ -49,6 +52,10 @@ SCHEMA = pa.schema(
         pa.field("route_order", pa.binary()),
         pa.field("token_ids", pa.binary()),
         pa.field("source", pa.string(), nullable=False),
+        pa.field("kind", pa.string(), nullable=False),
+        pa.field("route_dictionary", pa.binary(16)),
+        pa.field("prefix_digest", pa.binary(16)),
+        pa.field("prefix_tokens", pa.int32(), nullable=False),
     ]
 )
 META_COLUMNS = [
@@ -97,17 +104,24 @@ class Span:
 
 @dataclass(frozen=True)
 class RouteSpans:
-    """Where one trajectory's route streams lie in its shard."""
+    """Where one trajectory's route streams lie in its shard: its own, and those of the
+    prefix it shares (`prefix`, the first `prefix_tokens` tokens; a row of the same
+    shard). `dictionary`: the digest of the zstd dictionary its ids streams need."""
 
     ids: Span
     counts: Span | None
     order: Span | None
     transform: int
     tokens: Span | None = None
+    dictionary: bytes | None = None
+    prefix: RouteSpans | None = None
+    prefix_tokens: int = 0
+    prefix_digest: bytes = b""  # the prefix row's (content digest of its routes)
 
     @property
     def spans(self) -> list[Span]:
-        return [s for s in (self.ids, self.counts, self.order, self.tokens) if s is not None]
+        own = [s for s in (self.ids, self.counts, self.order, self.tokens) if s is not None]
+        return own + ([] if self.prefix is None else self.prefix.spans)
 
     def streams(self, read: Callable[[Span], bytes], digest: bytes) -> EncodedRoutes:
         """The stored streams, given a way to read the bytes of a span."""
@@ -122,6 +136,9 @@ class RouteSpans:
             Transform(self.transform),
             digest,
             optional(self.tokens),
+            self.dictionary,
+            None if self.prefix is None else self.prefix.streams(read, self.prefix_digest),
+            self.prefix_tokens,
         )
 
 
@@ -134,7 +151,10 @@ class BuiltShard:
     created_at: float
 
 
-def _table(namespace: str, rows: Sequence[ShardRow]) -> pa.Table:
+def _table(namespace: str, rows: Sequence[ShardRow], kinds: Sequence[str]) -> pa.Table:
+    def prefix_of(r: ShardRow) -> EncodedRoutes | None:
+        return r.routes.prefix
+
     return pa.table(
         {
             "namespace": pa.array([namespace] * len(rows), pa.string()),
@@ -151,9 +171,43 @@ def _table(namespace: str, rows: Sequence[ShardRow]) -> pa.Table:
             "route_order": pa.array([r.routes.order for r in rows], pa.binary()),
             "token_ids": pa.array([r.routes.tokens for r in rows], pa.binary()),
             "source": pa.array([r.source for r in rows], pa.string()),
+            "kind": pa.array(kinds, pa.string()),
+            "route_dictionary": pa.array([r.routes.dictionary for r in rows], pa.binary(16)),
+            "prefix_digest": pa.array(
+                [None if (p := prefix_of(r)) is None else p.digest for r in rows], pa.binary(16)
+            ),
+            "prefix_tokens": pa.array([r.routes.prefix_tokens for r in rows], pa.int32()),
         },
         schema=SCHEMA,
     )
+
+
+def _with_prefixes(rows: Sequence[ShardRow]) -> tuple[list[ShardRow], list[str], list[int]]:
+    """The rows to store: each shared prefix once (a `PREFIX` row, just before the first
+    row that continues it), then the rows. Returns them, their kinds, and for every
+    input row its index among them."""
+    stored: list[ShardRow] = []
+    kinds: list[str] = []
+    where: list[int] = []
+    seen: set[tuple[bytes, bytes | None]] = set()
+    for row in rows:
+        prefix = row.routes.prefix
+        if prefix is not None:
+            if prefix.dictionary != row.routes.dictionary or not prefix.digest:
+                raise ValueError("a prefix needs a digest and its rows' dictionary")
+            if (prefix.digest, prefix.dictionary) not in seen:
+                seen.add((prefix.digest, prefix.dictionary))
+                tokens = row.routes.prefix_tokens
+                stored.append(
+                    ShardRow(
+                        "", 0, row.group_id, row.policy_version, tokens, tokens, prefix, row.source
+                    )
+                )
+                kinds.append(PREFIX)
+        where.append(len(stored))
+        stored.append(row)
+        kinds.append(SEGMENT)
+    return stored, kinds, where
 
 
 def build_shard(
@@ -177,6 +231,11 @@ def build_shard(
     schema = SCHEMA.with_metadata(metadata)
     compression: dict[str | bytes, str] = {name: "ZSTD" for name in META_COLUMNS}
     compression.update({name: "NONE" for name in ROUTE_COLUMNS})
+    stored, kinds, where = _with_prefixes(rows)
+    stored_links = [
+        Link(r.digest, None if (p := r.routes.prefix) is None else p.digest, r.routes.prefix_tokens)
+        for r in stored
+    ]
     sink = io.BytesIO()
     places: list[RowPlace] = []
     with pq.ParquetWriter(
@@ -189,19 +248,55 @@ def build_shard(
     ) as writer:
         start = 0
         group = 0
-        while start < len(rows):
+        while start < len(stored):
             end, size = start, 0
-            while end < len(rows) and (
-                end == start or size + rows[end].routes.nbytes <= row_group_bytes
+            while end < len(stored) and (
+                end == start or size + stored[end].routes.nbytes <= row_group_bytes
             ):
-                size += rows[end].routes.nbytes
+                size += stored[end].routes.nbytes
                 end += 1
-            writer.write_table(_table(namespace, rows[start:end]).replace_schema_metadata(metadata))
+            table = _table(namespace, stored[start:end], kinds[start:end])
+            writer.write_table(table.replace_schema_metadata(metadata))
             places.extend(RowPlace(group, i) for i in range(end - start))
             start, group = end, group + 1
     data = sink.getvalue()
-    spans = locate_rows(data, [row.routes for row in rows])
-    return BuiltShard(key, data, places, spans, created)
+    spans = link_prefixes(locate_rows(data, [row.routes for row in stored]), kinds, stored_links)
+    return BuiltShard(key, data, [places[i] for i in where], [spans[i] for i in where], created)
+
+
+@dataclass(frozen=True)
+class Link:
+    """What ties rows to the prefixes they share: a row's digest, and the digest and
+    length of the prefix it continues (None and 0 when it continues none)."""
+
+    digest: bytes
+    prefix_digest: bytes | None
+    prefix_tokens: int
+
+
+def link_prefixes(
+    spans: list[RouteSpans], kinds: Sequence[str], links: Sequence[Link]
+) -> list[RouteSpans]:
+    """Each row's spans with those of the `PREFIX` row it continues (the one before it,
+    in file order, whose digest and dictionary are the row's prefix digest and
+    dictionary)."""
+    out: list[RouteSpans] = []
+    prefixes: dict[tuple[bytes, bytes | None], RouteSpans] = {}
+    for span, kind, link in zip(spans, kinds, links, strict=True):
+        if kind == PREFIX:
+            prefixes[(link.digest, span.dictionary)] = span
+        elif link.prefix_digest is not None:
+            prefix = prefixes.get((link.prefix_digest, span.dictionary))
+            if prefix is None or link.prefix_tokens <= 0:
+                raise CorruptShard("a row continues a prefix that no row before it holds")
+            span = dataclasses.replace(
+                span,
+                prefix=prefix,
+                prefix_tokens=link.prefix_tokens,
+                prefix_digest=link.prefix_digest,
+            )
+        out.append(span)
+    return out
 
 
 def locate(data: bytes, values: Sequence[bytes | None], start: int = 0) -> list[Span | None]:
@@ -239,7 +334,7 @@ def locate_rows(data: bytes, rows: Sequence[EncodedRoutes]) -> list[RouteSpans]:
     order = locate(data, [r.order for r in rows], 4)
     tokens = locate(data, [r.tokens for r in rows], 4)
     return [
-        RouteSpans(i, c, o, int(r.transform), t)
+        RouteSpans(i, c, o, int(r.transform), t, r.dictionary)
         for i, c, o, t, r in zip(ids, counts, order, tokens, rows, strict=True)
         if i is not None
     ]

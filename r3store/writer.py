@@ -143,12 +143,13 @@ def shard_records(
     namespace: str, built: BuiltShard, rows: list[ShardRow]
 ) -> tuple[ShardInfo, list[TrajectoryEntry]]:
     """The catalog records of a built shard and its rows (in the order they were built)."""
+    charged = route_bytes([r.routes for r in rows])
     shard = ShardInfo(
         key=built.key,
         namespace=namespace,
         size=len(built.data),
         num_rows=len(rows),
-        route_bytes=sum(r.routes.nbytes for r in rows),
+        route_bytes=sum(charged),
         created_at=built.created_at,
     )
     entries = [
@@ -162,16 +163,30 @@ def shard_records(
             num_tokens=row.num_tokens,
             prompt_len=row.prompt_len,
             digest=row.digest,
-            route_bytes=row.routes.nbytes,
+            route_bytes=nbytes,
             shard_key=built.key,
             row_group=place.row_group,
             row_index=place.row,
             created_at=built.created_at,
             spans=spans,
         )
-        for row, place, spans in zip(rows, built.places, built.routes, strict=True)
+        for row, place, spans, nbytes in zip(rows, built.places, built.routes, charged, strict=True)
     ]
     return shard, entries
+
+
+def route_bytes(rows: Sequence[EncodedRoutes]) -> list[int]:
+    """The route bytes each row is charged with: its own streams, and a shared prefix's
+    for the first row that continues it (so a shard's rows add up to all it holds)."""
+    seen: set[tuple[bytes, bytes | None]] = set()
+    out = []
+    for routes in rows:
+        n, prefix = routes.nbytes, routes.prefix
+        if prefix is not None and (prefix.digest, prefix.dictionary) not in seen:
+            seen.add((prefix.digest, prefix.dictionary))
+            n += prefix.nbytes
+        out.append(n)
+    return out
 
 
 @dataclass

@@ -118,7 +118,7 @@ def test_failed_compaction_changes_nothing(tmp_path: Path) -> None:
     def crash(*_args: object) -> int:
         raise StoreError("the catalog went away mid-compaction")
 
-    catalog.replace_shard = crash  # type: ignore[method-assign]
+    catalog.replace_shards = crash  # type: ignore[method-assign]
     report = engine.maintenance(grace_seconds=0, orphan_seconds=0).run()
     assert report.shards_compacted == 0
     check_all(engine, {"w3": writes["w3"]})

@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 import urllib3
 
+from r3store.codec import Dictionaries, load_dictionary
 from r3store.errors import R3StoreError, StoreError, error_class
 from r3store.models import (
     AgreementModel,
@@ -109,6 +110,7 @@ class Client:
         self._store_http: urllib3.PoolManager | None = None
         self._fetchers: ThreadPoolExecutor | None = None
         self._made = threading.Lock()  # lazy connections and pools: one each, whoever asks
+        self._dictionaries: Dictionaries = {}  # by digest: they never change
 
     # connection
 
@@ -322,11 +324,33 @@ class Client:
         for attempt in range(2):
             plan = self.plan(namespace, ids, include_stale, source=source)
             try:
-                return plan.spec, reads_of(plan, self._fetch_objects(plan))
+                fetched = self._fetch_objects(plan)
+                return plan.spec, reads_of(plan, fetched, self._dictionaries_of(plan))
             except _Replan:
                 if attempt:
                     raise StoreError("the object store refused the planned reads twice") from None
         raise R3StoreError("unreachable")
+
+    def _dictionaries_of(self, plan: ReadPlan) -> Dictionaries:
+        """The dictionaries a plan's streams need: fetched once, checked against their
+        digests, and kept (they never change)."""
+        store, _fetchers = self._direct()
+        out: Dictionaries = {}
+        for planned in plan.dictionaries:
+            known = self._dictionaries.get(planned.digest)
+            if known is None:
+                try:
+                    response = store.request("GET", planned.url)
+                except urllib3.exceptions.HTTPError as exc:
+                    raise StoreError(f"cannot read from the object store: {exc}") from None
+                if response.status in (403, 404):
+                    raise _Replan
+                if response.status != 200:
+                    raise StoreError(f"the object store answered {response.status}")
+                known = load_dictionary(response.data, planned.digest)
+                self._dictionaries[planned.digest] = known
+            out[planned.digest] = known
+        return out
 
     def _fetch_objects(self, plan: ReadPlan) -> list[Fetched]:
         """Each object's planned ranges, fetched in parallel (urllib3: about twice as

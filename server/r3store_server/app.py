@@ -75,6 +75,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         maintenance = app.state.maintenance = eng.maintenance(
             grace_seconds=settings.maintenance_grace,
             orphan_seconds=settings.maintenance_orphan_age,
+            cold_seconds=settings.maintenance_cold_age,
         )
         app.state.metrics.watch_maintenance(maintenance)
         task = None

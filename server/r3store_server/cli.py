@@ -312,7 +312,9 @@ def parser() -> argparse.ArgumentParser:
     )
 
     maintain = sub.add_parser(
-        "maintain", parents=[common], help="run retention, compaction and collection now"
+        "maintain",
+        parents=[common],
+        help="run retention, compaction, compression at rest and collection now",
     )
     maintain.add_argument(
         "--grace", type=float, default=600.0, help="seconds a retired shard stays readable"
@@ -322,6 +324,12 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=3600.0,
         help="seconds before an object no catalog row names is deleted",
+    )
+    maintain.add_argument(
+        "--cold-age",
+        type=float,
+        default=600.0,
+        help="seconds after which shards are merged and compressed again at rest",
     )
 
     keys = sub.add_parser("keys", parents=[common], help="create, list or revoke API keys")
@@ -404,7 +412,11 @@ def run(args: argparse.Namespace, settings: Settings) -> Any:
             return stats(engine, args.name, args.experts)
         if args.command == "keys":
             return keys(engine, args)
-        maintenance = engine.maintenance(grace_seconds=args.grace, orphan_seconds=args.orphan_age)
+        maintenance = engine.maintenance(
+            grace_seconds=args.grace,
+            orphan_seconds=args.orphan_age,
+            cold_seconds=args.cold_age,
+        )
         return maintenance.run(_progress("shards")).__dict__
     finally:
         engine.close()

@@ -128,6 +128,12 @@ class Settings(BaseSettings):
     maintenance_grace: float = Field(
         600.0, ge=0, description="seconds a retired shard stays readable before deletion"
     )
+    maintenance_cold_age: float | None = Field(
+        600.0,
+        ge=0,
+        description="seconds after which shards are merged and compressed again at rest "
+        "(dictionaries, a high zstd level, prompt routes once per group); null: never",
+    )
     maintenance_orphan_age: float = Field(
         3600.0,
         ge=60,

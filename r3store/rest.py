@@ -1,0 +1,149 @@
+"""Compression at rest: what maintenance does to cold rows, as pure functions.
+
+Ingest compresses each trajectory alone and fast (zstd level 3 or 1). Cold rows are
+encoded again (`settle`):
+
+- with the namespace's zstd dictionary for their policy version (`train`: trained from
+  the ids of that version's first cold trajectories, cut per layer, since each layer
+  has its own popular experts and recurring sets), at a high level (`REST_LEVEL`,
+  chosen by bytes saved per CPU second in `bench/rest_bench.py`);
+- with the routes of a prompt stored once per GRPO group: samples of one group whose
+  first `prompt_len` tokens carry byte-equal routes (counts and slot order included)
+  share one prefix row; a sample whose prompt routes differ keeps its own.
+
+Every row is decoded again from its new streams and compared with what it held before
+(`Routes.equals`) before it may replace the old one. A row's digest, token ids and
+metadata do not change. No I/O: the caller reads shards and dictionaries and writes the
+results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import zstandard
+
+from r3store import codec
+from r3store.codec import Dictionary, EncodedRoutes
+from r3store.errors import CorruptShard
+from r3store.routes import Routes
+from r3store.spec import RouteSpec
+
+REST_LEVEL = 19
+DICTIONARY_BYTES = 64 << 10
+MIN_SAMPLE_BYTES = 1 << 20  # of raw ids: less trains no dictionary worth its size
+MAX_SAMPLE_BYTES = 32 << 20  # more takes longer and gains little
+MIN_PREFIX_TOKENS = 16
+PREFIX_SALT = b"r3store.prefix"
+Samples = list[bytes | bytearray | memoryview]
+
+
+@dataclass(frozen=True)
+class ColdRow:
+    """A stored segment's routes, decoded, with what identifies it."""
+
+    routes: Routes
+    stored: EncodedRoutes  # as it was stored (its digest, token ids)
+    group_id: str | None
+    source: str
+    start: int
+    prompt_len: int
+
+
+def samples(spec: RouteSpec, routes: Sequence[Routes]) -> Samples:
+    """Training samples: the ids stream's content (sorted ids), a layer of a trajectory
+    each, until `MAX_SAMPLE_BYTES`."""
+    out: Samples = []
+    total = 0
+    for r in routes:
+        for layer in codec.sorted_ids(r, spec):
+            out.append(layer.tobytes())
+            total += layer.nbytes
+            if total >= MAX_SAMPLE_BYTES:
+                return out
+    return out
+
+
+def train(
+    chunks: list[bytes | bytearray | memoryview], size: int = DICTIONARY_BYTES
+) -> Dictionary | None:
+    """A dictionary trained on `chunks`, or None when they are too few to be worth one."""
+    if sum(len(c) for c in chunks) < MIN_SAMPLE_BYTES or len(chunks) < 8:
+        return None
+    try:
+        trained = zstandard.train_dictionary(size, chunks, level=REST_LEVEL, k=1024, d=8)
+    except zstandard.ZstdError:  # samples zstd cannot learn from (too uniform, too few)
+        return None
+    return Dictionary.of(trained.as_bytes())
+
+
+def _slice(routes: Routes, begin: int, end: int | None = None) -> Routes:
+    counts = routes.layer_counts
+    return Routes(
+        np.ascontiguousarray(routes.layers[:, begin:end]),
+        None if counts is None else np.ascontiguousarray(counts[:, begin:end]),
+    )
+
+
+def _encode(
+    routes: Routes, spec: RouteSpec, dictionary: Dictionary | None, level: int
+) -> EncodedRoutes:
+    return codec.encode(routes, spec, level, digest=False, dictionary=dictionary)
+
+
+def _shared_prefix(rows: Sequence[ColdRow]) -> tuple[int, list[int]]:
+    """The prefix length rows of one group may share, and which of them carry the
+    first one's routes there byte for byte."""
+    length = min(r.prompt_len for r in rows)
+    length = min(length, *(r.routes.num_tokens - 1 for r in rows))
+    if length < MIN_PREFIX_TOKENS:
+        return 0, []
+    head = _slice(rows[0].routes, 0, length)
+    return length, [i for i, r in enumerate(rows) if _slice(r.routes, 0, length).equals(head)]
+
+
+def settle(
+    spec: RouteSpec,
+    rows: Sequence[ColdRow],
+    dictionary: Dictionary | None,
+    level: int = REST_LEVEL,
+) -> list[EncodedRoutes]:
+    """The rows' streams at rest, in the order given: each checked to decode to the
+    routes it held."""
+    out: list[EncodedRoutes | None] = [None] * len(rows)
+    groups: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for i, row in enumerate(rows):
+        if row.group_id is not None and row.start == 0 and row.prompt_len > 0:
+            groups[(row.group_id, row.source)].append(i)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        length, same = _shared_prefix([rows[i] for i in members])
+        if len(same) < 2:
+            continue
+        head = _slice(rows[members[same[0]]].routes, 0, length)
+        prefix = codec.encode(head, spec, level, salt=PREFIX_SALT, dictionary=dictionary)
+        for j in same:
+            row = rows[members[j]]
+            own = _encode(_slice(row.routes, length), spec, dictionary, level)
+            out[members[j]] = dataclasses.replace(
+                own,
+                digest=row.stored.digest,
+                tokens=row.stored.tokens,
+                prefix=prefix,
+                prefix_tokens=length,
+            )
+    for i, row in enumerate(rows):
+        if out[i] is None:
+            own = _encode(row.routes, spec, dictionary, level)
+            out[i] = dataclasses.replace(own, digest=row.stored.digest, tokens=row.stored.tokens)
+    settled = [e for e in out if e is not None]
+    for row, encoded in zip(rows, settled, strict=True):
+        again = codec.decode(encoded, spec, row.routes.num_tokens, dictionary)
+        if not again.equals(row.routes):
+            raise CorruptShard("a row encoded at rest does not decode to the routes it held")
+    return settled

@@ -1,0 +1,218 @@
+"""Compression at rest: cold shards merged, rows compressed again with a namespace
+dictionary at a high level, prompt routes stored once per group; reads, rebuilds,
+direct reads and a third-party decoder all see the same routes."""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import sqlalchemy as sa
+import zstandard
+
+from helpers import MakeEngine
+from http_helpers import KEYS, ServerProcess
+from r3store import codec
+from r3store.catalog import Catalog
+from r3store.engine import Engine
+from r3store.keys import DICTIONARY_PREFIX, SHARD_PREFIX
+from r3store.policy import NamespaceSettings, Retention
+from r3store.records import TrajectoryWrite
+from r3store.routes import Routes
+from r3store.spec import RouteSpec
+from r3store.store import ObjectStore
+from r3store.testing.seaweedfs import SeaweedFS
+from r3store.testing.synthetic import skewed_topk
+from r3store_client import Client
+
+SPEC = RouteSpec(8, 64, 4, ordered=True, allow_fewer=True)
+TOKENS, PROMPT, GROUPS, SIZE = 800, 320, 8, 6
+ODD = "g1-s2"  # its prompt routes differ from its group's in one slot
+
+
+def _group_writes(version: int = 0) -> dict[str, tuple[TrajectoryWrite, np.ndarray]]:
+    """GRPO groups: samples share their prompt's routes (one sample differs in one
+    slot); some token-layers chose fewer experts."""
+    rng = np.random.default_rng(version)
+    out = {}
+    for g in range(GROUPS):
+        prompt = skewed_topk(rng, PROMPT, 8, 64, 4).astype(np.int16)
+        prompt[rng.random(prompt.shape[:2]) < 0.05, 3] = -1
+        for s in range(SIZE):
+            ids = np.concatenate([prompt, skewed_topk(rng, TOKENS - PROMPT, 8, 64, 4)])
+            tid = f"g{g}-s{s}" if version == 0 else f"v{version}-g{g}-s{s}"
+            if tid == ODD:
+                ids[7, 2, 3] = next(e for e in range(64) if e not in ids[7, 2])
+            write = TrajectoryWrite(
+                tid,
+                TOKENS,
+                topk=ids,
+                group_id=f"{version}/g{g}",
+                prompt_len=PROMPT,
+                policy_version=version,
+            )
+            out[tid] = (write, ids)
+    return out
+
+
+def _check(engine: Engine, writes: dict[str, tuple[TrajectoryWrite, np.ndarray]]) -> None:
+    batch = engine.get_batch("ns", list(writes))
+    assert batch.missing == []
+    for tid, item in zip(batch.ids, batch.items, strict=True):
+        assert item is not None
+        assert np.array_equal(item.routes.to_topk(), writes[tid][1]), tid  # type: ignore[union-attr]
+    stored = engine.get_batch("ns", list(writes), decode=False)
+    for tid, item in zip(stored.ids, stored.items, strict=True):
+        assert item is not None
+        assert item.routes is None
+        parts = []
+        for segment in item.segments:  # streams handed out decode alone
+            assert segment.encoded is not None
+            assert codec.self_contained(segment.encoded)
+            parts.append(codec.decode(segment.encoded, SPEC, segment.num_tokens))
+        assert np.array_equal(Routes.concat(parts).to_topk(), writes[tid][1]), tid
+
+
+def test_cold_shards_are_merged_and_compressed_again(
+    store: ObjectStore, make_engine: MakeEngine
+) -> None:
+    engine = make_engine(store)
+    engine.create_namespace("ns", SPEC, NamespaceSettings(retention=Retention(keep_versions=1)))
+    writes = _group_writes()
+    for write, _ids in writes.values():  # one put each: as many shards
+        engine.put("ns", [write])
+    before = engine.usage("ns")
+    assert before.shards == len(writes)
+
+    assert engine.maintenance().run().shards_merged == 0  # not cold yet
+    report = engine.maintenance(cold_seconds=0).run()
+    assert (report.shards_merged, report.shards_at_rest) == (len(writes), 1)
+    assert report.dictionaries_trained == 1
+    after = engine.usage("ns")
+    assert after.shards == 1
+    assert after.live_route_bytes + report.rest_bytes_saved == before.live_route_bytes
+    assert after.live_route_bytes < 0.8 * before.live_route_bytes
+    _check(engine, writes)
+
+    found = make_engine.catalog().lookup("ns", list(writes))
+    shared = {tid: e[0].spans.prefix_tokens for tid, e in found.items()}
+    assert shared[ODD] == 0  # stored whole: its prompt routes differ
+    assert {n for tid, n in shared.items() if tid != ODD} == {PROMPT}
+    assert len({e[0].spans.dictionary for e in found.values()}) == 1
+
+    # a lone shard at rest is left alone; a rebuild finds every row again
+    assert engine.maintenance(cold_seconds=0).run().shards_merged == 0
+    engine.flush()
+    engine.rebuild()
+    _check(engine, writes)
+
+    # retention drops the version; its dictionary goes with its last row
+    newer = _group_writes(version=1)
+    engine.put("ns", [w for w, _ids in newer.values()])
+    engine.set_policy_version("ns", 1)
+    report = engine.maintenance(cold_seconds=0, grace_seconds=0, orphan_seconds=0).run()
+    assert report.dictionaries_trained == 1  # the new version's own
+    engine.maintenance(cold_seconds=0, grace_seconds=0, orphan_seconds=0).run()
+    assert len(list(store.list(DICTIONARY_PREFIX))) == 1
+    _check(engine, newer)
+
+
+def test_a_shard_at_rest_decodes_with_pyarrow_zstandard_and_its_dictionary(
+    store: ObjectStore, make_engine: MakeEngine
+) -> None:
+    """docs/format.md, "Compression at rest", followed with third-party tools only."""
+    engine = make_engine(store)
+    engine.create_namespace("ns", SPEC)
+    writes = _group_writes()
+    engine.put("ns", [w for w, _ids in writes.values()])
+    engine.maintenance(cold_seconds=0, grace_seconds=0).run()
+    (shard,) = [o.key for o in store.list(SHARD_PREFIX)]
+    rows = pq.read_table(io.BytesIO(store.get(shard))).to_pylist()
+    prefixes = {r["digest"]: r for r in rows if r["kind"] == "prefix"}
+    assert len(prefixes) == GROUPS
+    dictionaries = {
+        o.key.rsplit("/", 1)[1]: zstandard.ZstdCompressionDict(store.get(o.key))
+        for o in store.list(DICTIONARY_PREFIX)
+    }
+
+    def sets(row: dict[str, object], tokens: int) -> np.ndarray:
+        """The row's sorted ids `[L, T, K]` (transform 0 or 1)."""
+        name = f"{bytes(row['route_dictionary']).hex()}.zdict"  # type: ignore[arg-type]
+        plain = zstandard.ZstdDecompressor(dict_data=dictionaries[name])
+        raw = plain.decompress(row["route_ids"], max_output_size=8 * tokens * 4)
+        ids = np.frombuffer(raw, np.uint8).reshape(8, tokens, 4).astype(np.int64)
+        if row["route_transform"] == 1:
+            ids[..., 1:] += 1
+            ids = np.cumsum(ids, axis=-1) % 256
+        return ids
+
+    for row in rows:
+        if row["kind"] != "segment":
+            continue
+        _write, ids = writes[row["trajectory_id"]]
+        expected = np.sort(np.where(ids < 0, 999, ids), axis=-1).transpose(1, 0, 2)
+        head = row["prefix_tokens"]
+        own = sets(row, row["num_tokens"] - head)
+        if head:
+            own = np.concatenate([sets(prefixes[row["prefix_digest"]], head), own], axis=1)
+        chosen = expected < 999
+        assert np.array_equal(np.where(chosen, own, 999), expected), row["trajectory_id"]
+
+
+def test_an_older_catalog_gains_the_columns(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    Catalog(url).close()
+    raw = sa.create_engine(url)
+    with raw.begin() as conn:
+        for column in ("dictionary", "prefix_tokens", "prefix_digest", "prefix_ids_offset"):
+            conn.execute(sa.text(f"ALTER TABLE trajectories DROP COLUMN {column}"))
+        conn.execute(sa.text("ALTER TABLE shards DROP COLUMN rest_level"))
+    catalog = Catalog(url)
+    columns = {c["name"] for c in sa.inspect(raw).get_columns("trajectories")}
+    assert {"dictionary", "prefix_tokens", "prefix_digest", "prefix_ids_offset"} <= columns
+    assert "rest_level" in {c["name"] for c in sa.inspect(raw).get_columns("shards")}
+    catalog.close()
+    raw.dispose()
+
+
+@pytest.fixture
+def server(tmp_path: Path, seaweed: SeaweedFS) -> Iterator[ServerProcess]:
+    process = ServerProcess(
+        tmp_path,
+        seaweed,
+        env={"R3STORE_MAINTENANCE_INTERVAL": "1", "R3STORE_MAINTENANCE_COLD_AGE": "0"},
+    )
+    yield process
+    process.stop()
+
+
+@pytest.mark.s3
+def test_direct_reads_of_rows_at_rest(server: ServerProcess) -> None:
+    """Through a real server on SeaweedFS: the plan names the dictionary and the shared
+    prefixes; the client fetches them from the store and reads the same routes."""
+    writes = _group_writes()
+    with Client(server.url, api_key=KEYS["admin"]) as client:
+        client.create_namespace("ns", SPEC)
+        client.put("ns", [w for w, _ids in writes.values()])
+        deadline = time.monotonic() + 60
+        while not client.plan("ns", [ODD]).dictionaries:
+            assert time.monotonic() < deadline, "maintenance never compressed the shard"
+            time.sleep(0.5)
+        plan = client.plan("ns", list(writes))
+        assert sum(s.spans.prefix is not None for s in plan.segments) == len(writes) - 1
+        _spec, direct = client.fetch_direct("ns", list(writes))
+        _spec, proxied = client.fetch("ns", list(writes), decode=False)
+        for tid, item in zip(direct.ids, direct.items, strict=True):
+            assert item is not None  # decoded where the bytes were fetched
+            assert np.array_equal(item.routes.to_topk(), writes[tid][1]), tid  # type: ignore[union-attr]
+        for tid, item in zip(proxied.ids, proxied.items, strict=True):
+            assert item is not None  # streams again that decode alone
+            (segment,) = item.segments
+            assert segment.encoded is not None
+            routes = codec.decode(segment.encoded, SPEC, segment.num_tokens)
+            assert np.array_equal(routes.to_topk(), writes[tid][1]), tid
