@@ -1,4 +1,4 @@
-"""Run the benchmarks: `python -m bench [--quick] [--only codec,engine,...,hardening]`."""
+"""Run the benchmarks: `python -m bench [--quick] [--only codec,rest,engine,...,hardening]`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from bench import (
     hardening_bench,
     http_bench,
     memory_bench,
+    rest_bench,
 )
 from bench.figures import Figure, print_table, write_json
 from r3store.testing import seaweedfs
@@ -24,7 +25,9 @@ RESULTS = Path(__file__).parent / "results" / "latest.json"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
-    parser.add_argument("--only", default="codec,engine,http,datapath,catalog,memory,hardening")
+    parser.add_argument(
+        "--only", default="codec,rest,engine,http,datapath,catalog,memory,hardening"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     sections = set(args.only.split(","))
@@ -34,6 +37,9 @@ def main() -> None:
     if "codec" in sections:
         print("codec ...", flush=True)
         figures += codec_bench.run(tokens=1024 if args.quick else 4096)
+    if "rest" in sections:
+        print("rest (trained-model corpus: made once, cached in bench/.corpus) ...", flush=True)
+        figures += rest_bench.run(quick=args.quick)
     if "engine" in sections:
         print("engine (starting SeaweedFS) ...", flush=True)
         with seaweedfs.running() as server:

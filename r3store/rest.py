@@ -78,7 +78,12 @@ def train(
         trained = zstandard.train_dictionary(size, chunks, level=REST_LEVEL, k=1024, d=8)
     except zstandard.ZstdError:  # samples zstd cannot learn from (too uniform, too few)
         return None
-    return Dictionary.of(trained.as_bytes())
+    dictionary = Dictionary.of(trained.as_bytes())
+    # worth keeping only if it saves more than its own size on what it learned from
+    # (measured at level 3: cheap, and in the same direction as higher levels)
+    plain = zstandard.ZstdCompressor(level=3)
+    saved = sum(len(plain.compress(c)) - len(dictionary.compressor(3).compress(c)) for c in chunks)
+    return dictionary if saved > len(dictionary.data) else None
 
 
 def _slice(routes: Routes, begin: int, end: int | None = None) -> Routes:

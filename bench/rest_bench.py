@@ -1,0 +1,301 @@
+"""Compression at rest on routes of trained MoEs (`bench/corpus.py`), beside whole-corpus
+baselines measured in the same run; uniform routes against the entropy bound; GRPO
+groups with and without prompt sharing; the zstd level chosen by bytes saved per CPU
+second; encode and decode speed; and a look at the order stream.
+
+Bytes at rest are what the catalog counts after one maintenance pass (every stream of
+every row, prefixes once) plus the dictionaries' own bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from collections.abc import Callable
+from math import comb, log2
+from pathlib import Path
+
+import numpy as np
+import zstandard
+
+from bench import corpus
+from bench.figures import Figure, median_of, timed
+from r3store import codec, rest
+from r3store.catalog import Catalog
+from r3store.engine import Engine
+from r3store.keys import DICTIONARY_PREFIX
+from r3store.reader import ReaderConfig, plan_ranges
+from r3store.records import TrajectoryWrite
+from r3store.routes import from_topk, to_mask
+from r3store.spec import RouteSpec
+from r3store.store import LocalStore
+from r3store.testing.synthetic import uniform_topk
+
+BYTES = "B/token-layer"
+RATE = "M token-layers/s"
+LEVELS = (3, 9, 15, 19, 22)
+
+
+def _zstd(data: bytes, level: int) -> int:
+    params = zstandard.ZstdCompressionParameters.from_level(
+        level, source_size=len(data), threads=-1, enable_ldm=level >= 19
+    )
+    return len(zstandard.ZstdCompressor(compression_params=params).compress(data))
+
+
+def _token_layers(trajectories: list[np.ndarray]) -> int:
+    return sum(t.shape[0] * t.shape[1] for t in trajectories)
+
+
+def baselines(spec: RouteSpec, trajectories: list[np.ndarray]) -> dict[str, float]:
+    """Whole-corpus figures, per token-layer: sorted ids (layer-major as stored, and
+    token-major) at zstd 3 and 19, bit-packed masks (token-major) at zstd 3."""
+    n = _token_layers(trajectories)
+    ids = [np.sort(t, axis=-1).astype(spec.id_dtype) for t in trajectories]  # [L, T, K]
+    layer_major = b"".join(t.tobytes() for t in ids)
+    token_major = b"".join(np.ascontiguousarray(t.transpose(1, 0, 2)).tobytes() for t in ids)
+    masks = b"".join(
+        to_mask(from_topk(t.transpose(1, 0, 2), spec, t.shape[1]), spec).tobytes()
+        for t in trajectories
+    )
+    return {
+        "zstd-3": min(_zstd(layer_major, 3), _zstd(token_major, 3)) / n,
+        "zstd-19": min(_zstd(layer_major, 19), _zstd(token_major, 19)) / n,
+        "masks zstd-3": _zstd(masks, 3) / n,
+    }
+
+
+def _writes(
+    trajectories: list[np.ndarray], groups: list[tuple[str, int]] | None = None
+) -> list[TrajectoryWrite]:
+    return [
+        TrajectoryWrite(
+            f"t{i}",
+            t.shape[1],
+            topk=t.transpose(1, 0, 2),
+            group_id=None if groups is None else groups[i][0],
+            prompt_len=0 if groups is None else groups[i][1],
+        )
+        for i, t in enumerate(trajectories)
+    ]
+
+
+def at_rest(
+    spec: RouteSpec, writes: list[TrajectoryWrite], puts: int = 16, **options: object
+) -> tuple[int, int, int, int]:
+    """Bytes as ingest stored them, bytes at rest (dictionaries included), ranged GETs
+    of the costliest one-trajectory read, and dictionaries trained."""
+    with tempfile.TemporaryDirectory() as tmp:
+        store = LocalStore(Path(tmp) / "o")
+        with Engine(store, Catalog(f"sqlite:///{tmp}/c.db")) as engine:
+            engine.create_namespace("ns", spec)
+            step = max(1, math.ceil(len(writes) / puts))
+            for begin in range(0, len(writes), step):
+                engine.put("ns", writes[begin : begin + step])
+            ingest = engine.usage("ns").live_route_bytes
+            report = engine.maintenance(cold_seconds=0, **options).run()
+            stored = engine.usage("ns").live_route_bytes
+            stored += sum(o.size for o in store.list(DICTIONARY_PREFIX))
+            engine.flush()
+        config, catalog = ReaderConfig(), Catalog(f"sqlite:///{tmp}/c.db")
+        found = catalog.lookup("ns", [w.trajectory_id for w in writes])
+        catalog.close()
+        gets = max(
+            len(plan_ranges(e.spans.spans, config.coalesce_bytes, config.gap_bytes))
+            for entries in found.values()
+            for e in entries
+        )
+    return ingest, stored, gets, report.dictionaries_trained
+
+
+def _levels(spec: RouteSpec, trajectories: list[np.ndarray]) -> list[Figure]:
+    """Bytes saved over ingest per CPU second of encoding at rest, by level."""
+    sample = trajectories[: max(8, len(trajectories) // 4)]
+    routes = [from_topk(t.transpose(1, 0, 2), spec, t.shape[1]) for t in sample]
+    dictionary = rest.train(rest.samples(spec, routes))
+    ingest = sum(codec.encode(r, spec).nbytes for r in routes)
+    out = []
+    for level in LEVELS:
+        start = time.process_time()
+        size = sum(codec.encode(r, spec, level, dictionary=dictionary).nbytes for r in routes)
+        seconds = time.process_time() - start
+        out.append(
+            Figure(
+                f"rest {spec.num_layers}x{spec.num_experts}x{spec.top_k}: level {level}, "
+                f"saved per CPU s",
+                (ingest - size) / seconds / 1e6,
+                "MB/s",
+            )
+        )
+    return out
+
+
+def _speed(spec: RouteSpec, trajectories: list[np.ndarray]) -> list[Figure]:
+    """Encode at ingest and at rest, decode of both, on one core."""
+    routes = [from_topk(t.transpose(1, 0, 2), spec, t.shape[1]) for t in trajectories[:16]]
+    n = sum(r.num_tokens for r in routes) * spec.num_layers
+    dictionary = rest.train(rest.samples(spec, routes))
+    ingest = [codec.encode(r, spec) for r in routes]
+    rested = [codec.encode(r, spec, rest.REST_LEVEL, dictionary=dictionary) for r in routes]
+    name = f"rest {spec.num_layers}x{spec.num_experts}x{spec.top_k}"
+
+    def rate(fn: Callable[[], object]) -> float:
+        return n / median_of(3, lambda: timed(fn)) / 1e6
+
+    return [
+        Figure(
+            f"{name}: encode at ingest, one core",
+            rate(lambda: [codec.encode(r, spec) for r in routes]),
+            RATE,
+        ),
+        Figure(
+            f"{name}: encode at rest, one core",
+            rate(
+                lambda: [
+                    codec.encode(r, spec, rest.REST_LEVEL, dictionary=dictionary) for r in routes
+                ]
+            ),
+            RATE,
+        ),
+        Figure(
+            f"{name}: decode ingest streams, one core",
+            rate(
+                lambda: [
+                    codec.decode(e, spec, r.num_tokens) for e, r in zip(ingest, routes, strict=True)
+                ]
+            ),
+            RATE,
+        ),
+        Figure(
+            f"{name}: decode at rest, one core",
+            rate(
+                lambda: [
+                    codec.decode(e, spec, r.num_tokens, dictionary)
+                    for e, r in zip(rested, routes, strict=True)
+                ]
+            ),
+            RATE,
+        ),
+    ]
+
+
+def _order(spec: RouteSpec, trajectories: list[np.ndarray]) -> list[Figure]:
+    """The order stream: stored bytes beside the empirical entropy of the Lehmer ranks
+    (per layer) and the bound for a random order, log2(K!)/8."""
+    ordered = RouteSpec(spec.num_layers, spec.num_experts, spec.top_k, ordered=True)
+    stored, n, entropy = 0, 0, 0.0
+    ranks_all: list[np.ndarray] = []
+    for t in trajectories:
+        routes = from_topk(t.transpose(1, 0, 2), ordered, t.shape[1])
+        encoded = codec.encode(routes, ordered)
+        stored += len(encoded.order or b"")
+        n += t.shape[0] * t.shape[1]
+        planes = [t[..., i].astype(np.uint16) for i in range(spec.top_k)]
+        ranks_all.append(codec._lehmer_rank(planes))
+    ranks = np.concatenate(ranks_all, axis=1)  # [L, tokens]
+    for layer in ranks:
+        _, counts = np.unique(layer, return_counts=True)
+        p = counts / counts.sum()
+        entropy += float(-(p * np.log2(p)).sum()) * layer.size
+    name = f"order {spec.num_layers}x{spec.num_experts}x{spec.top_k}"
+    bound = log2(math.factorial(spec.top_k)) / 8
+    return [
+        Figure(
+            f"{name}: stored order stream vs random order", stored / n, BYTES, bound, "log2(K!)/8"
+        ),
+        Figure(
+            f"{name}: rank entropy per layer vs random order",
+            entropy / n / 8,
+            BYTES,
+            bound,
+            "log2(K!)/8",
+        ),
+    ]
+
+
+def _shape(name: str, quick: bool) -> list[Figure]:
+    data = corpus.load(name)
+    shape = data.shape
+    spec = RouteSpec(shape.layers, shape.experts, shape.top_k)
+    trajectories = data.trajectories[: 24 if quick else None]
+    base = baselines(spec, trajectories)
+    n = _token_layers(trajectories)
+    writes = _writes(trajectories)
+    ingest, stored, gets, _trained = at_rest(spec, writes)
+    label = f"rest {name}"
+    figures = [
+        Figure(f"{label}: corpus tokens", n / shape.layers, "tokens"),
+        Figure(f"{label}: whole corpus, sorted ids zstd-19", base["zstd-19"], BYTES),
+        Figure(f"{label}: whole corpus, masks zstd-3", base["masks zstd-3"], BYTES),
+        Figure(
+            f"{label}: at ingest vs whole-corpus zstd-3",
+            ingest / n,
+            BYTES,
+            base["zstd-3"],
+            "zstd-3",
+        ),
+        Figure(
+            f"{label}: at rest vs whole-corpus zstd-3",
+            stored / n,
+            BYTES,
+            base["zstd-3"],
+            "zstd-3",
+            "<= 1.05x",
+        ),
+        Figure(f"{label}: ranged GETs per trajectory read", gets, "GETs", None, None, "1"),
+    ]
+    figures += _levels(spec, trajectories)
+    figures += _speed(spec, trajectories)
+    figures += _order(spec, trajectories)
+    return figures
+
+
+def _uniform(quick: bool) -> list[Figure]:
+    spec = RouteSpec(48, 128, 8)
+    rng = np.random.default_rng(0)
+    trajectories = [
+        uniform_topk(rng, 1024, 48, 128, 8).transpose(1, 0, 2) for _ in range(4 if quick else 16)
+    ]
+    _ingest, stored, _gets, _trained = at_rest(spec, _writes(trajectories))
+    bound = log2(comb(128, 8)) / 8
+    return [
+        Figure(
+            "rest uniform 48x128x8: at rest vs entropy bound",
+            stored / _token_layers(trajectories),
+            BYTES,
+            bound,
+            "entropy",
+            "<= 1.05x",
+        )
+    ]
+
+
+def _grpo(quick: bool) -> list[Figure]:
+    name = "8x64x4"
+    groups = corpus.grpo(name, groups=4 if quick else 16, size=8, prompt_fraction=0.5)
+    shape = corpus.SHAPES[name]
+    spec = RouteSpec(shape.layers, shape.experts, shape.top_k)
+    trajectories = [routes for group in groups for routes, _prompt in group]
+    meta = [(f"g{g}", prompt) for g, group in enumerate(groups) for _routes, prompt in group]
+    shared = at_rest(spec, _writes(trajectories, meta))[1]
+    alone = at_rest(spec, _writes(trajectories))[1]  # no groups: nothing to share
+    return [
+        Figure(
+            f"rest GRPO {name}, groups of 8, prompts 50%: with vs without sharing",
+            shared / _token_layers(trajectories),
+            BYTES,
+            alone / _token_layers(trajectories),
+            "no sharing",
+            "<= 0.60x",
+        )
+    ]
+
+
+def run(quick: bool = False) -> list[Figure]:
+    figures: list[Figure] = []
+    for name in corpus.SHAPES:
+        figures += _shape(name, quick)
+    figures += _uniform(quick)
+    figures += _grpo(quick)
+    return figures
