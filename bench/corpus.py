@@ -80,7 +80,7 @@ class MoE(nn.Module):
         order = ids.flatten().argsort(stable=True)
         counts = torch.bincount(ids.flatten(), minlength=len(self.w1))
         rows, weights, sizes = order // self.k, gates.flatten()[order, None], counts.tolist()
-        parts = zip(x[rows].split(sizes), weights.split(sizes), strict=True)
+        parts = zip(torch.split(x[rows], sizes), torch.split(weights, sizes), strict=True)
         experts = zip(parts, self.w1.unbind(), self.w2.unbind(), strict=True)
         y = torch.cat([(relu(p @ w1) * g) @ w2 for (p, g), w1, w2 in experts if len(p)])
         aux = len(counts) * (counts / ids.numel() * probs.mean(0)).sum()  # Switch balance loss
@@ -129,10 +129,11 @@ class Model(nn.Module):
         half = self.embed.embedding_dim // self.heads // 2
         angle = torch.arange(tokens.shape[1])[:, None] * 1e4 ** (-torch.arange(half) / half)
         cos, sin = angle.cos(), angle.sin()
-        x, aux, ids = self.embed(tokens), torch.zeros(()), []
+        x, aux, ids = self.embed(tokens), torch.zeros(()), list[Tensor]()
         for block in self.blocks:
             x, a, i = block(x, cos, sin)
-            aux, ids = aux + a, [*ids, i]
+            aux = aux + a
+            ids.append(i)
         return self.norm(x) @ self.embed.weight.T, aux, torch.stack(ids)
 
 
@@ -188,7 +189,8 @@ def train(shape: Shape, text: np.ndarray) -> tuple[Model, float]:
 def record(model: Model, tokens: np.ndarray) -> np.ndarray:
     """One forward pass; each layer's top-k expert ids in score order, [L, T, K]."""
     _, _, ids = model(torch.from_numpy(tokens).long()[None])
-    return ids.numpy().astype(np.uint8 if model.experts <= 256 else np.uint16)
+    out: np.ndarray = ids.numpy().astype(np.uint8 if model.experts <= 256 else np.uint16)
+    return out
 
 
 def _model(shape: Shape) -> tuple[Model, dict[str, float]]:
