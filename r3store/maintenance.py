@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from r3store import codec, rest
 from r3store.catalog import Catalog
 from r3store.catalog_types import ShardUsage, TrajectoryEntry
-from r3store.codec import Dictionary, EncodedRoutes, load_dictionary
+from r3store.codec import Dictionary, EncodedRoutes
 from r3store.errors import ObjectExists, ObjectNotFound, R3StoreError
 from r3store.keys import (
     DICTIONARY_PREFIX,
@@ -53,6 +53,7 @@ from r3store.keys import (
     dictionary_key,
     tombstone_key,
 )
+from r3store.reader import DictionaryCache
 from r3store.shard import BuiltShard, ShardRow, Span, build_shard
 from r3store.spec import RouteSpec
 from r3store.store.base import ObjectStore
@@ -127,7 +128,7 @@ class Maintenance:
         self.rest_level = rest_level
         self.rest_shard_bytes = rest_shard_bytes
         self.totals = MaintenanceReport()
-        self._dictionaries: dict[tuple[str, bytes], Dictionary] = {}
+        self._dictionaries = DictionaryCache(store)
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> MaintenanceReport:
         """One pass; `progress(done, total)` is called per shard considered."""
@@ -322,21 +323,15 @@ class Maintenance:
         `cold` (stored first), else the newest of an earlier version, else none."""
         found = self.catalog.dictionary_for(namespace, version)
         if found is not None and found[1] == version:
-            return self._load_dictionary(namespace, found[0])
+            return self._dictionaries.get(namespace, found[0])
         trained = rest.train(rest.samples(spec, [c.routes for c in cold]))
         if trained is not None:
             with contextlib.suppress(ObjectExists):  # named by content: the same bytes
                 self.store.put_if_absent(dictionary_key(namespace, trained.digest), trained.data)
-            self._dictionaries[(namespace, trained.digest)] = trained
+            self._dictionaries.add(namespace, trained)
             report.dictionaries_trained += 1
             return trained
-        return None if found is None else self._load_dictionary(namespace, found[0])
-
-    def _load_dictionary(self, namespace: str, digest: bytes) -> Dictionary:
-        if (namespace, digest) not in self._dictionaries:
-            data = self.store.get(dictionary_key(namespace, digest))
-            self._dictionaries[(namespace, digest)] = load_dictionary(data, digest)
-        return self._dictionaries[(namespace, digest)]
+        return None if found is None else self._dictionaries.get(namespace, found[0])
 
     def collect(self, report: MaintenanceReport) -> None:
         cutoff = self.clock() - self.grace_seconds

@@ -62,6 +62,32 @@ class _LRU(Generic[K, V]):
                 self._weight -= w
 
 
+class DictionaryCache:
+    """Namespace dictionaries read from the store, checked against the digest they are
+    named by, and kept (they never change) up to `capacity` bytes."""
+
+    def __init__(self, store: ObjectStore, capacity: int = DICTIONARY_CACHE_BYTES) -> None:
+        self._store = store
+        self._kept: _LRU[tuple[str, bytes], Dictionary] = _LRU(capacity)
+
+    def add(self, namespace: str, dictionary: Dictionary) -> None:
+        self._kept.put((namespace, dictionary.digest), dictionary, len(dictionary.data))
+
+    def get(self, namespace: str, digest: bytes | None) -> Dictionary | None:
+        """The dictionary `digest` names; None for no digest."""
+        return None if digest is None else self._load(namespace, digest)
+
+    def many(self, namespace: str, digests: Iterable[bytes | None]) -> Dictionaries:
+        return {d: self._load(namespace, d) for d in set(digests) if d is not None}
+
+    def _load(self, namespace: str, digest: bytes) -> Dictionary:
+        kept = self._kept.get((namespace, digest))
+        if kept is None:
+            kept = load_dictionary(self._store.get(dictionary_key(namespace, digest)), digest)
+            self.add(namespace, kept)
+        return kept
+
+
 @dataclass(frozen=True)
 class ReaderConfig:
     """`ReaderConfig(threads=8, cache_bytes=128 << 20)`: cache_bytes=0 turns the cache off."""
@@ -93,7 +119,7 @@ class ShardReader:
         self._store = store
         self.config = config
         self._recent: _LRU[str, bytes] = _LRU(config.cache_bytes)
-        self._dictionaries: _LRU[tuple[str, bytes], Dictionary] = _LRU(DICTIONARY_CACHE_BYTES)
+        self.dictionaries = DictionaryCache(store)
         self._pool = ThreadPoolExecutor(config.threads, thread_name_prefix="r3store-read")
 
     def close(self) -> None:
@@ -104,18 +130,6 @@ class ShardReader:
         it would push out most of the others)."""
         if len(built.data) <= self.config.cache_bytes // 2:
             self._recent.put(built.key, built.data, len(built.data))
-
-    def dictionaries(self, namespace: str, digests: Iterable[bytes | None]) -> Dictionaries:
-        """The dictionaries named (cached: they never change), read from the store."""
-        out: Dictionaries = {}
-        for digest in set(digests) - {None}:
-            assert digest is not None
-            cached = self._dictionaries.get((namespace, digest))
-            if cached is None:
-                cached = load_dictionary(self._store.get(dictionary_key(namespace, digest)), digest)
-                self._dictionaries.put((namespace, digest), cached, len(cached.data))
-            out[digest] = cached
-        return out
 
     def _fetch(self, key: str, byte_range: ByteRange) -> bytes:
         data = self._recent.get(key)
@@ -135,7 +149,7 @@ class ShardReader:
             for entry in segments:
                 by_shard[entry.shard_key].append(entry)
                 namespace = entry.namespace
-        dictionaries = self.dictionaries(
+        dictionaries = self.dictionaries.many(
             namespace, (e.spans.dictionary for items in by_shard.values() for e in items)
         )
         jobs = [

@@ -16,11 +16,12 @@ from r3store import codec, stats
 from r3store.catalog import Catalog
 from r3store.catalog_stats import LoadRecord
 from r3store.catalog_types import NamespaceInfo, ShardInfo, TrajectoryEntry
-from r3store.codec import Dictionary, EncodedRoutes, Transform, load_dictionary
+from r3store.codec import Dictionary, EncodedRoutes, Transform
 from r3store.errors import CorruptShard, R3StoreError
-from r3store.keys import NAMESPACE_PREFIX, SHARD_PREFIX, dictionary_key
+from r3store.keys import NAMESPACE_PREFIX, SHARD_PREFIX
 from r3store.maintenance import read_tombstones
 from r3store.policy import ENGINE, NamespaceSettings
+from r3store.reader import DictionaryCache
 from r3store.records import check_source
 from r3store.shard import (
     META_CREATED,
@@ -181,15 +182,7 @@ def rebuild_catalog(
         except (ValueError, KeyError, TypeError, R3StoreError) as exc:
             report.skipped.append(f"{info.key}: {exc}")
     dropped = read_tombstones(store)
-    dictionaries: dict[tuple[str, bytes], Dictionary] = {}
-
-    def dictionary(namespace: str, digest: bytes | None) -> Dictionary | None:
-        if digest is None:
-            return None
-        if (namespace, digest) not in dictionaries:
-            data = store.get(dictionary_key(namespace, digest))
-            dictionaries[(namespace, digest)] = load_dictionary(data, digest)
-        return dictionaries[(namespace, digest)]
+    dictionary = DictionaryCache(store).get
 
     objects = [info for info in store.list(SHARD_PREFIX) if info.key.endswith(".parquet")]
     loaded: list[tuple[ShardInfo, list[TrajectoryEntry], list[LoadRecord]]] = []
