@@ -9,6 +9,7 @@ every row, prefixes once) plus the dictionaries' own bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import tempfile
 import time
@@ -27,14 +28,14 @@ from r3store.engine import Engine
 from r3store.keys import DICTIONARY_PREFIX
 from r3store.reader import ReaderConfig, plan_ranges
 from r3store.records import TrajectoryWrite
-from r3store.routes import from_topk, to_mask
+from r3store.routes import Routes, from_topk, to_mask
 from r3store.spec import RouteSpec
 from r3store.store import LocalStore
 from r3store.testing.synthetic import uniform_topk
 
 BYTES = "B/token-layer"
 RATE = "M token-layers/s"
-LEVELS = (3, 9, 15, 19, 22)
+LEVELS = (3, 6, 9, 12, 15, 19)
 
 
 def _zstd(data: bytes, level: int) -> int:
@@ -82,21 +83,33 @@ def _writes(
 
 
 def at_rest(
-    spec: RouteSpec, writes: list[TrajectoryWrite], puts: int = 16, **options: object
+    spec: RouteSpec,
+    writes: list[TrajectoryWrite],
+    puts: int = 16,
+    earlier: list[TrajectoryWrite] | None = None,
+    **options: object,
 ) -> tuple[int, int, int, int]:
-    """Bytes as ingest stored them, bytes at rest (dictionaries included), ranged GETs
-    of the costliest one-trajectory read, and dictionaries trained."""
+    """Bytes as ingest stored them, bytes at rest (dictionaries trained for them
+    included), ranged GETs of the costliest one-trajectory read, and dictionaries
+    trained. `earlier`: traffic of the same policy version put and settled first (its
+    dictionary is what `writes` then use); its bytes are not counted."""
     with tempfile.TemporaryDirectory() as tmp:
         store = LocalStore(Path(tmp) / "o")
         with Engine(store, Catalog(f"sqlite:///{tmp}/c.db")) as engine:
             engine.create_namespace("ns", spec)
-            step = max(1, math.ceil(len(writes) / puts))
-            for begin in range(0, len(writes), step):
-                engine.put("ns", writes[begin : begin + step])
-            ingest = engine.usage("ns").live_route_bytes
-            report = engine.maintenance(cold_seconds=0, **options).run()
-            stored = engine.usage("ns").live_route_bytes
-            stored += sum(o.size for o in store.list(DICTIONARY_PREFIX))
+
+            def settled(batch: list[TrajectoryWrite]) -> tuple[int, int, int]:
+                step = max(1, math.ceil(len(batch) / puts))
+                for begin in range(0, len(batch), step):
+                    engine.put("ns", batch[begin : begin + step])
+                ingest = engine.usage("ns").live_route_bytes
+                report = engine.maintenance(cold_seconds=0, **options).run()
+                stored = engine.usage("ns").live_route_bytes
+                stored += sum(o.size for o in store.list(DICTIONARY_PREFIX))
+                return ingest, stored, report.dictionaries_trained
+
+            _ingest, before, _trained = settled(earlier or [])
+            ingest, stored, trained = settled(writes)
             engine.flush()
         config, catalog = ReaderConfig(), Catalog(f"sqlite:///{tmp}/c.db")
         found = catalog.lookup("ns", [w.trajectory_id for w in writes])
@@ -106,38 +119,64 @@ def at_rest(
             for entries in found.values()
             for e in entries
         )
-    return ingest, stored, gets, report.dictionaries_trained
+    return ingest - before, stored - before, gets, trained
+
+
+def _cold(spec: RouteSpec, trajectories: list[np.ndarray]) -> list[rest.ColdRow]:
+    return [
+        rest.ColdRow(routes, codec.encode(routes, spec), None, "engine", 0, 0)
+        for routes in (from_topk(t.transpose(1, 0, 2), spec, t.shape[1]) for t in trajectories)
+    ]
+
+
+def _at_rest(
+    spec: RouteSpec, dictionary: codec.Dictionary | None, level: int
+) -> Callable[[Routes], codec.EncodedRoutes]:
+    return lambda r: codec.encode(
+        r, spec, level, dictionary=dictionary, transforms=codec.EVERY_TRANSFORM
+    )
 
 
 def _levels(spec: RouteSpec, trajectories: list[np.ndarray]) -> list[Figure]:
-    """Bytes saved over ingest per CPU second of encoding at rest, by level."""
-    sample = trajectories[: max(8, len(trajectories) // 4)]
-    routes = [from_topk(t.transpose(1, 0, 2), spec, t.shape[1]) for t in sample]
-    dictionary = rest.train(rest.samples(spec, routes))
-    ingest = sum(codec.encode(r, spec).nbytes for r in routes)
-    out = []
+    """Bytes saved over ingest per CPU second of encoding at rest, by level: overall,
+    and what each level saves beyond the one before per CPU second more it costs."""
+    cold = _cold(spec, trajectories[: max(8, len(trajectories) // 4)])
+    routes = [c.routes for c in cold]
+    dictionary = rest.train(rest.samples(spec, cold))
+    ingest = sum(c.stored.nbytes for c in cold)
+    n = sum(r.num_tokens for r in routes) * spec.num_layers
+    name = f"rest {spec.num_layers}x{spec.num_experts}x{spec.top_k}"
+    out, before = [], (ingest, 0.0)
     for level in LEVELS:
+        encode = _at_rest(spec, dictionary, level)
         start = time.process_time()
-        size = sum(codec.encode(r, spec, level, dictionary=dictionary).nbytes for r in routes)
+        size = sum(encode(r).nbytes for r in routes)
         seconds = time.process_time() - start
-        out.append(
+        marginal = (before[0] - size) / max(seconds - before[1], 1e-3) / 1e6
+        out += [
+            Figure(f"{name}: level {level}, bytes", size / n, BYTES),
             Figure(
-                f"rest {spec.num_layers}x{spec.num_experts}x{spec.top_k}: level {level}, "
-                f"saved per CPU s",
-                (ingest - size) / seconds / 1e6,
+                f"{name}: level {level}, saved per CPU s", (ingest - size) / seconds / 1e6, "MB/s"
+            ),
+            Figure(
+                f"{name}: level {level}, saved per CPU s more than the level before",
+                marginal,
                 "MB/s",
-            )
-        )
+            ),
+        ]
+        before = (size, seconds)
     return out
 
 
 def _speed(spec: RouteSpec, trajectories: list[np.ndarray]) -> list[Figure]:
     """Encode at ingest and at rest, decode of both, on one core."""
-    routes = [from_topk(t.transpose(1, 0, 2), spec, t.shape[1]) for t in trajectories[:16]]
+    cold = _cold(spec, trajectories[:16])
+    routes = [c.routes for c in cold]
     n = sum(r.num_tokens for r in routes) * spec.num_layers
-    dictionary = rest.train(rest.samples(spec, routes))
+    dictionary = rest.train(rest.samples(spec, cold))
     ingest = [codec.encode(r, spec) for r in routes]
-    rested = [codec.encode(r, spec, rest.REST_LEVEL, dictionary=dictionary) for r in routes]
+    at_rest_of = _at_rest(spec, dictionary, rest.REST_LEVEL)
+    rested = [at_rest_of(r) for r in routes]
     name = f"rest {spec.num_layers}x{spec.num_experts}x{spec.top_k}"
 
     def rate(fn: Callable[[], object]) -> float:
@@ -150,13 +189,7 @@ def _speed(spec: RouteSpec, trajectories: list[np.ndarray]) -> list[Figure]:
             RATE,
         ),
         Figure(
-            f"{name}: encode at rest, one core",
-            rate(
-                lambda: [
-                    codec.encode(r, spec, rest.REST_LEVEL, dictionary=dictionary) for r in routes
-                ]
-            ),
-            RATE,
+            f"{name}: encode at rest, one core", rate(lambda: [at_rest_of(r) for r in routes]), RATE
         ),
         Figure(
             f"{name}: decode ingest streams, one core",
@@ -180,9 +213,30 @@ def _speed(spec: RouteSpec, trajectories: list[np.ndarray]) -> list[Figure]:
     ]
 
 
+def _prior_ranks(spec: RouteSpec, trajectories: list[np.ndarray]) -> list[np.ndarray]:
+    """Lehmer ranks `[L, T]` of the second half's score orders relative to a predicted
+    one: the chosen experts sorted by their mean slot in the first half, per layer."""
+    layers, experts, k = spec.num_layers, spec.num_experts, spec.top_k
+    half = len(trajectories) // 2
+    slots, seen = np.zeros((layers, experts)), np.zeros((layers, experts))
+    for t in trajectories[:half]:
+        for layer in range(layers):
+            for i in range(k):
+                np.add.at(slots[layer], t[layer, :, i], i)
+                np.add.at(seen[layer], t[layer, :, i], 1)
+    prior = slots / np.maximum(seen, 1)
+    out = []
+    for t in trajectories[half:]:
+        key = prior[np.arange(layers)[:, None, None], t]
+        place = np.argsort(np.argsort(key, axis=-1, kind="stable"), axis=-1)
+        out.append(codec._lehmer_rank([place[..., i].astype(np.uint16) for i in range(k)]))
+    return out
+
+
 def _order(spec: RouteSpec, trajectories: list[np.ndarray]) -> list[Figure]:
     """The order stream: stored bytes beside the empirical entropy of the Lehmer ranks
-    (per layer) and the bound for a random order, log2(K!)/8."""
+    (per layer) and the bound for a random order, log2(K!)/8; for K <= 5, ranks as
+    uint8 token-major at the rest level, as they are and relative to a prediction."""
     ordered = RouteSpec(spec.num_layers, spec.num_experts, spec.top_k, ordered=True)
     stored, n, entropy = 0, 0, 0.0
     ranks_all: list[np.ndarray] = []
@@ -200,7 +254,7 @@ def _order(spec: RouteSpec, trajectories: list[np.ndarray]) -> list[Figure]:
         entropy += float(-(p * np.log2(p)).sum()) * layer.size
     name = f"order {spec.num_layers}x{spec.num_experts}x{spec.top_k}"
     bound = log2(math.factorial(spec.top_k)) / 8
-    return [
+    figures = [
         Figure(
             f"{name}: stored order stream vs random order", stored / n, BYTES, bound, "log2(K!)/8"
         ),
@@ -212,6 +266,25 @@ def _order(spec: RouteSpec, trajectories: list[np.ndarray]) -> list[Figure]:
             "log2(K!)/8",
         ),
     ]
+    if math.factorial(spec.top_k) <= 256:
+        compressor = zstandard.ZstdCompressor(level=rest.REST_LEVEL)
+
+        def packed(all_ranks: list[np.ndarray]) -> float:
+            size = sum(len(compressor.compress(r.T.astype(np.uint8).tobytes())) for r in all_ranks)
+            return size / sum(r.size for r in all_ranks)
+
+        predicted = _prior_ranks(spec, trajectories)
+        figures += [
+            Figure(f"{name}: ranks as uint8", packed(ranks_all), BYTES, bound, "log2(K!)/8"),
+            Figure(
+                f"{name}: ranks as uint8, second half, vs the layer's expert prior",
+                packed(predicted),
+                BYTES,
+                packed(ranks_all[len(trajectories) // 2 :]),
+                "as they are",
+            ),
+        ]
+    return figures
 
 
 def _shape(name: str, quick: bool) -> list[Figure]:
@@ -272,14 +345,22 @@ def _uniform(quick: bool) -> list[Figure]:
 
 
 def _grpo(quick: bool) -> list[Figure]:
+    """GRPO groups stored with and without prompt sharing, after the same policy's
+    earlier traffic (the shape's corpus) trained the dictionary both use: a dictionary
+    trained on these few groups would hold their prompts themselves, which one trained
+    on a version's first rows cannot do for the thousands of groups after them."""
     name = "8x64x4"
     groups = corpus.grpo(name, groups=4 if quick else 16, size=8, prompt_fraction=0.5)
     shape = corpus.SHAPES[name]
     spec = RouteSpec(shape.layers, shape.experts, shape.top_k)
+    earlier = [
+        dataclasses.replace(w, trajectory_id=f"earlier-{w.trajectory_id}")
+        for w in _writes(corpus.load(name).trajectories[: 24 if quick else None])
+    ]
     trajectories = [routes for group in groups for routes, _prompt in group]
     meta = [(f"g{g}", prompt) for g, group in enumerate(groups) for _routes, prompt in group]
-    shared = at_rest(spec, _writes(trajectories, meta))[1]
-    alone = at_rest(spec, _writes(trajectories))[1]  # no groups: nothing to share
+    shared = at_rest(spec, _writes(trajectories, meta), earlier=earlier)[1]
+    alone = at_rest(spec, _writes(trajectories), earlier=earlier)[1]  # no groups: no sharing
     return [
         Figure(
             f"rest GRPO {name}, groups of 8, prompts 50%: with vs without sharing",

@@ -9,7 +9,10 @@ frame:
   each token-layer's chosen experts ascending, then zeros in empty slots. With transform
   ``DELTA`` slot k > 0 holds `(x[k] - x[k-1] - 1) mod 2**bits` instead of `x[k]`;
   near-uniform routes compress better as gaps, routes whose sets recur as plain ids, and
-  the encoder picks per trajectory by compressing a sample both ways. Gaps
+  the encoder picks per trajectory by compressing a sample both ways. At rest
+  (`EVERY_TRANSFORM`) transform ``TOKEN_MAJOR`` is tried too: the sorted ids as
+  `[T, L, K]`, where a token's sets of all layers lie together, so text that recurs
+  (and with it its routes through every layer) makes long matches. Gaps
   are near-random bytes that only the entropy coder shrinks, so they are compressed at
   level 1 (higher levels gain nothing there, measured); plain ids at `level` (default
   3), whose longer match search finds the recurring sets.
@@ -36,6 +39,7 @@ import hashlib
 import io
 import math
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -56,6 +60,10 @@ DEFAULT_LEVEL = 3
 class Transform(IntEnum):
     SORTED = 0
     DELTA = 1
+    TOKEN_MAJOR = 2  # sorted ids as `[T, L, K]`: only at rest
+
+
+EVERY_TRANSFORM = (Transform.SORTED, Transform.TOKEN_MAJOR, Transform.DELTA)
 
 
 @dataclass(frozen=True)
@@ -171,11 +179,13 @@ def encode(
     token_ids: npt.NDArray[np.int32] | None = None,
     digest: bool = True,
     dictionary: Dictionary | None = None,
+    transforms: Sequence[Transform] | None = None,
 ) -> EncodedRoutes:
     """Encode canonical routes (as `r3store.routes` makes them) into storage streams
     (`digest=False`: leave the digest empty, for a client whose server computes it).
     With a `dictionary`, the ids stream is compressed with it at `level`, both ways
-    tried (sorted ids and gaps).
+    tried (sorted ids and gaps). With `transforms` (at rest: `EVERY_TRANSFORM`) the ids
+    stream is compressed whole in each of them, and the smallest kept.
 
     The digest covers the canonical content (not the compressed bytes) and `salt`,
     which callers use for the trajectory's metadata. Work goes a chunk of tokens at a
@@ -200,13 +210,20 @@ def encode(
     if dictionary is not None:
         compressor = fast = dictionary.compressor(level)
     k = spec.top_k
-    sample = (SAMPLE_BYTES // raw.itemsize) // k * k
-    plain_n = len(compressor.compress(raw[:sample].data))
-    delta_n = len(fast.compress(_delta(raw[:sample], k).data))
-    if k > 1 and delta_n < plain_n:
-        transform, ids_z = Transform.DELTA, _compress_chunks(fast, raw, k, delta=True)
+    if transforms:
+        tried = [
+            (_compress_ids(fast if t == Transform.DELTA else compressor, layers, t), t)
+            for t in transforms
+        ]
+        ids_z, transform = min(tried, key=lambda c: len(c[0]))
     else:
-        transform, ids_z = Transform.SORTED, _compress_chunks(compressor, raw, k, delta=False)
+        sample = (SAMPLE_BYTES // raw.itemsize) // k * k
+        plain_n = len(compressor.compress(raw[:sample].data))
+        delta_n = len(fast.compress(_delta(raw[:sample], k).data))
+        if k > 1 and delta_n < plain_n:
+            transform, ids_z = Transform.DELTA, _compress_ids(fast, layers, Transform.DELTA)
+        else:
+            transform, ids_z = Transform.SORTED, _compress_ids(compressor, layers, Transform.SORTED)
     return EncodedRoutes(
         ids=ids_z,
         counts=None if counts is None else _compressor(level).compress(counts_raw),
@@ -227,15 +244,20 @@ def load_dictionary(data: bytes, digest: bytes) -> Dictionary:
 
 
 def self_contained(encoded: EncodedRoutes) -> bool:
-    """Whether the streams decode alone (no dictionary, no shared prefix)."""
-    return encoded.dictionary is None and encoded.prefix is None
+    """Whether the streams decode alone (no dictionary, no shared prefix) in a transform
+    clients may be sent (not token-major, which only shards at rest hold)."""
+    return (
+        encoded.dictionary is None
+        and encoded.prefix is None
+        and encoded.transform != Transform.TOKEN_MAJOR
+    )
 
 
 def portable(
     encoded: EncodedRoutes, spec: RouteSpec, num_tokens: int, dictionary: Dictionary | None
 ) -> EncodedRoutes:
-    """Streams that decode alone (no dictionary, no shared prefix), encoded again at
-    level 1 when `encoded` needs either; digest and token ids unchanged."""
+    """Streams that decode alone (`self_contained`), encoded again at level 1 when
+    `encoded` is not; digest and token ids unchanged."""
     if self_contained(encoded):
         return encoded
     again = encode(decode(encoded, spec, num_tokens, dictionary), spec, 1, digest=False)
@@ -273,16 +295,25 @@ def content_digest(
     return digest.digest()[:16]
 
 
-def _compress_chunks(
-    compressor: zstandard.ZstdCompressor, flat: npt.NDArray[Any], k: int, delta: bool
+def _compress_ids(
+    compressor: zstandard.ZstdCompressor, layers: npt.NDArray[Any], transform: Transform
 ) -> bytes:
-    """One zstd frame of `flat` (as gaps when `delta`), fed a chunk at a time."""
+    """One zstd frame of the ids stream of sorted ids `layers` `[L, T, K]` under
+    `transform`, fed a chunk at a time."""
     sink = io.BytesIO()  # grows in place; getvalue() hands over its buffer, no copy
-    step = max(1, CHUNK_VALUES // k) * k  # whole token-layers
-    with compressor.stream_writer(sink, size=flat.nbytes, closefd=False) as stream:
-        for begin in range(0, flat.size, step):
-            part = flat[begin : begin + step]
-            stream.write((_delta(part, k) if delta else part).data)
+    num_layers, num_tokens, k = layers.shape
+    with compressor.stream_writer(sink, size=layers.nbytes, closefd=False) as stream:
+        if transform == Transform.TOKEN_MAJOR:
+            step = max(1, CHUNK_VALUES // (num_layers * k))  # whole tokens
+            for begin in range(0, num_tokens, step):
+                part = layers[:, begin : begin + step].transpose(1, 0, 2)
+                stream.write(np.ascontiguousarray(part).data)
+        else:
+            flat = layers.reshape(-1)
+            step = max(1, CHUNK_VALUES // k) * k  # whole token-layers
+            for begin in range(0, flat.size, step):
+                part = flat[begin : begin + step]
+                stream.write((_delta(part, k) if transform == Transform.DELTA else part).data)
     return sink.getvalue()
 
 
@@ -407,10 +438,15 @@ def decode(
         "ids",
         None if encoded.dictionary is None else dictionary,
     )
-    ids = np.frombuffer(raw, dtype=spec.id_dtype).copy()
+    ids = np.frombuffer(raw, dtype=spec.id_dtype)
+    if transform == Transform.TOKEN_MAJOR:
+        ids = np.ascontiguousarray(ids.reshape(num_tokens, layers, k).transpose(1, 0, 2))
+        ids = ids.reshape(-1)
+    else:
+        ids = ids.copy()
     if transform == Transform.DELTA:
         undelta(ids, k)
-    elif transform != Transform.SORTED:
+    elif transform not in (Transform.SORTED, Transform.TOKEN_MAJOR):
         raise CorruptShard(f"unknown route transform {transform}")
     counts = None
     if counts_z is not None:

@@ -277,13 +277,16 @@ class Maintenance:
         namespace, spec = batch[0].namespace, self.spec(batch[0].namespace)
         entries: list[TrajectoryEntry] = []
         stored: list[EncodedRoutes] = []
+        fresh: list[int] = []  # rows as ingest wrote them; those at rest are copied
         for usage in batch:
             data = memoryview(self.store.get(usage.key))
             held = self.catalog.entries_in(usage.key)
+            streams = [e.spans.streams(_reader(data), e.digest) for e in held]
+            if usage.rest_level is None:
+                fresh += [len(stored) + i for i, s in enumerate(streams) if codec.self_contained(s)]
             entries += held
-            stored += [e.spans.streams(_reader(data), e.digest) for e in held]
+            stored += streams
         before = sum(route_bytes(stored))
-        fresh = [i for i, s in enumerate(stored) if codec.self_contained(s)]
         by_version: dict[int, list[int]] = defaultdict(list)
         for i in fresh:
             by_version[entries[i].policy_version].append(i)
@@ -324,7 +327,7 @@ class Maintenance:
         found = self.catalog.dictionary_for(namespace, version)
         if found is not None and found[1] == version:
             return self._dictionaries.get(namespace, found[0])
-        trained = rest.train(rest.samples(spec, [c.routes for c in cold]))
+        trained = rest.train(rest.samples(spec, cold))
         if trained is not None:
             with contextlib.suppress(ObjectExists):  # named by content: the same bytes
                 self.store.put_if_absent(dictionary_key(namespace, trained.digest), trained.data)

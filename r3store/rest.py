@@ -4,9 +4,10 @@ Ingest compresses each trajectory alone and fast (zstd level 3 or 1). Cold rows 
 encoded again (`settle`):
 
 - with the namespace's zstd dictionary for their policy version (`train`: trained from
-  the ids of that version's first cold trajectories, cut per layer, since each layer
-  has its own popular experts and recurring sets), at a high level (`REST_LEVEL`,
-  chosen by bytes saved per CPU second in `bench/rest_bench.py`);
+  the token-major sorted ids of that version's first cold trajectories), at a higher
+  level (`REST_LEVEL`, chosen by bytes saved per CPU second in `bench/rest_bench.py`),
+  each way of laying out the ids stream tried whole and the smallest kept
+  (`codec.EVERY_TRANSFORM`);
 - with the routes of a prompt stored once per GRPO group: samples of one group whose
   first `prompt_len` tokens carry byte-equal routes (counts and slot order included)
   share one prefix row; a sample whose prompt routes differ keeps its own.
@@ -33,11 +34,12 @@ from r3store.errors import CorruptShard
 from r3store.routes import Routes
 from r3store.spec import RouteSpec
 
-REST_LEVEL = 19
-DICTIONARY_BYTES = 64 << 10
+REST_LEVEL = 6  # bench/rest_bench.py: past 6, a CPU second more saves several times less
+DICTIONARY_BYTES = 256 << 10
 MIN_SAMPLE_BYTES = 1 << 20  # of raw ids: less trains no dictionary worth its size
 MAX_SAMPLE_BYTES = 32 << 20  # more takes longer and gains little
 MIN_PREFIX_TOKENS = 16
+SAMPLE_TOKENS = 512
 PREFIX_SALT = b"r3store.prefix"
 Samples = list[bytes | bytearray | memoryview]
 
@@ -54,15 +56,25 @@ class ColdRow:
     prompt_len: int
 
 
-def samples(spec: RouteSpec, routes: Sequence[Routes]) -> Samples:
-    """Training samples: the ids stream's content (sorted ids), a layer of a trajectory
-    each, until `MAX_SAMPLE_BYTES`."""
+def samples(spec: RouteSpec, rows: Sequence[ColdRow]) -> Samples:
+    """Training samples: the ids stream's content as stored at rest (sorted ids,
+    token-major), `SAMPLE_TOKENS` tokens of a trajectory each, until `MAX_SAMPLE_BYTES`.
+    A GRPO group's prompt is taken once (from its first sample), as it will be stored:
+    a dictionary that learnt the prompts would be spent on what sharing already saves."""
     out: Samples = []
     total = 0
-    for r in routes:
-        for layer in codec.sorted_ids(r, spec):
-            out.append(layer.tobytes())
-            total += layer.nbytes
+    seen: set[tuple[str, str]] = set()
+    for row in rows:
+        first = 0
+        if row.group_id is not None and row.start == 0:
+            if (row.group_id, row.source) in seen:
+                first = min(row.prompt_len, row.routes.num_tokens - 1)
+            seen.add((row.group_id, row.source))
+        ids = codec.sorted_ids(row.routes, spec)
+        for begin in range(first, row.routes.num_tokens, SAMPLE_TOKENS):
+            part = np.ascontiguousarray(ids[:, begin : begin + SAMPLE_TOKENS].transpose(1, 0, 2))
+            out.append(part.tobytes())
+            total += part.nbytes
             if total >= MAX_SAMPLE_BYTES:
                 return out
     return out
@@ -97,7 +109,9 @@ def _slice(routes: Routes, begin: int, end: int | None = None) -> Routes:
 def _encode(
     routes: Routes, spec: RouteSpec, dictionary: Dictionary | None, level: int
 ) -> EncodedRoutes:
-    return codec.encode(routes, spec, level, digest=False, dictionary=dictionary)
+    return codec.encode(
+        routes, spec, level, digest=False, dictionary=dictionary, transforms=codec.EVERY_TRANSFORM
+    )
 
 
 def _shared_prefix(rows: Sequence[ColdRow]) -> tuple[int, list[int]]:
@@ -131,7 +145,14 @@ def settle(
         if len(same) < 2:
             continue
         head = _slice(rows[members[same[0]]].routes, 0, length)
-        prefix = codec.encode(head, spec, level, salt=PREFIX_SALT, dictionary=dictionary)
+        prefix = codec.encode(
+            head,
+            spec,
+            level,
+            salt=PREFIX_SALT,
+            dictionary=dictionary,
+            transforms=codec.EVERY_TRANSFORM,
+        )
         for j in same:
             row = rows[members[j]]
             own = _encode(_slice(row.routes, length), spec, dictionary, level)

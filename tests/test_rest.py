@@ -31,20 +31,26 @@ from r3store.testing.synthetic import skewed_topk
 from r3store_client import Client
 
 SPEC = RouteSpec(8, 64, 4, ordered=True, allow_fewer=True)
-TOKENS, PROMPT, GROUPS, SIZE = 800, 320, 8, 6
+TOKENS, PROMPT, GROUPS, SIZE = 1200, 480, 8, 6
 ODD = "g1-s2"  # its prompt routes differ from its group's in one slot
 
 
 def _group_writes(version: int = 0) -> dict[str, tuple[TrajectoryWrite, np.ndarray]]:
     """GRPO groups: samples share their prompt's routes (one sample differs in one
-    slot); some token-layers chose fewer experts."""
+    slot); some token-layers chose fewer experts. As a trained router's, a token's
+    routes through every layer follow from the token (one of 2048 here)."""
     rng = np.random.default_rng(version)
+    router = skewed_topk(rng, 2048, 8, 64, 4).astype(np.int16)  # [vocabulary, L, K]
+
+    def routed(tokens: int) -> np.ndarray:
+        return router[rng.integers(0, len(router), tokens)]
+
     out = {}
     for g in range(GROUPS):
-        prompt = skewed_topk(rng, PROMPT, 8, 64, 4).astype(np.int16)
+        prompt = routed(PROMPT)
         prompt[rng.random(prompt.shape[:2]) < 0.05, 3] = -1
         for s in range(SIZE):
-            ids = np.concatenate([prompt, skewed_topk(rng, TOKENS - PROMPT, 8, 64, 4)])
+            ids = np.concatenate([prompt, routed(TOKENS - PROMPT)])
             tid = f"g{g}-s{s}" if version == 0 else f"v{version}-g{g}-s{s}"
             if tid == ODD:
                 ids[7, 2, 3] = next(e for e in range(64) if e not in ids[7, 2])
@@ -135,17 +141,21 @@ def test_a_shard_at_rest_decodes_with_pyarrow_zstandard_and_its_dictionary(
     rows = pq.read_table(io.BytesIO(store.get(shard))).to_pylist()
     prefixes = {r["digest"]: r for r in rows if r["kind"] == "prefix"}
     assert len(prefixes) == GROUPS
+    assert {r["route_transform"] for r in rows} == {2}  # what routes like these compress best
     dictionaries = {
         o.key.rsplit("/", 1)[1]: zstandard.ZstdCompressionDict(store.get(o.key))
         for o in store.list(DICTIONARY_PREFIX)
     }
 
     def sets(row: dict[str, object], tokens: int) -> np.ndarray:
-        """The row's sorted ids `[L, T, K]` (transform 0 or 1)."""
+        """The row's sorted ids `[L, T, K]` (transform 0, 1 or 2)."""
         name = f"{bytes(row['route_dictionary']).hex()}.zdict"  # type: ignore[arg-type]
         plain = zstandard.ZstdDecompressor(dict_data=dictionaries[name])
         raw = plain.decompress(row["route_ids"], max_output_size=8 * tokens * 4)
         ids = np.frombuffer(raw, np.uint8).reshape(8, tokens, 4).astype(np.int64)
+        if row["route_transform"] == 2:  # token-major
+            ids = np.frombuffer(raw, np.uint8).reshape(tokens, 8, 4).transpose(1, 0, 2)
+            ids = ids.astype(np.int64)
         if row["route_transform"] == 1:
             ids[..., 1:] += 1
             ids = np.cumsum(ids, axis=-1) % 256

@@ -75,6 +75,17 @@ def test_topk_round_trips_through_storage(case: tuple[RouteSpec, np.ndarray, int
         back = codec.decode(encoded, spec, num_tokens)
         assert np.array_equal(back.to_topk(dtype=np.int64), want)
         assert np.array_equal(back.counts, routes.counts)
+    for transform in codec.EVERY_TRANSFORM:  # as maintenance may store them at rest
+        encoded = codec.encode(routes, spec, 1, transforms=(transform,))
+        assert encoded.transform == transform
+        back = codec.decode(encoded, spec, num_tokens)
+        assert np.array_equal(back.to_topk(dtype=np.int64), want)
+        assert np.array_equal(back.counts, routes.counts)
+        handed_out = codec.portable(encoded, spec, num_tokens, None)
+        assert codec.self_contained(handed_out)
+        assert handed_out.transform != codec.Transform.TOKEN_MAJOR
+        back = codec.decode(handed_out, spec, num_tokens)
+        assert np.array_equal(back.to_topk(dtype=np.int64), want)
     if num_tokens > ids.shape[0]:
         assert (routes.counts[-1] == 0).all(), "the engine's missing last row has no route"
 

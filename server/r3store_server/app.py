@@ -76,6 +76,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             grace_seconds=settings.maintenance_grace,
             orphan_seconds=settings.maintenance_orphan_age,
             cold_seconds=settings.maintenance_cold_age,
+            rest_level=settings.maintenance_rest_level,
         )
         app.state.metrics.watch_maintenance(maintenance)
         task = None

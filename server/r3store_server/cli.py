@@ -38,6 +38,7 @@ from r3store import stats as stats_lib
 from r3store.engine import Engine
 from r3store.errors import InvalidConfig, R3StoreError
 from r3store.policy import SOURCES, NamespaceSettings
+from r3store.rest import REST_LEVEL
 from r3store.spec import RouteSpec
 from r3store_server.auth import digest
 from r3store_server.backends import build_engine
@@ -331,6 +332,14 @@ def parser() -> argparse.ArgumentParser:
         default=600.0,
         help="seconds after which shards are merged and compressed again at rest",
     )
+    maintain.add_argument(
+        "--rest-level",
+        type=int,
+        choices=range(1, 23),
+        default=REST_LEVEL,
+        metavar="1-22",
+        help="the zstd level of rows compressed again at rest",
+    )
 
     keys = sub.add_parser("keys", parents=[common], help="create, list or revoke API keys")
     keys_sub = keys.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -416,6 +425,7 @@ def run(args: argparse.Namespace, settings: Settings) -> Any:
             grace_seconds=args.grace,
             orphan_seconds=args.orphan_age,
             cold_seconds=args.cold_age,
+            rest_level=args.rest_level,
         )
         return maintenance.run(_progress("shards")).__dict__
     finally:

@@ -34,6 +34,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from r3store.errors import InvalidConfig
+from r3store.rest import REST_LEVEL
 
 Role = Literal["writer", "reader", "admin"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
@@ -132,7 +133,14 @@ class Settings(BaseSettings):
         600.0,
         ge=0,
         description="seconds after which shards are merged and compressed again at rest "
-        "(dictionaries, a high zstd level, prompt routes once per group); null: never",
+        "(dictionaries, a higher zstd level, prompt routes once per group); null: never",
+    )
+    maintenance_rest_level: int = Field(
+        REST_LEVEL,
+        ge=1,
+        le=22,
+        description="the zstd level of rows compressed again at rest (higher: smaller, "
+        "more CPU; bench/rest_bench.py measures each level's bytes saved per CPU second)",
     )
     maintenance_orphan_age: float = Field(
         3600.0,
