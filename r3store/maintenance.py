@@ -227,7 +227,9 @@ class Maintenance:
     ) -> BuiltShard:
         """Write `rows` (those of `entries`, in order) into a new shard and point the
         catalog at it instead of `old`."""
-        built = build_shard(namespace, self.spec(namespace), rows, self.row_group_bytes)
+        built = build_shard(
+            namespace, self.spec(namespace), rows, self.row_group_bytes, rest_level=rest_level
+        )
         self.store.put_if_absent(built.key, built.data)
         shard, fresh = shard_records(namespace, built, rows)
         shard = dataclasses.replace(shard, rest_level=rest_level)

@@ -25,6 +25,7 @@ from r3store.reader import DictionaryCache
 from r3store.records import check_source
 from r3store.shard import (
     META_CREATED,
+    META_REST_LEVEL,
     PREFIX,
     SEGMENT,
     Link,
@@ -70,6 +71,7 @@ def _load_shard(
     metadata = pf.metadata
     namespace, spec = shard_spec(metadata)
     created = float((metadata.metadata or {}).get(META_CREATED, b"0"))
+    level = (metadata.metadata or {}).get(META_REST_LEVEL)
     digests = table.column("digest").to_pylist()
     dictionaries = _column(table, "route_dictionary", None)
     prefix_digests = _column(table, "prefix_digest", None)
@@ -89,13 +91,17 @@ def _load_shard(
     kinds = _column(table, "kind", SEGMENT)
     links = [Link(*link) for link in zip(digests, prefix_digests, prefix_tokens, strict=True)]
     spans = link_prefixes(locate_rows(data, streams), kinds, links)
-    by_digest = {d: s for d, s, k in zip(digests, streams, kinds, strict=True) if k == PREFIX}
+    by_link = {  # as `link_prefixes` keys them
+        (d, s.dictionary): s for d, s, k in zip(digests, streams, kinds, strict=True) if k == PREFIX
+    }
     streams = [  # each row's with the prefix it continues (for the load count)
         s
         if link.prefix_digest is None
         else dataclasses.replace(
             s,
-            prefix=dataclasses.replace(by_digest[link.prefix_digest], digest=link.prefix_digest),
+            prefix=dataclasses.replace(
+                by_link[(link.prefix_digest, s.dictionary)], digest=link.prefix_digest
+            ),
             prefix_tokens=link.prefix_tokens,
         )
         for s, link in zip(streams, links, strict=True)
@@ -130,7 +136,13 @@ def _load_shard(
         for i, nbytes in zip(kept, charged, strict=True)
     ]
     shard = ShardInfo(
-        key, namespace, size, len(entries), sum(e.route_bytes for e in entries), created
+        key,
+        namespace,
+        size,
+        len(entries),
+        sum(e.route_bytes for e in entries),
+        created,
+        rest_level=None if level is None else int(level),
     )
     return shard, spec, entries, [streams[i] for i in kept]
 
@@ -155,6 +167,15 @@ def _loads(
     return load_records(kept[0][0].namespace, key, rows)
 
 
+def _committed(
+    entry: TrajectoryEntry, committed: dict[tuple[str, str, str, int], float]
+) -> TrajectoryEntry:
+    key = (entry.namespace, entry.trajectory_id, entry.source, entry.start)
+    if key in committed and committed[key] < entry.created_at:
+        return dataclasses.replace(entry, created_at=committed[key])
+    return entry
+
+
 def rebuild_catalog(
     store: ObjectStore,
     catalog: Catalog,
@@ -162,8 +183,11 @@ def rebuild_catalog(
 ) -> RebuildReport:
     """Replace the catalog's content with what the shards and namespace manifests hold.
 
-    Shards are read oldest first (their keys are time-ordered); a segment found in
-    several shards keeps its first copy. Namespace settings and policy versions come
+    Shards are read newest first (their keys are time-ordered): a segment found in
+    several shards (compaction or compression at rest wrote it again, and the old shard
+    is not yet deleted) keeps its newest copy and the oldest shard's time as when it
+    was committed; of a segment with other content in another shard, the newest is kept
+    and the others reported. Namespace settings and policy versions come
     from the manifests; sampling counts start again at zero. `progress(done, total)` is
     called per shard.
     """
@@ -185,8 +209,10 @@ def rebuild_catalog(
     dictionary = DictionaryCache(store).get
 
     objects = [info for info in store.list(SHARD_PREFIX) if info.key.endswith(".parquet")]
+    objects.sort(key=lambda info: info.key, reverse=True)
     loaded: list[tuple[ShardInfo, list[TrajectoryEntry], list[LoadRecord]]] = []
     seen: dict[tuple[str, str, str, int], bytes] = {}
+    committed: dict[tuple[str, str, str, int], float] = {}  # the oldest copy's shard time
     for done, info in enumerate(objects, start=1):
         try:
             shard, spec, entries, streams = _load_shard(store, info.key, info.size)
@@ -210,6 +236,7 @@ def rebuild_catalog(
                 kept.append((entry, stream))
             elif first == entry.digest:
                 report.duplicates += 1
+                committed[key] = min(committed.get(key, entry.created_at), entry.created_at)
             else:
                 report.conflicts.append(f"{entry.namespace}/{entry.trajectory_id} in {info.key}")
         try:
@@ -223,7 +250,8 @@ def rebuild_catalog(
             progress(done, len(objects))
 
     def contents() -> Iterator[tuple[ShardInfo, list[TrajectoryEntry], list[LoadRecord]]]:
-        yield from loaded
+        for shard, entries, loads in reversed(loaded):  # oldest first, as written
+            yield shard, [_committed(e, committed) for e in entries], loads
 
     catalog.replace_all(list(spaces.values()), contents())
     report.namespaces = len(spaces)

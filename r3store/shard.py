@@ -35,6 +35,7 @@ META_FORMAT = b"r3store.format_version"
 META_SPEC = b"r3store.route_spec"
 META_NAMESPACE = b"r3store.namespace"
 META_CREATED = b"r3store.created_at"
+META_REST_LEVEL = b"r3store.rest_level"  # the zstd level maintenance wrote it at, if it did
 
 SCHEMA = pa.schema(
     [
@@ -216,8 +217,9 @@ def build_shard(
     rows: Sequence[ShardRow],
     row_group_bytes: int,
     created: float | None = None,
+    rest_level: int | None = None,
 ) -> BuiltShard:
-    """Write `rows` into one Parquet file in memory."""
+    """Write `rows` into one Parquet file in memory (`rest_level`: written at rest)."""
     if not rows:
         raise ValueError("a shard needs at least one row")
     created = time.time() if created is None else created
@@ -228,6 +230,8 @@ def build_shard(
         META_NAMESPACE: namespace.encode(),
         META_CREATED: repr(created).encode(),
     }
+    if rest_level is not None:
+        metadata[META_REST_LEVEL] = str(rest_level).encode()
     schema = SCHEMA.with_metadata(metadata)
     compression: dict[str | bytes, str] = {name: "ZSTD" for name in META_COLUMNS}
     compression.update({name: "NONE" for name in ROUTE_COLUMNS})

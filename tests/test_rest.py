@@ -17,7 +17,7 @@ import zstandard
 
 from helpers import MakeEngine
 from http_helpers import KEYS, ServerProcess
-from r3store import codec
+from r3store import codec, rest
 from r3store.catalog import Catalog
 from r3store.engine import Engine
 from r3store.keys import DICTIONARY_PREFIX, SHARD_PREFIX
@@ -116,6 +116,15 @@ def test_cold_shards_are_merged_and_compressed_again(
     engine.flush()
     engine.rebuild()
     _check(engine, writes)
+    # the retired shards not yet deleted hold the same rows: the copies at rest are kept
+    usage = make_engine.catalog().shard_usage("ns")
+    assert [u.rest_level for u in usage if u.live_rows] == [rest.REST_LEVEL]
+    again = make_engine.catalog().lookup("ns", list(writes))  # and when they were put
+    assert {t: e[0].created_at for t, e in again.items()} == {
+        t: e[0].created_at for t, e in found.items()
+    }
+    report = engine.maintenance(cold_seconds=0).run()
+    assert (report.shards_merged, report.shards_retired) == (0, len(writes))
 
     # retention drops the version; its dictionary goes with its last row
     newer = _group_writes(version=1)
@@ -138,7 +147,9 @@ def test_a_shard_at_rest_decodes_with_pyarrow_zstandard_and_its_dictionary(
     engine.put("ns", [w for w, _ids in writes.values()])
     engine.maintenance(cold_seconds=0, grace_seconds=0).run()
     (shard,) = [o.key for o in store.list(SHARD_PREFIX)]
-    rows = pq.read_table(io.BytesIO(store.get(shard))).to_pylist()
+    table = pq.read_table(io.BytesIO(store.get(shard)))
+    assert table.schema.metadata[b"r3store.rest_level"] == str(rest.REST_LEVEL).encode()
+    rows = table.to_pylist()
     prefixes = {r["digest"]: r for r in rows if r["kind"] == "prefix"}
     assert len(prefixes) == GROUPS
     assert {r["route_transform"] for r in rows} == {2}  # what routes like these compress best
