@@ -25,7 +25,7 @@ from bench.figures import Figure, median_of, timed
 from r3store import codec, rest
 from r3store.catalog import Catalog
 from r3store.engine import Engine
-from r3store.keys import DICTIONARY_PREFIX
+from r3store.keys import DICTIONARY_PREFIX, SHARD_PREFIX
 from r3store.reader import ReaderConfig, plan_ranges
 from r3store.records import TrajectoryWrite
 from r3store.routes import Routes, from_topk, to_mask
@@ -373,10 +373,41 @@ def _grpo(quick: bool) -> list[Figure]:
     ]
 
 
+def _merging(quick: bool) -> list[Figure]:
+    """64 puts of one trajectory each (64 shards), then one maintenance pass: the shard
+    objects' bytes beyond the routes they hold, before and after."""
+    name = "8x64x4"
+    shape = corpus.SHAPES[name]
+    spec = RouteSpec(shape.layers, shape.experts, shape.top_k)
+    writes = _writes(corpus.load(name).trajectories[: 16 if quick else 64])
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        store = LocalStore(Path(tmp) / "o")
+        with Engine(store, Catalog(f"sqlite:///{tmp}/c.db")) as engine:
+            engine.create_namespace("ns", spec)
+            for write in writes:
+                engine.put("ns", [write])
+            for when in ("after ingest", "at rest"):
+                if when == "at rest":
+                    engine.maintenance(cold_seconds=0, grace_seconds=0).run()
+                routes = engine.usage("ns").live_route_bytes
+                objects = [o.size for o in store.list(SHARD_PREFIX)]
+                out.append(
+                    Figure(
+                        f"rest {len(writes)} puts of one trajectory, {when}: "
+                        f"{len(objects)} shards, bytes beyond the routes",
+                        (sum(objects) - routes) / routes * 100,
+                        "%",
+                    )
+                )
+    return out
+
+
 def run(quick: bool = False) -> list[Figure]:
     figures: list[Figure] = []
     for name in corpus.SHAPES:
         figures += _shape(name, quick)
     figures += _uniform(quick)
     figures += _grpo(quick)
+    figures += _merging(quick)
     return figures
