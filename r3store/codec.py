@@ -211,6 +211,8 @@ def encode(
         compressor = fast = dictionary.compressor(level)
     k = spec.top_k
     if transforms:
+        if k == 1:  # gaps are the ids themselves
+            transforms = [t for t in transforms if t != Transform.DELTA] or [Transform.SORTED]
         tried = [
             (_compress_ids(fast if t == Transform.DELTA else compressor, layers, t), t)
             for t in transforms

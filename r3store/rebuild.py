@@ -48,7 +48,7 @@ class RebuildReport:
     trajectories: int = 0
     duplicates: int = 0  # same id and content in more than one shard: kept once
     dropped: int = 0  # segments retention dropped (tombstones) still in shards: left out
-    conflicts: list[str] = field(default_factory=list)  # same id, other content: first kept
+    conflicts: list[str] = field(default_factory=list)  # same id, other content: newest kept
     skipped: list[str] = field(default_factory=list)  # unreadable objects
 
 
@@ -205,6 +205,7 @@ def rebuild_catalog(
             )
         except (ValueError, KeyError, TypeError, R3StoreError) as exc:
             report.skipped.append(f"{info.key}: {exc}")
+    manifests = set(spaces)
     dropped = read_tombstones(store)
     dictionary = DictionaryCache(store).get
 
@@ -220,8 +221,11 @@ def rebuild_catalog(
             log.warning("skipping %s: %s", info.key, exc)
             report.skipped.append(f"{info.key}: {exc}")
             continue
-        if shard.namespace not in spaces:
-            spaces[shard.namespace] = NamespaceInfo(
+        known = spaces.get(shard.namespace)
+        if known is None or (
+            shard.namespace not in manifests and shard.created_at < known.created_at
+        ):
+            spaces[shard.namespace] = NamespaceInfo(  # no manifest: as old as its oldest shard
                 shard.namespace, spec, shard.created_at, 0, NamespaceSettings()
             )
         kept = []
