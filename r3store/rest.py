@@ -21,6 +21,7 @@ results.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -116,13 +117,19 @@ def _encode(
 
 def _shared_prefix(rows: Sequence[ColdRow]) -> tuple[int, list[int]]:
     """The prefix length rows of one group may share, and which of them carry the
-    first one's routes there byte for byte."""
+    routes most of them carry there, byte for byte (of equally many, the earliest's)."""
     length = min(r.prompt_len for r in rows)
     length = min(length, *(r.routes.num_tokens - 1 for r in rows))
     if length < MIN_PREFIX_TOKENS:
         return 0, []
-    head = _slice(rows[0].routes, 0, length)
-    return length, [i for i, r in enumerate(rows) if _slice(r.routes, 0, length).equals(head)]
+    heads = [_slice(r.routes, 0, length) for r in rows]
+    keys = [  # of what `equals` compares (`settle` checks every row decodes to its own)
+        hashlib.sha256(h.to_topk().tobytes() + h.counts.tobytes()).digest() for h in heads
+    ]
+    members: dict[bytes, list[int]] = {}
+    for i, key in enumerate(keys):
+        members.setdefault(key, []).append(i)
+    return length, max(members.values(), key=len)  # the first of the largest, in order
 
 
 def settle(

@@ -23,7 +23,7 @@ from r3store.engine import Engine
 from r3store.keys import DICTIONARY_PREFIX, SHARD_PREFIX
 from r3store.policy import NamespaceSettings, Retention
 from r3store.records import TrajectoryWrite
-from r3store.routes import Routes
+from r3store.routes import Routes, from_topk
 from r3store.spec import RouteSpec
 from r3store.store import ObjectStore
 from r3store.testing.seaweedfs import SeaweedFS
@@ -183,6 +183,24 @@ def test_a_shard_at_rest_decodes_with_pyarrow_zstandard_and_its_dictionary(
             own = np.concatenate([sets(prefixes[row["prefix_digest"]], head), own], axis=1)
         chosen = expected < 999
         assert np.array_equal(np.where(chosen, own, 999), expected), row["trajectory_id"]
+
+
+def test_a_group_shares_the_prompt_routes_most_samples_carry() -> None:
+    """Not necessarily the first sample's: when it is the one that differs, the others
+    still share theirs."""
+    writes = _group_writes()
+    samples = [writes[f"g1-s{s}"][1] for s in range(SIZE)]
+    samples[0] = writes[ODD][1]  # the group's first sample differs from most, as ODD does
+    spec = RouteSpec(8, 64, 4, ordered=True, allow_fewer=True)
+    cold = []
+    for ids in samples:
+        routes = from_topk(ids, spec, TOKENS)
+        cold.append(rest.ColdRow(routes, codec.encode(routes, spec), "g1", "engine", 0, PROMPT))
+    settled = rest.settle(spec, cold, None)
+    assert ODD == "g1-s2"
+    assert [e.prefix_tokens for e in settled] == [0, PROMPT, 0, PROMPT, PROMPT, PROMPT]
+    for row, encoded in zip(cold, settled, strict=True):
+        assert codec.decode(encoded, spec, TOKENS).equals(row.routes)
 
 
 def test_an_older_catalog_gains_the_columns(tmp_path: Path) -> None:
