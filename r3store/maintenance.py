@@ -232,7 +232,6 @@ class Maintenance:
         )
         self.store.put_if_absent(built.key, built.data)
         shard, fresh = shard_records(namespace, built, rows)
-        shard = dataclasses.replace(shard, rest_level=rest_level)
         moved = [  # the rows keep when they were stored and how often they were sampled
             dataclasses.replace(new, created_at=e.created_at, times_sampled=e.times_sampled)
             for new, e in zip(fresh, entries, strict=True)

@@ -108,10 +108,22 @@ def _slice(routes: Routes, begin: int, end: int | None = None) -> Routes:
 
 
 def _encode(
-    routes: Routes, spec: RouteSpec, dictionary: Dictionary | None, level: int
+    routes: Routes,
+    spec: RouteSpec,
+    dictionary: Dictionary | None,
+    level: int,
+    salt: bytes | None = None,
 ) -> EncodedRoutes:
+    """Streams at rest, every layout tried; digested (with `salt`) only for a prefix:
+    a row keeps the digest it was stored with."""
     return codec.encode(
-        routes, spec, level, digest=False, dictionary=dictionary, transforms=codec.EVERY_TRANSFORM
+        routes,
+        spec,
+        level,
+        salt=salt or b"",
+        digest=salt is not None,
+        dictionary=dictionary,
+        transforms=codec.EVERY_TRANSFORM,
     )
 
 
@@ -152,14 +164,7 @@ def settle(
         if len(same) < 2:
             continue
         head = _slice(rows[members[same[0]]].routes, 0, length)
-        prefix = codec.encode(
-            head,
-            spec,
-            level,
-            salt=PREFIX_SALT,
-            dictionary=dictionary,
-            transforms=codec.EVERY_TRANSFORM,
-        )
+        prefix = _encode(head, spec, dictionary, level, salt=PREFIX_SALT)
         for j in same:
             row = rows[members[j]]
             own = _encode(_slice(row.routes, length), spec, dictionary, level)

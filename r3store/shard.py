@@ -150,6 +150,7 @@ class BuiltShard:
     places: list[RowPlace]  # one per input row, in input order
     routes: list[RouteSpans]  # one per input row, in input order
     created_at: float
+    rest_level: int | None = None  # the zstd level maintenance wrote it at, if it did
 
 
 def _table(namespace: str, rows: Sequence[ShardRow], kinds: Sequence[str]) -> pa.Table:
@@ -265,7 +266,9 @@ def build_shard(
             start, group = end, group + 1
     data = sink.getvalue()
     spans = link_prefixes(locate_rows(data, [row.routes for row in stored]), kinds, stored_links)
-    return BuiltShard(key, data, [places[i] for i in where], [spans[i] for i in where], created)
+    return BuiltShard(
+        key, data, [places[i] for i in where], [spans[i] for i in where], created, rest_level
+    )
 
 
 @dataclass(frozen=True)

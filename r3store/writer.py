@@ -151,6 +151,7 @@ def shard_records(
         num_rows=len(rows),
         route_bytes=sum(charged),
         created_at=built.created_at,
+        rest_level=built.rest_level,
     )
     entries = [
         TrajectoryEntry(
