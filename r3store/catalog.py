@@ -452,8 +452,15 @@ class Catalog:
     # API keys
 
     def add_key(self, name: str, role: str, namespaces: list[str], digest: bytes) -> None:
+        """A new key. A revoked key's name may be taken again: its row, digest and all,
+        gives way to the new one, so the old key stays unknown (refused) everywhere."""
         try:
             with self._begin() as conn:
+                conn.execute(
+                    api_keys.delete().where(
+                        api_keys.c.name == name, api_keys.c.revoked_at.is_not(None)
+                    )
+                )
                 conn.execute(
                     api_keys.insert().values(
                         name=name,
@@ -465,7 +472,7 @@ class Catalog:
                 )
         except Conflict:
             raise Conflict(
-                f"an API key named {name!r} exists (revoked keys keep their name)"
+                f"an active API key named {name!r} exists: revoke it first to reuse the name"
             ) from None
 
     def list_keys(self, active_only: bool = False) -> list[ApiKeyRecord]:

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from helpers import make_write
 from r3store.testing.seaweedfs import SeaweedFS
 from r3store_server.backends import build_engine
 from r3store_server.settings import Settings
+
+SETTINGS = ("max_lag", "max_times_sampled", "keep_versions", "ttl", "evict_after_sampled")
 
 
 @pytest.fixture
@@ -122,5 +127,160 @@ def test_cli_keys_work_against_the_server(tmp_path: Path) -> None:
         run("keys", "revoke", "trainer")
         time.sleep(5.5)  # the server rereads catalog keys every 5 s
         assert httpx.get(f"{server.url}/v1/namespaces", headers=headers).status_code == 401
+        again = run("keys", "create", "trainer", "--role", "reader")  # a revoked name is free
+        assert again["key"] != key  # type: ignore[index]
+        assert run("keys", "list") == [
+            {"name": "trainer", "role": "reader", "namespaces": ["*"], "revoked": False}
+        ]
+        time.sleep(5.5)
+        assert httpx.get(f"{server.url}/v1/namespaces", headers=headers).status_code == 401
+        renewed = {"Authorization": f"Bearer {again['key']}"}  # type: ignore[index]
+        assert httpx.get(f"{server.url}/v1/namespaces", headers=renewed).status_code == 200
     finally:
         server.stop()
+
+
+@pytest.fixture
+def local(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The embedded store in `tmp_path`, with one namespace of 4 layers, 8 experts, top-2."""
+    monkeypatch.setenv("R3STORE_DATA_DIR", str(tmp_path))
+    spec = ("--layers", "4", "--experts", "8", "--top-k", "2")
+    cli("--init", "namespaces", "create", "run1", *spec, "--model", "tiny-moe")
+    cli("namespaces", "create", "run2", *spec)
+    return tmp_path
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """The CLI for people: no `--json`."""
+    return subprocess.run(
+        [sys.executable, "-m", "r3store_server.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_lists_are_aligned_columns_for_people(local: Path) -> None:
+    cli("settings", "run1", "--max-lag", "2", "--ttl", "1d")
+    listed = run_cli("namespaces", "list")
+    assert listed.returncode == 0, listed.stderr
+    head, first, second = listed.stdout.splitlines()
+    assert head.split() == [
+        "NAME", "LAYERS", "EXPERTS", "TOP-K", "POLICY", "MAX-LAG", "KEEP-VERSIONS", "TTL",
+        "CREATED", "MODEL",
+    ]  # fmt: skip
+    assert first.split()[:8] == ["run1", "4", "8", "2", "0", "2", "none", "1d"]
+    assert first.endswith(" UTC  tiny-moe")
+    assert second.split()[:8] == ["run2", "4", "8", "2", "0", "none", "none", "none"]
+    assert head.index("TTL") == first.index("1d") == second.index("none", head.index("TTL"))
+    assert "{" not in listed.stdout
+    assert [n["name"] for n in cli("namespaces", "list")] == ["run1", "run2"]  # type: ignore[union-attr]
+    cli("keys", "create", "ops", "--role", "admin")
+    keys = run_cli("keys", "list").stdout.splitlines()
+    assert [line.split() for line in keys] == [
+        ["NAME", "ROLE", "NAMESPACES", "REVOKED"],
+        ["ops", "admin", "*", "no"],
+    ]
+    shown = run_cli("namespaces", "show", "run1").stdout
+    assert "\n  num_experts: 8\n" in shown
+    assert "\n    ttl_seconds: 1d\n" in shown
+
+
+def test_stats_experts_is_laid_out_per_source_version_and_layer(local: Path) -> None:
+    from r3store.records import TrajectoryWrite
+    from r3store.testing.synthetic import uniform_topk
+
+    rng = np.random.default_rng(7)
+    engine = build_engine(Settings())
+    try:
+        for version in range(2):
+            ids = [f"t{version}-{i}" for i in range(3)]
+            topk = [uniform_topk(rng, 40, 4, 8, 2) for _ in ids]
+            pairs = list(zip(ids, topk, strict=True))
+            engine.put("run1", [TrajectoryWrite(t, 41, topk=k, policy_version=version) for t, k in pairs])  # fmt: skip  # noqa: E501
+            engine.put("run1", [TrajectoryWrite(t, 41, topk=k, source="trainer") for t, k in pairs])  # fmt: skip  # noqa: E501
+    finally:
+        engine.close()
+    machine = cli("stats", "run1", "--experts")["run1"]  # type: ignore[index]
+    assert set(machine["expert_load"]) == {"engine", "trainer"}  # --json unchanged
+    assert len(machine["expert_load"]["engine"]["0"]["busiest"]) == 4
+    assert machine["agreement"]["engine/trainer"]["1"]["overall"] == 1.0
+    assert len(machine["drift"]["0->1"]) == 4
+    out = run_cli("stats", "run1", "--experts")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert max(len(line) for line in lines) < 100
+    assert "    engine, policy version 0: 123 tokens" in lines
+    assert "    trainer, policy version 1: 123 tokens" in lines
+    at = lines.index("    engine, policy version 1: 123 tokens")
+    assert lines[at + 1].split() == ["LAYER", "IMBALANCE", "BUSIEST", "EXPERTS", "(SHARE)"]
+    for layer, line in enumerate(lines[at + 2 : at + 6]):
+        number, imbalance, *busiest = line.split()
+        assert number == str(layer)
+        assert re.fullmatch(r"\d\.\d\d", imbalance)
+        assert len(busiest) == 6
+        assert all(re.fullmatch(r"\d:|\d+\.\d%,?", b) for b in busiest)
+    assert "    engine/trainer, policy version 1: 3 segments, overall 1.000" in lines
+    assert "      layers 0-3: 1.000 1.000 1.000 1.000" in lines
+    assert "    policy version 0 -> 1:" in lines
+    drift = lines[lines.index("    policy version 0 -> 1:") + 1]
+    assert re.fullmatch(r"      layers 0-3:( \d\.\d{4}){4}", drift)
+
+
+def test_ttl_takes_durations_as_they_are_shown(local: Path) -> None:
+    def ttl(text: str) -> object:
+        return cli("settings", "run1", "--ttl", text)["settings"]["retention"]["ttl_seconds"]  # type: ignore[index]
+
+    assert ttl("1d") == 86400
+    assert ttl("1d 2h") == 93600
+    assert ttl("30m") == 1800
+    assert ttl("90s") == 90
+    assert ttl("12h") == 43200
+    assert ttl("3600") == 3600
+    assert ttl("1.5") == 1.5
+    assert ttl("none") is None
+    shown = run_cli("settings", "run1", "--ttl", "1d 2h 3m 4.5s").stdout
+    assert "ttl_seconds: 1d 2h 3m 4.5s" in shown
+    for wrong in ("1x", "0", "-60", "d", "1d2", "inf", "1e20"):
+        refused = run_cli("settings", "run1", "--ttl", wrong)
+        assert refused.returncode == 2
+        assert "argument --ttl: expected none or a duration" in refused.stderr, wrong
+        assert "Traceback" not in refused.stderr
+    helped = run_cli("settings", "--help").stdout
+    assert "90s, 30m, 12h, 1d, '1d 2h' or plain" in " ".join(helped.split())
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "accepts"),
+    [
+        ("--max-lag", "-3", "from 0 to 2^63 - 1"),
+        ("--max-lag", "two", "from 0 to 2^63 - 1"),
+        ("--max-times-sampled", "0", "from 1 to 2147483647"),
+        ("--max-times-sampled", "2147483648", "from 1 to 2147483647"),
+        ("--keep-versions", "0", "from 1 to 2^63 - 1"),
+    ],
+)
+def test_settings_out_of_range_say_so_in_one_line(
+    local: Path, option: str, value: str, accepts: str
+) -> None:
+    refused = run_cli("settings", "run1", option, value)
+    assert refused.returncode == 2
+    [error] = [line for line in refused.stderr.splitlines() if "error" in line]
+    assert error == (
+        f"r3store settings: error: argument {option}: expected none or a whole number "
+        f"{accepts}; got {value!r}"
+    )
+    assert "validation" not in refused.stderr
+
+
+def test_a_settings_error_the_parser_let_through_is_one_line() -> None:
+    from r3store.policy import NamespaceSettings
+    from r3store_server.cli import changed
+
+    given = dict.fromkeys(SETTINGS, None)
+    with pytest.raises(ValueError, match=r"^--max-lag") as raised:
+        changed(NamespaceSettings(), argparse.Namespace(**{**given, "max_lag": -3}))
+    assert str(raised.value) == "--max-lag: input should be greater than or equal to 0 (got -3)"
+    with pytest.raises(ValueError, match=r"^--ttl: ") as raised:
+        changed(NamespaceSettings(), argparse.Namespace(**{**given, "ttl": float("inf")}))
+    assert "\n" not in str(raised.value)

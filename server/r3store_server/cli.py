@@ -25,6 +25,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
+import re
 import secrets
 import sys
 import time
@@ -32,12 +34,19 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from pydantic import ValidationError
 
 import r3store
 from r3store import stats as stats_lib
 from r3store.engine import Engine
 from r3store.errors import InvalidConfig, R3StoreError
-from r3store.policy import SOURCES, NamespaceSettings
+from r3store.policy import (
+    MAX_POLICY_VERSION,
+    MAX_TIMES_SAMPLED,
+    MAX_TTL_SECONDS,
+    SOURCES,
+    NamespaceSettings,
+)
 from r3store.rest import REST_LEVEL
 from r3store.spec import RouteSpec
 from r3store_server.auth import digest
@@ -169,24 +178,87 @@ def changed(current: NamespaceSettings, args: argparse.Namespace) -> NamespaceSe
         for part in path[:-1]:
             target = target[part]
         target[path[-1]] = None if value == CLEAR else value
-    return NamespaceSettings.model_validate(data)
+    try:
+        return NamespaceSettings.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(_settings_error(exc)) from None
+
+
+def _settings_error(exc: ValidationError) -> str:
+    """Pydantic's report on settings in one line, naming the option: `--max-lag: input
+    should be greater than or equal to 0 (got -3)`."""
+    errors = exc.errors()
+    first = errors[0]
+    loc = tuple(str(part) for part in first["loc"])
+    flags = [f"--{flag.replace('_', '-')}" for flag, path in SETTINGS_FLAGS.items() if path == loc]
+    message = first["msg"][:1].lower() + first["msg"][1:]
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{flags[0] if flags else '.'.join(loc)}: {message} (got {first['input']!r}){more}"
 
 
 def _optional(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse type: `kind`, or `none` (the setting cleared)."""
+
     def parse(text: str) -> Any:
-        return CLEAR if text.lower() == CLEAR else kind(text)
+        return CLEAR if text.strip().lower() == CLEAR else kind(text)
 
     parse.__name__ = kind.__name__
     return parse
 
 
+def _whole(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: a whole number from `low` to `high`, refused in one line."""
+
+    def whole(text: str) -> int:
+        try:
+            value: int | None = int(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            top = "2^63 - 1" if high == MAX_POLICY_VERSION else str(high)
+            raise argparse.ArgumentTypeError(
+                f"expected none or a whole number from {low} to {top}; got {text!r}"
+            )
+        return value
+
+    return whole
+
+
+_UNITS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)([dhms])")
+DURATIONS = "90s, 30m, 12h, 1d, '1d 2h' or plain seconds (86400)"
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a duration as `_duration` shows it (`90s`, `30m`, `12h`, `1d`,
+    `1d 2h`) or plain seconds, in seconds."""
+    compact = "".join(text.lower().split())
+    try:
+        value = float(compact)
+    except ValueError:
+        parts = _DURATION_PART.findall(compact)
+        spelled = "".join(number + unit for number, unit in parts)
+        value = sum(float(n) * _UNITS[u] for n, u in parts) if parts and spelled == compact else -1
+    if not (math.isfinite(value) and 0 < value <= MAX_TTL_SECONDS):
+        years = MAX_TTL_SECONDS / (365.25 * 86400)
+        raise argparse.ArgumentTypeError(
+            f"expected none or a duration above 0 and at most {years:.0f} years: "
+            f"{DURATIONS}; got {text!r}"
+        )
+    return value
+
+
 def _duration(seconds: float) -> str:
-    parts, rest = [], int(seconds)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
-        if rest >= size:
-            parts.append(f"{rest // size}{unit}")
-            rest %= size
-    return " ".join(parts) or f"{seconds:g}s"
+    """`90061.5` as `1d 1h 1m 1.5s`, a form `--ttl` takes back."""
+    parts, rest = [], float(seconds)
+    for unit, size in _UNITS.items():
+        if unit != "s" and rest >= size:
+            count = int(rest // size)
+            parts.append(f"{count}{unit}")
+            rest -= count * size
+    if rest or not parts:
+        parts.append(f"{rest:g}s")
+    return " ".join(parts)
 
 
 def human(value: Any, key: str = "") -> Any:
@@ -205,20 +277,151 @@ def human(value: Any, key: str = "") -> Any:
 
 
 def _print(value: Any, as_json: bool) -> None:
+    """JSON with `--json`; for people, `key: value` lines (nested ones indented), lists
+    of records as aligned columns, expert statistics layer by layer."""
     if as_json:
         print(json.dumps(value, indent=2, default=str))
         return
     value = human(value)
     if isinstance(value, dict):
-        for key, item in value.items():
-            print(
-                f"{key}: {json.dumps(item, default=str) if isinstance(item, dict | list) else item}"
-            )
-    elif isinstance(value, list):
-        for item in value:
-            print(json.dumps(item, default=str))
+        lines = _lines(value)
+    elif isinstance(value, list) and all(isinstance(item, dict) for item in value):
+        if value and all("spec" in item and "settings" in item for item in value):
+            value = [_namespace_row(item) for item in value]
+        lines = _table(value) if value else ["none"]
     else:
-        print(value)
+        lines = [_cell(value)]
+    print("\n".join(lines))
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, list):
+        return ", ".join(_cell(item) for item in value) or "none"
+    if isinstance(value, dict):
+        return json.dumps(value, default=str) if value else "none"
+    return str(value) if value != "" else "-"
+
+
+def _lines(value: dict[str, Any], indent: str = "") -> list[str]:
+    lines = []
+    for key, item in value.items():
+        if key in _SECTIONS and isinstance(item, dict):
+            title, render = _SECTIONS[key]
+            lines.append(f"{indent}{title}:{'' if item else ' none'}")
+            lines.extend(render(item, indent + "  "))
+        elif isinstance(item, dict) and item:
+            lines.append(f"{indent}{key}:")
+            lines.extend(_lines(item, indent + "  "))
+        elif isinstance(item, list) and item and all(isinstance(v, dict) for v in item):
+            lines.append(f"{indent}{key}:")
+            lines.extend(_table(item, indent + "  "))
+        else:
+            lines.append(f"{indent}{key}: {_cell(item)}")
+    return lines
+
+
+def _table(rows: list[dict[str, Any]], indent: str = "") -> list[str]:
+    """Records as columns under upper-case headings, aligned."""
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    cells = [[str(c).upper().replace("_", "-") for c in columns]]
+    cells += [[_cell(row.get(c)) for c in columns] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    return [
+        (indent + "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True))).rstrip()
+        for line in cells
+    ]
+
+
+def _namespace_row(item: dict[str, Any]) -> dict[str, Any]:
+    """One line of `namespaces list`: the spec and settings most asked about."""
+    spec, settings = item["spec"], item["settings"]
+    top_k = str(spec["top_k"])
+    top_k += " ordered" if spec.get("ordered") else ""
+    top_k += " or fewer" if spec.get("allow_fewer") else ""
+    retention = settings.get("retention", {})
+    row = {
+        "name": item["name"],
+        "layers": spec["num_layers"],
+        "experts": spec["num_experts"],
+        "top_k": top_k,
+        "policy": item["policy_version"],
+        "max_lag": settings.get("max_policy_lag"),
+        "keep_versions": retention.get("keep_versions"),
+        "ttl": retention.get("ttl_seconds"),
+    }
+    if "trajectories" in item:
+        row["trajectories"] = item["trajectories"]
+    return {**row, "created": item["created_at"], "model": spec.get("model") or "-"}
+
+
+def _fixed(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _per_layer(values: list[float | None], digits: int, indent: str, width: int = 12) -> list[str]:
+    """Per-layer values, `width` a line, each line led by its layers: `layers 0-11: ...`."""
+    spans = [(i, min(i + width, len(values)) - 1) for i in range(0, len(values), width)]
+    labels = [f"{a}-{b}" if a != b else f"{a}" for a, b in spans]
+    pad = max((len(label) for label in labels), default=0)
+    return [
+        f"{indent}layers {label.rjust(pad)}: "
+        + " ".join(_fixed(v, digits) for v in values[a : b + 1])
+        for label, (a, b) in zip(labels, spans, strict=True)
+    ]
+
+
+def _load_lines(loads: dict[str, Any], indent: str) -> list[str]:
+    lines = []
+    for source, versions in loads.items():
+        for version, held in versions.items():
+            lines.append(f"{indent}{source}, policy version {version}: {held['tokens']} tokens")
+            rows = [
+                {
+                    "layer": layer,
+                    "imbalance": _fixed(imbalance, 2),
+                    "busiest experts (share)": ", ".join(
+                        f"{expert}: {share:.1%}" for expert, share in busiest.items()
+                    ),
+                }
+                for layer, (imbalance, busiest) in enumerate(
+                    zip(held["imbalance"], held["busiest"], strict=True)
+                )
+            ]
+            lines.extend(_table(rows, indent + "  "))
+    return lines
+
+
+def _agreement_lines(agreement: dict[str, Any], indent: str) -> list[str]:
+    lines = []
+    for pair, versions in agreement.items():
+        for version, held in versions.items():
+            lines.append(
+                f"{indent}{pair}, policy version {version}: {held['segments']} segments, "
+                f"overall {_fixed(held['overall'], 3)}"
+            )
+            lines.extend(_per_layer(held["per_layer"], 3, indent + "  "))
+    return lines
+
+
+def _drift_lines(drift: dict[str, Any], indent: str) -> list[str]:
+    lines = []
+    for step, divergence in drift.items():
+        before, _, after = step.partition("->")
+        lines.append(f"{indent}policy version {before} -> {after}:")
+        lines.extend(_per_layer(divergence, 4, indent + "  "))
+    return lines
+
+
+# `stats --experts` for people: the key, its title, and how its lines are made
+_SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any], str], list[str]]]] = {
+    "expert_load": ("expert load (imbalance: busiest expert over the mean)", _load_lines),
+    "agreement": ("agreement between sources (share of experts both chose)", _agreement_lines),
+    "drift": ("drift (Jensen-Shannon divergence from the previous version)", _drift_lines),
+}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -282,21 +485,27 @@ def parser() -> argparse.ArgumentParser:
     settings.add_argument("name", help="the namespace")
     settings.add_argument(
         "--max-lag",
-        type=_optional(int),
-        help="serve routes at most this many policy versions old; none: no limit",
+        type=_optional(_whole(0, MAX_POLICY_VERSION)),
+        metavar="N",
+        help="serve routes at most N policy versions old (0 or more); none: no limit",
     )
     settings.add_argument(
         "--max-times-sampled",
-        type=_optional(int),
-        help="sample a trajectory at most this often; none: no limit",
+        type=_optional(_whole(1, MAX_TIMES_SAMPLED)),
+        metavar="N",
+        help="sample a trajectory at most N times (1 or more); none: no limit",
     )
     settings.add_argument(
         "--keep-versions",
-        type=_optional(int),
-        help="keep the routes of the last N policy versions; none: all",
+        type=_optional(_whole(1, MAX_POLICY_VERSION)),
+        metavar="N",
+        help="keep the routes of the last N policy versions (1 or more); none: all",
     )
     settings.add_argument(
-        "--ttl", type=_optional(float), help="drop routes older than this many seconds; none: never"
+        "--ttl",
+        type=_optional(_seconds),
+        metavar="DURATION",
+        help=f"drop routes stored longer ago than this: {DURATIONS}; none: never",
     )
     settings.add_argument(
         "--evict-after-sampled",
