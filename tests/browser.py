@@ -1,5 +1,6 @@
 """Debian's headless chromium, driven over the DevTools protocol (websocket-client):
-load a page with request headers, evaluate script in it, take a screenshot."""
+load a page with request headers, evaluate script in it (and wait for it to hold),
+take a screenshot."""
 
 from __future__ import annotations
 
@@ -85,6 +86,21 @@ class Browser:
         while self.evaluate("document.readyState") != "complete":
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{url} did not finish loading")
+            time.sleep(0.1)
+
+    def wait_for(self, script: str, timeout: float = 30) -> Any:
+        """Evaluate `script` until it returns something truthy (after a navigation the
+        page's context changes: a failing evaluation is tried again)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                value = self.evaluate(script)
+            except RuntimeError:
+                value = None
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{script!r} stayed false")
             time.sleep(0.1)
 
     def evaluate(self, script: str) -> Any:

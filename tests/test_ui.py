@@ -1,7 +1,9 @@
 """The status page at /ui: served by a real server process holding routes of two
-sources and two policy versions, rendered by Debian's headless chromium; the DOM must
-hold the heatmap counted from the routes sent and the agreement between the sources;
-a screenshot is kept in test-artifacts/."""
+sources over four policy versions, rendered by Debian's headless chromium. The DOM
+must hold the heatmaps counted from the routes sent, with their colour scale, axes and
+counts on hover; the agreement between the sources, the drift and the load imbalance as
+charts with axes, tick labels, titles and values on hover, equal to what the routes
+sent give; and no Python `None`. Screenshots are kept in test-artifacts/."""
 
 from __future__ import annotations
 
@@ -14,21 +16,30 @@ import pytest
 
 from browser import Browser
 from http_helpers import KEYS, ServerProcess
+from r3store.analytics import VersionAgreement, VersionDrift, VersionLoad
+from r3store.catalog_types import NamespaceInfo, NamespaceUsage
+from r3store.policy import NamespaceSettings
 from r3store.records import TrajectoryWrite
 from r3store.spec import RouteSpec
-from r3store.testing.synthetic import uniform_topk
+from r3store.stats import Overlap
+from r3store.testing.synthetic import skewed_topk
 from r3store_client import Client
+from r3store_server.ui_charts import axis, cell_size, int_ticks, shade, tick_label
+from r3store_server.ui_render import NamespaceDetail, NamespaceRow, login_page, namespace_page
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
-SPEC = RouteSpec(num_layers=3, num_experts=16, top_k=2)
+SPEC = RouteSpec(num_layers=4, num_experts=16, top_k=2)
 TOKENS = 40
+VERSIONS = (0, 1, 2, 3)
+MOVED = {1: 0.1, 2: 0.25, 3: 0.4}  # the share of token-layers the trainer routes differently
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, dict]]:
-    """A server holding engine routes at policy versions 0 and 1 and trainer routes
-    (a third of the slots moved) for version 1; returns it and the routes sent."""
+    """A server holding engine routes at policy versions 0 to 3 and trainer routes for
+    versions 1 to 3 (a growing share of their first slots moved); returns it and the
+    routes sent."""
     tmp = tmp_path_factory.mktemp("ui")
     server = ServerProcess(tmp, None)
     rng = np.random.default_rng(5)
@@ -37,11 +48,11 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPro
         with Client(server.url, api_key=KEYS["admin"]) as client:
             client.create_namespace("ns", SPEC)
             client.create_namespace("other", SPEC)
-            for version in (0, 1):
+            for version in VERSIONS:
                 client.set_policy_version("ns", version)
                 writes = []
                 for i in range(3):
-                    ids = uniform_topk(rng, TOKENS, 3, 16, 2)
+                    ids = skewed_topk(rng, TOKENS, SPEC.num_layers, 16, 2, skew=1.0)
                     sent["engine"][(version, i)] = ids
                     writes.append(
                         TrajectoryWrite(
@@ -49,17 +60,24 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPro
                         )
                     )
                 client.put("ns", writes)
-            trainer = []
-            for i in range(3):
-                ids = sent["engine"][(1, i)].copy()
-                moved = rng.random(ids.shape[:2]) < 0.33
-                ids[moved, 0] = np.where(ids[moved, 1] == 15, 0, ids[moved, 1] + 1)
-                ids[moved, 0] = np.where(
-                    ids[moved, 0] == ids[moved, 1], (ids[moved, 0] + 1) % 16, ids[moved, 0]
-                )
-                sent["trainer"][(1, i)] = ids
-                trainer.append(TrajectoryWrite(f"v1/t{i}", TOKENS, topk=ids, source="trainer"))
-            client.put("ns", trainer)
+                if version not in MOVED:
+                    continue
+                trainer = []
+                for i in range(3):
+                    ids = sent["engine"][(version, i)].copy()
+                    moved = rng.random(ids.shape[:2]) < MOVED[version]
+                    ids[moved, 0] = np.where(ids[moved, 1] == 15, 0, ids[moved, 1] + 1)
+                    sent["trainer"][(version, i)] = ids
+                    trainer.append(
+                        TrajectoryWrite(
+                            f"v{version}/t{i}",
+                            TOKENS,
+                            topk=ids,
+                            source="trainer",
+                            policy_version=version,
+                        )
+                    )
+                client.put("ns", trainer)
         yield server, sent
     finally:
         server.stop()
@@ -73,16 +91,88 @@ def load_of(routes: list[np.ndarray]) -> np.ndarray:
     return out
 
 
-def agreement_of(a: list[np.ndarray], b: list[np.ndarray]) -> list[float]:
-    per_layer = []
+def version_load(sent: dict, source: str, version: int) -> np.ndarray:
+    return load_of([ids for (v, _i), ids in sent[source].items() if v == version])
+
+
+def agreement_of(a: list[np.ndarray], b: list[np.ndarray]) -> tuple[list[float], float]:
+    """Per layer and over all layers: the share of chosen experts both hold."""
+    shared = []
     for layer in range(SPEC.num_layers):
-        shared = sum(
-            len(set(x[t, layer]) & set(y[t, layer]))
-            for x, y in zip(a, b, strict=True)
-            for t in range(TOKENS)
+        shared.append(
+            sum(
+                len(set(x[t, layer]) & set(y[t, layer]))
+                for x, y in zip(a, b, strict=True)
+                for t in range(TOKENS)
+            )
         )
-        per_layer.append(shared / (len(a) * TOKENS * SPEC.top_k))
-    return per_layer
+    slots = len(a) * TOKENS * SPEC.top_k
+    return [s / slots for s in shared], sum(shared) / (slots * SPEC.num_layers)
+
+
+def jensen_shannon(p_counts: np.ndarray, q_counts: np.ndarray) -> float:
+    p, q = p_counts / p_counts.sum(), q_counts / q_counts.sum()
+    m = (p + q) / 2
+
+    def kl(x: np.ndarray) -> float:
+        held = x > 0
+        return float(np.sum(x[held] * np.log2(x[held] / m[held])))
+
+    return (kl(p) + kl(q)) / 2
+
+
+def series_points(browser: Browser, chart: str) -> dict[str, list[list]]:
+    """Per series of the chart: [version, value, hover text] of each point."""
+    found: dict[str, list[list]] = browser.evaluate(
+        f"""(() => {{
+            const out = {{}};
+            for (const c of document.querySelectorAll('svg.{chart} circle.point')) {{
+                const hover = c.querySelector('title').textContent;
+                (out[c.dataset.series] ||= []).push(
+                    [Number(c.dataset.x), Number(c.dataset.y), hover]);
+            }}
+            return out;
+        }})()"""
+    )
+    return found
+
+
+def chart_frame(browser: Browser, chart: str) -> dict:
+    """A chart's title, axis labels and tick labels, and how many lines it draws."""
+    frame: dict = browser.evaluate(
+        f"""(() => {{
+            const svg = document.querySelector('svg.{chart}');
+            const texts = cls => [...svg.querySelectorAll('text.' + cls)].map(t => t.textContent);
+            return {{title: texts('title')[0], x: texts('xlabel')[0], y: texts('ylabel')[0],
+                     xticks: texts('xtick'), yticks: texts('ytick'),
+                     lines: svg.querySelectorAll('polyline.line').length,
+                     width: svg.getBoundingClientRect().width}};
+        }})()"""
+    )
+    return frame
+
+
+def test_signing_in_through_the_form(served: tuple[ServerProcess, dict], tmp_path: Path) -> None:
+    """A browser with no key gets a form that asks for one and says where keys come
+    from; the key typed in opens the page asked for."""
+    server, _ = served
+    browser = Browser(tmp_path / "profile")
+    try:
+        browser.open(f"{server.url}/ui/namespaces/ns", {})
+        text = browser.evaluate("document.body.innerText")
+        assert "Authorization" not in text
+        assert "r3store keys create NAME --role reader" in text
+        browser.screenshot(ARTIFACTS / "ui-login.png")
+        browser.evaluate(
+            f"""document.querySelector('input[name=key]').value = {KEYS["reader"]!r};
+                document.querySelector('form').submit()"""
+        )
+        browser.wait_for(
+            "location.pathname === '/ui/namespaces/ns' && document.readyState === 'complete'"
+            " && document.querySelector('h1').textContent === 'ns'"
+        )
+    finally:
+        browser.close()
 
 
 def test_the_page_renders_the_routes_in_chromium(
@@ -96,37 +186,156 @@ def test_the_page_renders_the_routes_in_chromium(
             "[...document.querySelectorAll('table.namespaces td.name a')].map(a => a.textContent)"
         )
         assert names == ["ns", "other"]
+        assert "None" not in browser.evaluate("document.body.innerText")
         browser.screenshot(ARTIFACTS / "ui-overview.png")
 
         browser.open(f"{server.url}/ui/namespaces/ns", {"X-API-Key": KEYS["reader"]})
+        text = browser.evaluate("document.body.innerText")
+        assert "None" not in text
+        assert "Jensen-Shannon divergence" in text
+
+        # heatmaps: the counts sent, cells big enough to see, axes, a count on hover
         maps = browser.evaluate(
             """[...document.querySelectorAll('svg.heatmap')].map(svg => ({
                 source: svg.dataset.source, version: Number(svg.dataset.version),
-                counts: [...svg.querySelectorAll('rect.cell')].map(r => [
-                    Number(r.dataset.layer), Number(r.dataset.expert), Number(r.dataset.count),
-                    r.getBoundingClientRect().width > 0])
+                x: svg.querySelector('text.xlabel').textContent,
+                y: svg.querySelector('text.ylabel').textContent,
+                xticks: [...svg.querySelectorAll('text.xtick')].map(t => t.textContent),
+                yticks: [...svg.querySelectorAll('text.ytick')].map(t => t.textContent),
+                cells: [...svg.querySelectorAll('g.row')].flatMap(g =>
+                    [...g.querySelectorAll('rect')].map((r, expert) => {
+                        const box = r.getBoundingClientRect();
+                        return [Number(g.dataset.layer), expert, Number(r.dataset.count),
+                                box.width, box.height, r.querySelector('title').textContent,
+                                r.getAttribute('fill')];
+                    }))
             }))"""
         )
-        drawn = {(m["source"], m["version"]): m["counts"] for m in maps}
-        assert set(drawn) == {("engine", 0), ("engine", 1), ("trainer", 1)}
-        for (source, version), cells in drawn.items():
-            expected = load_of([ids for (v, _i), ids in sent[source].items() if v == version])
+        drawn = {(m["source"], m["version"]): m for m in maps}
+        assert set(drawn) == {("engine", v) for v in VERSIONS} | {("trainer", v) for v in MOVED}
+        scale = browser.evaluate(
+            """(() => { const s = document.querySelector('svg.colour-scale');
+                return {top: Number(s.dataset.top),
+                        ticks: [...s.querySelectorAll('text.tick')].map(t => t.textContent),
+                        text: s.closest('figure').textContent}; })()"""
+        )
+        largest = 0.0
+        for source, version in drawn:
+            load = version_load(sent, source, version)
+            largest = max(largest, float(np.max(load.max(axis=1) * 16 / load.sum(axis=1))))
+        assert largest <= scale["top"] < 2 * largest  # a power of two
+        assert scale["ticks"][0] == "0"  # black: no load
+        assert scale["ticks"][1] == f"1/{scale['top']:g}x"
+        assert "1x" in scale["ticks"]
+        assert scale["ticks"][-1] == f"{scale['top']:g}x"
+        assert "load over its layer's mean, on a log scale" in scale["text"]
+        for (source, version), m in drawn.items():
+            assert (m["x"], m["y"]) == ("expert", "layer")
+            assert m["xticks"][0] == "0"
+            assert m["yticks"][0] == "0"
+            assert m["yticks"][-1] == str(SPEC.num_layers - 1)
+            expected = version_load(sent, source, version)
             got = np.zeros_like(expected)
-            for layer, expert, count, visible in cells:
-                assert visible
+            for layer, expert, count, width, height, hover, fill in m["cells"]:
+                assert width >= 12
+                assert height >= 12
+                mean = expected[layer].sum() / SPEC.num_experts
+                assert hover == (
+                    f"layer {layer}, expert {expert}: {count} token-layers "
+                    f"({count / mean:.2f}x the mean)"
+                )
+                assert fill == shade(count / mean, scale["top"])
                 got[layer, expert] = count
-            assert len(cells) == SPEC.num_layers * SPEC.num_experts
+            assert len(m["cells"]) == SPEC.num_layers * SPEC.num_experts
             np.testing.assert_array_equal(got, expected)
 
+        # agreement: the table per layer and the chart over versions
         shown = browser.evaluate(
-            """[...document.querySelectorAll('table.agreement span[data-layer]')]
-                .map(s => Number(s.dataset.agreement))"""
+            """[...document.querySelectorAll('table.agreement tr')].slice(1).map(tr =>
+                [...tr.querySelectorAll('span[data-layer]')]
+                    .map(s => Number(s.dataset.agreement)))"""
         )
-        expected = agreement_of(
-            [sent["engine"][(1, i)] for i in range(3)], [sent["trainer"][(1, i)] for i in range(3)]
+        expected_layers, expected_all = {}, {}
+        for version in MOVED:
+            a = [sent["engine"][(version, i)] for i in range(3)]
+            b = [sent["trainer"][(version, i)] for i in range(3)]
+            expected_layers[version], expected_all[version] = agreement_of(a, b)
+        np.testing.assert_allclose(shown, [expected_layers[v] for v in MOVED], atol=1e-6)
+        assert expected_all[1] > expected_all[2] > expected_all[3] > 0.5
+        frame = chart_frame(browser, "agreement-chart")
+        assert frame["title"] == "Agreement between route sources over policy versions"
+        assert frame["x"] == "policy version"
+        assert frame["y"] == "experts both sources chose"
+        assert frame["xticks"] == ["1", "2", "3"]
+        assert all(t.endswith("%") for t in frame["yticks"])
+        assert len(frame["yticks"]) >= 3
+        assert frame["lines"] == 2  # all layers, lowest layer
+        points = series_points(browser, "agreement-chart")
+        overall = points["engine vs trainer, all layers"]
+        assert [p[0] for p in overall] == list(MOVED)
+        np.testing.assert_allclose([p[1] for p in overall], list(expected_all.values()), atol=1e-5)
+        for version, value, hover in overall:
+            assert hover.startswith(f"engine vs trainer, policy version {version}: ")
+            assert f"{100 * value:.1f}%" in hover
+        lowest = points["engine vs trainer, lowest layer"]
+        np.testing.assert_allclose(
+            [p[1] for p in lowest], [min(expected_layers[v]) for v in MOVED], atol=1e-5
         )
-        assert 0.5 < min(expected) < max(expected) < 1.0
-        np.testing.assert_allclose(shown, expected, atol=1e-6)
+
+        # drift: Jensen-Shannon divergence between consecutive versions, per layer
+        frame = chart_frame(browser, "drift-chart")
+        assert "Jensen-Shannon" in frame["title"]
+        assert frame["x"] == "policy version (from the one before)"
+        assert frame["y"] == "JS divergence (base 2)"
+        assert frame["yticks"][0] == "0"
+        points = series_points(browser, "drift-chart")
+        per_layer = {
+            after: [
+                jensen_shannon(
+                    version_load(sent, "engine", after - 1)[layer],
+                    version_load(sent, "engine", after)[layer],
+                )
+                for layer in range(SPEC.num_layers)
+            ]
+            for after in VERSIONS[1:]
+        }
+        mean = points["engine, mean over layers"]
+        assert [p[0] for p in mean] == list(VERSIONS[1:])
+        np.testing.assert_allclose(
+            [p[1] for p in mean], [np.mean(per_layer[v]) for v in VERSIONS[1:]], atol=1e-5
+        )
+        assert mean[0][2].startswith("engine routes, policy version 0 → 1: mean over layers")
+        most = points["engine, most drifting layer"]
+        np.testing.assert_allclose(
+            [p[1] for p in most], [max(per_layer[v]) for v in VERSIONS[1:]], atol=1e-5
+        )
+        assert "trainer, mean over layers" in points  # trainer routes: versions 1 to 3
+
+        # load imbalance: the latest version's busiest expert over the mean, per layer
+        bars = browser.evaluate(
+            """[...document.querySelectorAll('svg.imbalance-chart.engine rect.bar')].map(r =>
+                [Number(r.dataset.label), Number(r.dataset.value),
+                 r.querySelector('title').textContent, r.getBoundingClientRect().height])"""
+        )
+        latest = version_load(sent, "engine", VERSIONS[-1])
+        imbalance = latest.max(axis=1) * SPEC.num_experts / latest.sum(axis=1)
+        assert [b[0] for b in bars] == list(range(SPEC.num_layers))
+        np.testing.assert_allclose([b[1] for b in bars], imbalance, atol=1e-5)
+        for layer, value, hover, height in bars:
+            assert height > 0
+            assert hover.startswith(f"layer {layer}: busiest expert {int(latest[layer].argmax())}")
+            assert f"{value:.2f}x" in hover
+        frame = chart_frame(browser, "imbalance-chart.engine")
+        assert frame["title"] == (
+            f"Load imbalance per layer: engine routes, policy version {VERSIONS[-1]}"
+        )
+        assert (frame["x"], frame["y"]) == ("layer", "busiest expert / mean")
+        assert frame["xticks"] == [str(i) for i in range(SPEC.num_layers)]
+        assert frame["yticks"][0] == "0"
+        assert frame["yticks"][-1].endswith("x")
+        points = series_points(browser, "imbalance-versions-chart")
+        assert [p[0] for p in points["engine, most imbalanced layer"]] == list(VERSIONS)
+
         png = browser.screenshot(ARTIFACTS / "ui-namespace.png")
         assert png.startswith(b"\x89PNG")
         assert len(png) > 10_000
@@ -136,37 +345,99 @@ def test_the_page_renders_the_routes_in_chromium(
 
 def test_the_page_takes_the_api_keys(served: tuple[ServerProcess, dict]) -> None:
     server, _ = served
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
     with httpx.Client(base_url=server.url) as http:
         refused = http.get("/ui")
         assert refused.status_code == 401
         assert "<form" in refused.text
+        assert "Authorization" not in refused.text
+        assert "r3store keys create NAME --role reader" in refused.text
         scoped = http.get("/ui", headers={"X-API-Key": KEYS["other"]})
         assert scoped.status_code == 200
         assert "/ui/namespaces/other" in scoped.text
         assert "/ui/namespaces/ns'" not in scoped.text
-        assert (
-            http.get("/ui/namespaces/ns", headers={"X-API-Key": KEYS["other"]}).status_code == 403
-        )
-        bad = http.post(
-            "/ui/login",
-            content="key=nope",
-            headers={"Content-Type": "application/x-www-form-urlencoded"},
-        )
+        forbidden = http.get("/ui/namespaces/ns", headers={"X-API-Key": KEYS["other"]})
+        assert forbidden.status_code == 403
+        assert "may not" in forbidden.text
+        bad = http.post("/ui/login", content="key=nope", headers=form)
         assert bad.status_code == 401
-        good = http.post(
-            "/ui/login",
-            content=f"key={KEYS['reader']}",
-            headers={"Content-Type": "application/x-www-form-urlencoded"},
-        )
+        assert "does not know this API key" in bad.text
+        good = http.post("/ui/login", content=f"key={KEYS['reader']}", headers=form)
         assert good.status_code == 303
         assert good.headers["location"] == "/ui"
         cookie = good.headers["set-cookie"]
         assert "HttpOnly" in cookie
         assert "SameSite=strict" in cookie
         assert "Path=/ui" in cookie
+        back = http.post(
+            "/ui/login", content=f"key={KEYS['reader']}&then=/ui/namespaces/ns", headers=form
+        )
+        assert back.headers["location"] == "/ui/namespaces/ns"
+        for elsewhere in ("https://example.com/", "//example.com/ui", "/ui/../v1/namespaces"):
+            away = http.post(
+                "/ui/login", data={"key": KEYS["reader"], "then": elsewhere}, headers=form
+            )
+            assert away.headers["location"] == "/ui"
         page = http.get("/ui", headers={"Cookie": f"r3store_key={KEYS['reader']}"})
         assert page.status_code == 200
         assert "/ui/namespaces/ns" in page.text
+        stale = http.get("/ui", headers={"Cookie": "r3store_key=revoked-key"})
+        assert stale.status_code == 401
+        assert 'r3store_key=""' in stale.headers["set-cookie"]  # taken out of the cookie
+        reader = {"X-API-Key": KEYS["reader"]}
+        zipped = http.get("/ui/namespaces/ns", headers=reader)  # httpx takes gzip
+        assert zipped.headers["content-encoding"] == "gzip"
+        assert "<svg" in zipped.text
+        plain = http.get("/ui/namespaces/ns", headers={**reader, "Accept-Encoding": "identity"})
+        assert "content-encoding" not in plain.headers
+        assert plain.text == zipped.text
+        assert int(zipped.headers["content-length"]) * 4 < len(plain.content)
+        missing = http.get("/ui/namespaces/nothing-here", headers=reader)
+        assert missing.status_code == 404
+        assert "no namespace named nothing-here" in missing.text
         # the API never takes the cookie
         api = http.get("/v1/namespaces", headers={"Cookie": f"r3store_key={KEYS['reader']}"})
         assert api.status_code == 401
+
+
+def test_names_are_escaped() -> None:
+    """What a page shows of names and messages is HTML-escaped."""
+    hostile = "<script>alert(1)</script>"
+    spec = RouteSpec(num_layers=2, num_experts=4, top_k=1)
+    info = NamespaceInfo(hostile, spec, 0.0, 1, NamespaceSettings())
+    usage = NamespaceUsage(1, 1, 100, 10, 0, {0: 1, 1: 1})
+    load = np.array([[3, 1, 0, 0], [0, 0, 0, 0]], np.int64)
+    overlap = Overlap(np.array([2, 0], np.int64), np.array([4, 0], np.int64))
+    detail = NamespaceDetail(
+        NamespaceRow(info, usage),
+        {hostile: [VersionLoad(0, 4, load), VersionLoad(1, 4, load)]},
+        {(hostile, "trainer"): [VersionAgreement(1, 1, 4, overlap)]},
+        {hostile: [VersionDrift(0, 1, [0.0, None])]},
+    )
+    for page in (namespace_page(detail, 6), login_page(hostile, hostile)):
+        assert "<script" not in page
+        assert "&lt;script&gt;" in page
+        assert "None" not in page
+
+
+def test_chart_scales() -> None:
+    assert cell_size(4, 16) == (20, 20)  # a small map: 320 x 80 px, not 96 x 24
+    assert cell_size(48, 128) == (3, 4)
+    assert cell_size(94, 384) == (2, 2)
+    low, high, ticks = axis([0.83, 0.97], cap=1.0)
+    assert low <= 0.83
+    assert 0.97 <= high <= 1.0
+    assert ticks[0] == low
+    assert [tick_label(t, ticks[1] - ticks[0], "%") for t in ticks][-1] == f"{100 * high:.0f}%"
+    low, high, ticks = axis([0.0123, 0.034], zero=True)
+    assert low == 0
+    assert high >= 0.034
+    assert len(ticks) >= 3
+    assert axis([1.0], zero=False)[0] < 1.0 < axis([1.0])[1]
+    assert int_ticks(0, 3, 480, 30) == [0, 1, 2, 3]
+    assert int_ticks(0, 127, 384, 28) == [0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110, 120]
+    assert int_ticks(5, 5, 100) == [5]
+    assert shade(0, 8) == "#111111"  # no load
+    assert shade(1, 8) == "#ffffff"  # an even share
+    assert shade(8, 8) == shade(100, 8) == "#b2182b"
+    assert shade(1 / 8, 8) == shade(0.01, 8) == "#2166ac"

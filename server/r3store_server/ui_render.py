@@ -3,13 +3,30 @@ anywhere else. `ui.py` gathers the values and serves the pages."""
 
 from __future__ import annotations
 
-import html
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from r3store import stats
 from r3store.analytics import VersionAgreement, VersionDrift, VersionLoad
 from r3store.catalog_types import NamespaceInfo, NamespaceUsage
+from r3store.policy import Retention
+from r3store_server.ui_charts import (
+    PALETTE,
+    STYLE,
+    Bar,
+    Point,
+    Series,
+    bar_chart,
+    colour_scale,
+    e,
+    heatmap,
+    line_chart,
+    percent,
+    plain,
+    ratio,
+    scale_top,
+)
 
 _STYLE = """
 body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#1b1b1b;background:#fafafa}
@@ -20,7 +37,8 @@ td,th{border:1px solid #ddd;padding:3px 8px;text-align:right}
 th{background:#f0f0f0}td.name,th.name{text-align:left}
 .muted{color:#666}.maps{display:flex;flex-wrap:wrap;gap:16px}
 figure{margin:0;background:#fff;border:1px solid #ddd;padding:6px}
-figcaption{font-size:12px;color:#444}
+figcaption{font-size:12px;color:#444}.scroll{overflow-x:auto;max-width:100%}
+p.note{max-width:60em}code{background:#eee;padding:0 3px;white-space:nowrap}
 """
 
 
@@ -35,7 +53,7 @@ class NamespaceDetail:
     row: NamespaceRow
     loads: dict[str, list[VersionLoad]]  # by source
     agreements: dict[tuple[str, str], list[VersionAgreement]]
-    drift: list[VersionDrift]  # of the engine routes
+    drift: dict[str, list[VersionDrift]]  # by source
 
 
 @dataclass(frozen=True)
@@ -45,8 +63,7 @@ class Activity:
     totals: dict[str, int] = field(default_factory=dict)
 
 
-def _e(value: object) -> str:
-    return html.escape(str(value), quote=True)
+_e = e
 
 
 def _bytes(n: int) -> str:
@@ -61,7 +78,7 @@ def _bytes(n: int) -> str:
 def _page(title: str, body: str) -> str:
     return (
         "<!doctype html><html lang=en><head><meta charset=utf-8>"
-        f"<title>{_e(title)}</title><style>{_STYLE}</style></head><body>{body}</body></html>"
+        f"<title>{_e(title)}</title><style>{_STYLE}{STYLE}</style></head><body>{body}</body></html>"
     )
 
 
@@ -138,41 +155,13 @@ def _activity(activity: Activity | None) -> str:
         "live_bytes": "live route bytes",
         "dead_bytes": "dead route bytes",
     }
-    rows = [[labels[k], str(activity.totals.get(k, 0))] for k in labels]
+    rows = [
+        [labels[k], _bytes(n) if k.endswith("_bytes") else str(n)]
+        for k in labels
+        for n in [activity.totals.get(k, 0)]
+    ]
     return "<h2>Retention and compaction (since start)</h2>" + _table(
         ["", "count"], rows, "activity"
-    )
-
-
-def _shade(fraction: float) -> str:
-    """White (0) to dark blue (1)."""
-    f = min(1.0, max(0.0, fraction))
-    r, g, b = round(255 - 225 * f), round(255 - 185 * f), round(255 - 95 * f)
-    return f"#{r:02x}{g:02x}{b:02x}"
-
-
-def heatmap(load: VersionLoad, source: str, cell: int = 6) -> str:
-    """One policy version's `[L, E]` load: a row per layer, a column per expert, darker
-    for a larger share of the layer's busiest expert."""
-    layers, experts = load.load.shape
-    rects = []
-    for layer in range(layers):
-        row = load.load[layer]
-        top = int(row.max()) or 1
-        for expert in range(experts):
-            count = int(row[expert])
-            rects.append(
-                f"<rect class=cell x={expert * cell} y={layer * cell} width={cell} "
-                f"height={cell} fill='{_shade(count / top)}' data-layer={layer} "
-                f"data-expert={expert} data-count={count}></rect>"
-            )
-    width, height = experts * cell, layers * cell
-    return (
-        f"<figure><svg class=heatmap xmlns='http://www.w3.org/2000/svg' width={width} "
-        f"height={height} data-version={load.policy_version} data-source={_e(source)} "
-        f"data-layers={layers} data-experts={experts}>{''.join(rects)}</svg>"
-        f"<figcaption>policy version {load.policy_version} · {load.tokens} tokens · "
-        f"layers down, experts across</figcaption></figure>"
     )
 
 
@@ -180,10 +169,92 @@ def _percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
-def _agreement(pair: tuple[str, str], held: list[VersionAgreement]) -> str:
+def _or_none(value: object, none: str = "none") -> str:
+    return none if value is None else str(value)
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.3g} {unit}"
+    return f"{seconds:g} s"
+
+
+def _retention(retention: Retention) -> str:
+    parts = []
+    if retention.keep_versions is not None:
+        parts.append(f"the last {retention.keep_versions} policy versions")
+    if retention.ttl_seconds is not None:
+        parts.append(f"for {_duration(retention.ttl_seconds)}")
+    if retention.evict_after_sampled:
+        parts.append("until sampled the most times allowed")
+    return "keeps " + ", ".join(parts) if parts else "keeps everything (never drops)"
+
+
+def _recent(rows: list[list[str]], shown: int, what: str) -> str:
+    if len(rows) <= shown:
+        return ""
+    return f"<p class=muted>The last {shown} of {len(rows)} {what}; the chart shows all.</p>"
+
+
+TABLE_ROWS = 12  # versions a table lists; the charts show all
+
+
+def _pairs(detail: NamespaceDetail) -> list[tuple[tuple[str, str], list[VersionAgreement]]]:
+    return [(pair, held) for pair, held in detail.agreements.items() if held]
+
+
+def _lowest(v: VersionAgreement) -> tuple[int, float] | None:
+    held = [(f, i) for i, f in enumerate(v.overlap.fraction) if f is not None]
+    if not held:
+        return None
+    value, layer = min(held)
+    return layer, value
+
+
+def _agreement_chart(pairs: list[tuple[tuple[str, str], list[VersionAgreement]]]) -> str:
+    series = []
+    for i, ((a, b), held) in enumerate(pairs):
+        colour, name = PALETTE[i % len(PALETTE)], f"{a} vs {b}"
+        overall: list[Point] = []
+        lowest: list[Point] = []
+        for v in held:
+            at = f"{name}, policy version {v.policy_version}"
+            value = v.overlap.overall
+            overall.append(
+                (
+                    v.policy_version,
+                    value,
+                    f"{at}: {_percent(value)} of the chosen experts agree over all layers "
+                    f"({v.segments} segments, {v.tokens} tokens)",
+                )
+            )
+            low = _lowest(v)
+            lowest.append(
+                (v.policy_version, None, "")
+                if low is None
+                else (
+                    v.policy_version,
+                    low[1],
+                    f"{at}: lowest is layer {low[0]}, {percent(low[1])}",
+                )
+            )
+        series.append(Series(f"{name}, all layers", overall, colour))
+        series.append(Series(f"{name}, lowest layer", lowest, colour, dashed=True))
+    return line_chart(
+        "Agreement between route sources over policy versions",
+        series,
+        "experts both sources chose",
+        "%",
+        "agreement-chart",
+        cap=1.0,
+    )
+
+
+def _agreement_table(pair: tuple[str, str], held: list[VersionAgreement]) -> str:
     layers = len(held[0].overlap.matches) if held else 0
     rows = [
-        [str(v.policy_version), str(v.segments), _percent(v.overlap.overall)]
+        [str(v.policy_version), str(v.segments), str(v.tokens), _percent(v.overlap.overall)]
         + [
             f"<span data-layer={i} data-agreement={'' if f is None else f'{f:.6f}'}>"
             f"{_percent(f)}</span>"
@@ -191,27 +262,120 @@ def _agreement(pair: tuple[str, str], held: list[VersionAgreement]) -> str:
         ]
         for v in held
     ]
-    head = ["policy version", "segments", "all layers"] + [f"L{i}" for i in range(layers)]
-    title = f"<h3>{_e(pair[0])} vs {_e(pair[1])}</h3>"
-    return title + _table(head, rows, f"agreement {_e(pair[0])}-{_e(pair[1])}")
+    head = ["policy version", "segments", "tokens", "all layers"] + [f"L{i}" for i in range(layers)]
+    title = f"<h3>{_e(pair[0])} vs {_e(pair[1])}, per layer</h3>"
+    table = _table(head, rows[-TABLE_ROWS:], f"agreement {_e(pair[0])}-{_e(pair[1])}")
+    return title + _recent(rows, TABLE_ROWS, "policy versions") + f"<div class=scroll>{table}</div>"
 
 
-def _drift(steps: list[VersionDrift]) -> str:
-    if not steps:
-        return "<p class=muted>Fewer than two policy versions hold routes.</p>"
+def _drift_chart(drift: dict[str, list[VersionDrift]]) -> str:
+    series = []
+    for i, (source, steps) in enumerate(drift.items()):
+        colour = PALETTE[i % len(PALETTE)]
+        mean: list[Point] = []
+        top: list[Point] = []
+        for d in steps:
+            at = f"{source} routes, policy version {d.before} → {d.after}"
+            held = [x for x in d.divergence if x is not None]
+            if not held:
+                mean.append((d.after, None, ""))
+                top.append((d.after, None, ""))
+                continue
+            average, layer = sum(held) / len(held), d.divergence.index(max(held))
+            mean.append((d.after, average, f"{at}: mean over layers {plain(average)}"))
+            top.append((d.after, max(held), f"{at}: most in layer {layer}, {plain(max(held))}"))
+        series.append(Series(f"{source}, mean over layers", mean, colour))
+        series.append(Series(f"{source}, most drifting layer", top, colour, dashed=True))
+    return line_chart(
+        "Router drift: Jensen-Shannon divergence from the version before",
+        series,
+        "JS divergence (base 2)",
+        "",
+        "drift-chart",
+        x_label="policy version (from the one before)",
+        zero=True,
+        cap=1.0,
+    )
+
+
+def _drift_table(source: str, steps: list[VersionDrift]) -> str:
     layers = len(steps[0].divergence)
     rows = [
         [f"{d.before} → {d.after}"] + ["-" if x is None else f"{x:.4f}" for x in d.divergence]
         for d in steps
     ]
-    return _table(["versions"] + [f"L{i}" for i in range(layers)], rows, "drift")
+    table = _table(["versions"] + [f"L{i}" for i in range(layers)], rows[-TABLE_ROWS:], "drift")
+    return (
+        f"<h3>{_e(source)} routes, per layer</h3>"
+        + _recent(rows, TABLE_ROWS, "steps")
+        + f"<div class=scroll>{table}</div>"
+    )
+
+
+def _imbalance_bars(source: str, load: VersionLoad, colour: str) -> str:
+    bars = []
+    for layer, value in enumerate(stats.imbalance(load.load)):
+        row = load.load[layer]
+        if value is None:
+            hover = f"layer {layer}: no routes counted"
+        else:
+            hover = (
+                f"layer {layer}: busiest expert {int(row.argmax())} has {ratio(value)} the "
+                f"mean load ({int(row.max())} of {int(row.sum())} token-layers)"
+            )
+        bars.append(Bar(layer, value, hover))
+    return bar_chart(
+        f"Load imbalance per layer: {source} routes, policy version {load.policy_version}",
+        bars,
+        "busiest expert / mean",
+        "layer",
+        "x",
+        f"imbalance-chart {source}",
+        colour,
+        reference=(1.0, "1x: an even load"),
+    )
+
+
+def _imbalance_chart(loads: dict[str, list[VersionLoad]]) -> str:
+    series = []
+    for i, (source, held) in enumerate(loads.items()):
+        colour = PALETTE[i % len(PALETTE)]
+        mean: list[Point] = []
+        top: list[Point] = []
+        for v in held:
+            at = f"{source} routes, policy version {v.policy_version}"
+            per = stats.imbalance(v.load)
+            values = [x for x in per if x is not None]
+            if not values:
+                mean.append((v.policy_version, None, ""))
+                top.append((v.policy_version, None, ""))
+                continue
+            average, layer = sum(values) / len(values), per.index(max(values))
+            mean.append((v.policy_version, average, f"{at}: mean over layers {ratio(average)}"))
+            top.append(
+                (
+                    v.policy_version,
+                    max(values),
+                    f"{at}: most in layer {layer}, {ratio(max(values))}",
+                )
+            )
+        series.append(Series(f"{source}, mean over layers", mean, colour))
+        series.append(Series(f"{source}, most imbalanced layer", top, colour, dashed=True))
+    return line_chart(
+        "Load imbalance over policy versions",
+        series,
+        "busiest expert / mean",
+        "x",
+        "imbalance-versions-chart",
+    )
 
 
 def namespace_page(detail: NamespaceDetail, last: int) -> str:
-    """One namespace: its figures, expert-load heatmaps of its last `last` policy
-    versions per source, agreement between sources, drift across versions."""
+    """One namespace: its figures; agreement between sources, drift across versions
+    and load imbalance per layer as charts and tables; expert-load heatmaps of its last
+    `last` policy versions per source."""
     info, usage = detail.row.info, detail.row.usage
-    spec = info.spec
+    spec, settings = info.spec, info.settings
     facts = _table(
         ["", ""],
         [
@@ -219,6 +383,7 @@ def namespace_page(detail: NamespaceDetail, last: int) -> str:
                 "route spec",
                 f"{spec.num_layers} layers x {spec.num_experts} experts, top-{spec.top_k}",
             ],
+            ["created", time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(info.created_at))],
             ["trajectories", str(usage.trajectories)],
             ["shards", f"{usage.shards} ({_bytes(usage.shard_bytes)})"],
             [
@@ -226,41 +391,86 @@ def namespace_page(detail: NamespaceDetail, last: int) -> str:
                 f"{_bytes(usage.live_route_bytes)} / {_bytes(usage.dead_route_bytes)}",
             ],
             ["policy version", str(info.policy_version)],
-            ["max policy lag", str(info.settings.max_policy_lag)],
-            ["max times sampled", str(info.settings.max_times_sampled)],
+            ["versions held", _versions(usage.by_policy_version)],
+            ["max policy lag", _or_none(settings.max_policy_lag, "none (never stale)")],
+            ["max times sampled", _or_none(settings.max_times_sampled, "none (no limit)")],
+            ["retention", _e(_retention(settings.retention))],
             ["samplings / sampled", f"{usage.samplings} / {usage.sampled}"],
-            ["read sources", ", ".join(info.settings.read_sources)],
+            ["read sources", _e(", ".join(settings.read_sources))],
         ],
         "facts",
     )
-    maps = []
-    for source, loads in detail.loads.items():
-        if loads:
-            shown = loads[-last:]
-            maps.append(
-                f"<h3>{_e(source)} routes</h3><div class=maps>"
-                + "".join(heatmap(v, source) for v in shown)
-                + "</div>"
-            )
-    agreements = [_agreement(pair, held) for pair, held in detail.agreements.items() if held]
+    loads = {source: held for source, held in detail.loads.items() if held}
+    pairs = _pairs(detail)
+    agreement = (
+        _agreement_chart(pairs) + "".join(_agreement_table(pair, held) for pair, held in pairs)
+        if pairs
+        else "<p class=muted>No trajectory holds two sources yet.</p>"
+    )
+    drift = {source: steps for source, steps in detail.drift.items() if steps}
+    drifting = (
+        "<p class=note>Per layer, the Jensen-Shannon divergence (base 2, 0: the same, 1: "
+        "disjoint) of the expert-load distribution of a policy version from that of the "
+        "version before it.</p>"
+        + _drift_chart(drift)
+        + "".join(_drift_table(source, steps) for source, steps in drift.items())
+        if drift
+        else "<p class=muted>Fewer than two policy versions hold routes.</p>"
+    )
+    imbalance = ""
+    if loads:
+        bars = "".join(
+            _imbalance_bars(source, held[-1], PALETTE[i % len(PALETTE)])
+            for i, (source, held) in enumerate(loads.items())
+        )
+        over = _imbalance_chart(loads) if any(len(h) > 1 for h in loads.values()) else ""
+        imbalance = (
+            "<p class=note>Per layer, the busiest expert's load over the mean load of the "
+            "layer's experts (1x: perfectly even); the latest policy version of each source."
+            f"</p><div class=charts>{bars}{over}</div>"
+        )
+    shown = {source: held[-last:] for source, held in loads.items()}
+    top = scale_top([v for held in shown.values() for v in held])
+    maps = "".join(
+        f"<h3>{_e(source)} routes</h3><div class=maps>"
+        + "".join(heatmap(v, source, top) for v in held)
+        + "</div>"
+        for source, held in shown.items()
+    )
     body = (
         f"<p><a href='/ui'>all namespaces</a></p><h1>{_e(info.name)}</h1>{facts}"
-        "<h2>Expert load per policy version</h2>"
-        + ("".join(maps) or "<p class=muted>No routes counted yet.</p>")
-        + "<h2>Agreement between route sources</h2>"
-        + ("".join(agreements) or "<p class=muted>No trajectory holds two sources yet.</p>")
-        + "<h2>Router drift (engine routes)</h2>"
-        + _drift(detail.drift)
+        "<h2>Agreement between route sources</h2>"
+        + agreement
+        + "<h2>Router drift</h2>"
+        + drifting
+        + "<h2>Load imbalance</h2>"
+        + (imbalance or "<p class=muted>No routes counted yet.</p>")
+        + f"<h2>Expert load per policy version (the last {last})</h2>"
+        + (f"{colour_scale(top)}{maps}" if maps else "<p class=muted>No routes counted yet.</p>")
     )
     return _page(f"r3store · {info.name}", body)
 
 
-def login_page(message: str) -> str:
-    """What a browser without a key gets: a form that keeps the key in a cookie."""
+def login_page(message: str, then: str = "/ui") -> str:
+    """What a browser without a key gets: a form for the key (kept in a cookie for
+    /ui), and where a key comes from."""
     body = (
         f"<h1>r3store</h1><p>{_e(message)}</p>"
         "<form method=post action='/ui/login'><label>API key "
-        "<input type=password name=key autocomplete=off></label> "
-        "<button type=submit>Open</button></form>"
+        "<input type=password name=key autocomplete=off autofocus required></label> "
+        f"<input type=hidden name=then value='{_e(then)}'>"
+        "<button type=submit>Sign in</button></form>"
+        "<p class=note>The status page takes any API key with the read right. An operator "
+        "makes one on the server's machine with <code>r3store keys create NAME --role "
+        "reader</code> (add <code>--namespace NS</code> to limit it to one namespace); the "
+        "command shows the key once. The browser keeps it in a cookie for this page only, "
+        "for 8 hours.</p>"
     )
-    return _page("r3store", body)
+    return _page("r3store · sign in", body)
+
+
+def message_page(message: str) -> str:
+    """A page saying `message`, with the way back to the namespaces."""
+    return _page(
+        "r3store", f"<p><a href='/ui'>all namespaces</a></p><h1>r3store</h1><p>{_e(message)}</p>"
+    )
