@@ -8,7 +8,8 @@ settings and sampling counts live only here).
 A trajectory is one or more segments (multi-turn appends), each a row keyed by its
 route source and start token; the `engine` rows are the trajectory (segment 0 starts at 0
 and carries its sampling count), rows of other sources annotate them. Statistics tables:
-`r3store.catalog_stats`.
+`r3store.catalog_stats`. What the catalog owns in the store (its identity, the uploads
+it planned, the dictionaries it holds): `r3store.catalog_ledger`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from r3store import catalog_stats
+from r3store import catalog_ledger, catalog_stats
+from r3store.catalog_ledger import PlannedUpload
 from r3store.catalog_stats import AgreementRecord, LoadRecord
 from r3store.catalog_types import (
     ApiKeyRecord,
@@ -34,6 +36,7 @@ from r3store.catalog_types import (
     TrajectoryEntry,
 )
 from r3store.errors import Conflict, InvalidInput, NotFound, StoreError
+from r3store.keys import dictionary_key
 from r3store.policy import ENGINE, NamespaceSettings
 from r3store.shard import RouteSpans, Span
 from r3store.spec import RouteSpec
@@ -239,8 +242,13 @@ class Catalog:
         with _translated():
             _add_sources(self._engine)
             _add_columns(self._engine)
+            ledger_is_new = not sa.inspect(self._engine).has_table("dictionaries")
             metadata.create_all(self._engine)
             catalog_stats.metadata.create_all(self._engine)
+            catalog_ledger.metadata.create_all(self._engine)
+            if ledger_is_new:  # a catalog made before the ledger: the dictionaries it uses
+                with self._engine.begin() as conn:
+                    _record_dictionaries_in_use(conn, time.time())
 
     def close(self) -> None:
         self._engine.dispose()
@@ -327,14 +335,20 @@ class Catalog:
         return self.namespace(name)
 
     def delete_namespace(self, name: str) -> list[str]:
-        """Forget a namespace and its trajectories; returns its shard keys (to delete)."""
+        """Forget a namespace and its trajectories; returns the keys of its objects this
+        catalog made (shards, uploads not committed, dictionaries), to delete."""
+        d, u = catalog_ledger.dictionaries, catalog_ledger.uploads
         with self._begin() as conn:
             keys = list(
                 conn.execute(sa.select(shards.c.key).where(shards.c.namespace == name)).scalars()
             )
+            keys += conn.execute(sa.select(u.c.key).where(u.c.namespace == name)).scalars()
+            found = conn.execute(sa.select(d.c.digest).where(d.c.namespace == name)).scalars()
+            keys += [dictionary_key(name, digest) for digest in found]
             conn.execute(trajectories.delete().where(trajectories.c.namespace == name))
             conn.execute(shards.delete().where(shards.c.namespace == name))
             catalog_stats.delete_namespace(conn, name)
+            catalog_ledger.delete_namespace(conn, name)
             done = conn.execute(namespaces.delete().where(namespaces.c.name == name))
         if done.rowcount == 0:
             raise NotFound(f"no namespace {name!r}")
@@ -525,8 +539,12 @@ class Catalog:
                 victims.update(conn.execute(query).scalars())
         return sorted(victims)
 
-    def delete_trajectories(self, namespace: str, ids: Sequence[str]) -> int:
-        """Forget trajectories (all their segments); returns segments removed."""
+    def delete_trajectories(
+        self, namespace: str, ids: Sequence[str], shard_keys: Sequence[str] | None = None
+    ) -> int:
+        """Forget trajectories (all their segments); returns segments removed. With
+        `shard_keys`, only segments still in those shards: a segment a pass moved
+        elsewhere since (into a shard a tombstone does not name yet) stays."""
         removed = 0
         with self._begin() as conn:
             for begin in range(0, len(ids), _BATCH):
@@ -534,6 +552,8 @@ class Catalog:
                 query = trajectories.delete().where(
                     trajectories.c.namespace == namespace, trajectories.c.trajectory_id.in_(part)
                 )
+                if shard_keys is not None:
+                    query = query.where(trajectories.c.shard_key.in_(list(shard_keys)))
                 removed += conn.execute(query).rowcount
         return removed
 
@@ -580,8 +600,11 @@ class Catalog:
         """Point the rows of shards `old` at `new` in one transaction, and retire `old`.
 
         The rows are taken with one `DELETE ... RETURNING`, which sees the latest state:
-        rows dropped by retention, or moved by a compaction running elsewhere, since
-        `entries` were read are not brought back. Returns rows moved.
+        when any of `entries` was dropped by retention or moved by a pass running
+        elsewhere since they were read, nothing changes and `Conflict` is raised (the new
+        object would hold rows the catalog no longer has, which a rebuild could bring
+        back). The dictionaries the rows name are held in the same transaction, and a
+        collected one refuses the switch too. Returns rows moved.
         """
         t = trajectories
         try:
@@ -592,12 +615,22 @@ class Catalog:
                     .returning(t.c.trajectory_id, t.c.source, t.c.start)
                 )
                 still = {(r.trajectory_id, r.source, r.start) for r in taken}
-                moved = [e for e in entries if (e.trajectory_id, e.source, e.start) in still]
-                self._insert(conn, new, moved)
+                wanted = {(e.trajectory_id, e.source, e.start) for e in entries}
+                if still != wanted:
+                    raise Conflict(
+                        f"{len(wanted - still)} of its rows were dropped or moved meanwhile, "
+                        f"{len(still - wanted)} added"
+                    )
+                used = {e.spans.dictionary for e in entries if e.spans.dictionary is not None}
+                if not catalog_ledger.hold(conn, new.namespace, used, now):
+                    raise Conflict("a dictionary its rows use was collected meanwhile")
+                if not catalog_ledger.settle(conn, [new.key]):
+                    raise Conflict(f"{new.key} was collected as an orphan meanwhile")
+                self._insert(conn, new, list(entries))
                 conn.execute(shards.update().where(shards.c.key.in_(old)).values(retired_at=now))
         except Conflict as exc:
             raise Conflict(f"rewriting {', '.join(old)} raced another pass: {exc}") from exc
-        return len(moved)
+        return len(entries)
 
     def dictionary_for(self, namespace: str, version: int) -> tuple[bytes, int] | None:
         """The dictionary of the newest policy version at or below `version` whose rows
@@ -616,13 +649,6 @@ class Catalog:
         with self._connect() as conn:
             row = conn.execute(query).first()
         return None if row is None else (row.dictionary, row.policy_version)
-
-    def dictionaries_in_use(self) -> set[tuple[str, bytes]]:
-        """(namespace, digest) of every dictionary a row names."""
-        t = trajectories
-        query = sa.select(t.c.namespace, t.c.dictionary).where(t.c.dictionary.is_not(None))
-        with self._connect() as conn:
-            return {(r.namespace, r.dictionary) for r in conn.execute(query.distinct())}
 
     def retire_empty(self, key: str, now: float) -> bool:
         """Retire a shard no row points at (checked in the same transaction)."""
@@ -668,8 +694,93 @@ class Catalog:
         """Record a stored shard, its rows and their expert load in one transaction:
         all visible, or none."""
         with self._begin() as conn:
+            if not catalog_ledger.settle(conn, [shard.key]):
+                raise Conflict(f"{shard.key} was not planned, or was collected as an orphan")
             self._insert(conn, shard, entries)
             catalog_stats.insert_loads(conn, loads)
+
+    # what the catalog owns in the store (r3store.catalog_ledger)
+
+    def identity(self) -> str | None:
+        """The id this catalog is bound to its store with, or None when unbound."""
+        with self._connect() as conn:
+            return catalog_ledger.identity(conn)
+
+    def bind_identity(self, catalog_id: str, replace: bool = False) -> str:
+        """Record `catalog_id` as this catalog's identity unless it has one (`replace`:
+        even then); returns the identity it has now."""
+        with self._begin() as conn:
+            current = catalog_ledger.identity(conn)
+            if current is None or replace:
+                catalog_ledger.set_identity(conn, catalog_id)
+                return catalog_id
+            return current
+
+    def is_empty(self) -> bool:
+        """No namespace and no shard: a catalog nothing was ever written through."""
+        with self._connect() as conn:
+            for table in (namespaces, shards):
+                if conn.execute(sa.select(sa.func.count()).select_from(table)).scalar_one():
+                    return False
+        return True
+
+    def plan_upload(self, key: str, namespace: str, kind: str, now: float) -> None:
+        """Record an upload before its object is written: only a planned upload that
+        was never committed is an orphan this catalog may delete."""
+        with self._begin() as conn:
+            catalog_ledger.plan(conn, key, namespace, kind, now)
+
+    def forget_upload(self, key: str) -> bool:
+        """Take a planned upload off the ledger; True when it was there. Collection
+        deletes an orphan's object only after this succeeded, and a commit of the same
+        key after it fails: one of them wins, never both."""
+        with self._begin() as conn:
+            return bool(catalog_ledger.settle(conn, [key]))
+
+    def dictionary_keys(self) -> set[str]:
+        """The keys of every dictionary this catalog recorded."""
+        d = catalog_ledger.dictionaries
+        with self._connect() as conn:
+            rows = conn.execute(sa.select(d.c.namespace, d.c.digest)).all()
+        return {dictionary_key(r.namespace, r.digest) for r in rows}
+
+    def pending_uploads(self, namespace: str | None = None) -> list[PlannedUpload]:
+        with self._connect() as conn:
+            return catalog_ledger.pending(conn, namespace)
+
+    def record_dictionary(self, namespace: str, digest: bytes, version: int, now: float) -> None:
+        """A dictionary about to be stored: recorded (and held) before its object is."""
+        with self._begin() as conn:
+            catalog_ledger.record(conn, namespace, digest, version, now)
+
+    def hold_dictionary(self, namespace: str, digest: bytes, now: float) -> bool:
+        """Hold a dictionary a pass is about to encode with; False when it is being (or
+        was) collected: do not use it."""
+        with self._begin() as conn:
+            return catalog_ledger.hold(conn, namespace, {digest}, now)
+
+    def unused_dictionaries(self, cutoff: float) -> list[tuple[str, bytes]]:
+        """(namespace, digest) of recorded dictionaries no row names, last held before
+        `cutoff`."""
+        d, t = catalog_ledger.dictionaries, trajectories
+        named = sa.exists().where(t.c.namespace == d.c.namespace, t.c.dictionary == d.c.digest)
+        query = sa.select(d.c.namespace, d.c.digest).where(d.c.used_at < cutoff, ~named)
+        with self._connect() as conn:
+            return [(r.namespace, r.digest) for r in conn.execute(query)]
+
+    def drop_dictionary(self, namespace: str, digest: bytes, cutoff: float) -> bool:
+        """Forget a dictionary if still unused and not held since `cutoff`, checked in
+        the one statement that deletes its row (a pass holding it meanwhile keeps it);
+        True when forgotten: its object may go."""
+        d, t = catalog_ledger.dictionaries, trajectories
+        named = sa.exists().where(t.c.namespace == namespace, t.c.dictionary == digest)
+        with self._begin() as conn:
+            done = conn.execute(
+                d.delete().where(
+                    d.c.namespace == namespace, d.c.digest == digest, d.c.used_at < cutoff, ~named
+                )
+            )
+            return bool(done.rowcount)
 
     # statistics (r3store.catalog_stats)
 
@@ -711,12 +822,16 @@ class Catalog:
         self,
         spaces: Sequence[NamespaceInfo],
         contents: Iterator[tuple[ShardInfo, list[TrajectoryEntry], list[LoadRecord]]],
+        dictionaries: Sequence[tuple[str, bytes]] = (),
     ) -> None:
-        """Empty the catalog and fill it again, in one transaction (used by rebuilds)."""
+        """Empty the catalog and fill it again, in one transaction (used by rebuilds);
+        `dictionaries` (namespace, digest) found in the store are recorded as this
+        catalog's, so that those no row names are collected in time."""
         with self._begin() as conn:
             for table in (trajectories, shards, namespaces):
                 conn.execute(table.delete())
             catalog_stats.delete_all(conn)
+            catalog_ledger.delete_all(conn)
             for ns in spaces:
                 conn.execute(
                     namespaces.insert().values(
@@ -730,6 +845,22 @@ class Catalog:
             for shard, entries, loads in contents:
                 self._insert(conn, shard, entries)
                 catalog_stats.insert_loads(conn, loads)
+            _record_dictionaries_in_use(conn, time.time())
+            for namespace, digest in dictionaries:
+                catalog_ledger.record(conn, namespace, digest, 0, time.time())
+
+
+def _record_dictionaries_in_use(conn: Connection, now: float) -> None:
+    """Record every dictionary a row names (a catalog made before the ledger, or
+    rebuilt), with the oldest policy version naming it."""
+    t = trajectories
+    query = (
+        sa.select(t.c.namespace, t.c.dictionary, sa.func.min(t.c.policy_version).label("v"))
+        .where(t.c.dictionary.is_not(None))
+        .group_by(t.c.namespace, t.c.dictionary)
+    )
+    for row in conn.execute(query).all():
+        catalog_ledger.record(conn, row.namespace, row.dictionary, row.v, now)
 
 
 def _add_sources(engine: Engine) -> None:

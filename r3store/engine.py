@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from r3store import codec, stats, streams
+from r3store import binding, codec, stats, streams
 from r3store.analytics import Analytics
 from r3store.catalog import Catalog
 from r3store.catalog_types import ApiKeyRecord, NamespaceInfo, NamespaceUsage, TrajectoryEntry
@@ -233,11 +233,19 @@ class Engine:
             **options,
         )
 
+    def bind(self, create: bool, where: str = "") -> str:
+        """Check that the store and the catalog belong together (`r3store.binding`);
+        a new, empty pair is bound only when `create`. `InvalidConfig` when they do not
+        belong together; returns their id. The server and the CLI call it on open."""
+        return binding.bind(self._store, self._catalog, create=create, where=where)
+
     def rebuild(self, progress: Callable[[int, int], None] | None = None) -> RebuildReport:
-        """Make the catalog again from the object store alone (the source of truth)."""
+        """Make the catalog again from the object store alone (the source of truth); the
+        catalog takes the store's identity."""
         with self._lock:
             self._specs.clear()
         report = rebuild_catalog(self._store, self._catalog, progress)
+        binding.adopt(self._store, self._catalog)
         for info in self._catalog.list_namespaces():
             self.analytics.compare_all(info.name)
         return report

@@ -1,5 +1,6 @@
 """Where things live in the object store: every key r3store writes.
 
+    r3store.json                                      the store's identity (its catalog)
     namespaces/<namespace>.json                       a namespace's manifest
     shards/<namespace>/<ms>-<uuid>.parquet            an immutable shard
     tombstones/<namespace>/<ms>-<uuid>.json           segments retention dropped
@@ -18,6 +19,7 @@ NAMESPACE_PREFIX = "namespaces/"
 SHARD_PREFIX = "shards/"
 TOMBSTONE_PREFIX = "tombstones/"
 DICTIONARY_PREFIX = "dictionaries/"
+IDENTITY_KEY = "r3store.json"
 
 
 def namespace_key(name: str) -> str:
@@ -41,3 +43,14 @@ def tombstone_key(namespace: str, now: float) -> str:
 def dictionary_key(namespace: str, digest: bytes) -> str:
     """Where a namespace's zstd dictionary lies: named by its digest (SHA-256[:16])."""
     return f"{DICTIONARY_PREFIX}{namespace}/{digest.hex()}.zdict"
+
+
+def parse_dictionary_key(key: str) -> tuple[str, bytes] | None:
+    """(namespace, digest) of a dictionary's key, or None for any other key."""
+    namespace, _, name = key.removeprefix(DICTIONARY_PREFIX).rpartition("/")
+    if not key.startswith(DICTIONARY_PREFIX) or not name.endswith(".zdict"):
+        return None
+    try:
+        return namespace, bytes.fromhex(name.removesuffix(".zdict"))
+    except ValueError:
+        return None

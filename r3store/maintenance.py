@@ -39,18 +39,20 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from r3store import codec, rest
 from r3store.catalog import Catalog
+from r3store.catalog_ledger import MAINTENANCE
 from r3store.catalog_types import ShardUsage, TrajectoryEntry
 from r3store.codec import Dictionary, EncodedRoutes
-from r3store.errors import ObjectExists, ObjectNotFound, R3StoreError
+from r3store.errors import Conflict, ObjectExists, ObjectNotFound, R3StoreError
 from r3store.keys import (
     DICTIONARY_PREFIX,
     SHARD_PREFIX,
     TOMBSTONE_PREFIX,
     dictionary_key,
+    shard_key,
     tombstone_key,
 )
 from r3store.reader import DictionaryCache
@@ -86,8 +88,9 @@ class MaintenanceReport:
     shards_compacted: int = 0
     shards_retired: int = 0
     objects_deleted: int = 0
-    orphans_deleted: int = 0
+    orphans_deleted: int = 0  # uploads this catalog planned and never committed
     tombstones_deleted: int = 0
+    unknown_objects: int = 0  # objects this catalog did not make: left alone
     shards_merged: int = 0  # shards rewritten at rest (merged into `shards_at_rest`)
     shards_at_rest: int = 0
     rest_bytes_saved: int = 0  # route bytes, before minus after
@@ -152,12 +155,13 @@ class Maintenance:
             "shards_retired",
             "objects_deleted",
             "orphans_deleted",
+            "unknown_objects",
         ):
             setattr(self.totals, name, getattr(self.totals, name) + getattr(report, name))
         self.totals.live_bytes, self.totals.dead_bytes = report.live_bytes, report.dead_bytes
         return report
 
-    def apply_retention(self, namespace: str) -> int:
+    def _victims(self, namespace: str) -> list[str]:
         info = self.catalog.namespace(namespace)
         retention = info.settings.retention
         floor = None
@@ -165,7 +169,10 @@ class Maintenance:
             floor = info.policy_version - retention.keep_versions + 1
         cutoff = None if retention.ttl_seconds is None else self.clock() - retention.ttl_seconds
         sampled = info.settings.max_times_sampled if retention.evict_after_sampled else None
-        victims = self.catalog.retention_victims(namespace, floor, cutoff, sampled)
+        return self.catalog.retention_victims(namespace, floor, cutoff, sampled)
+
+    def apply_retention(self, namespace: str) -> int:
+        victims = self._victims(namespace)
         if victims:
             # the store first: a catalog rebuild must not bring these back from shards
             # that still hold them
@@ -180,7 +187,11 @@ class Maintenance:
                 }
             ).encode()
             self.store.put_if_absent(tombstone_key(namespace, self.clock()), record)
-            self.catalog.delete_trajectories(namespace, victims)
+            # only the segments still where the tombstone says: one a concurrent pass
+            # moved into a new shard meanwhile is dropped by the next pass, with a
+            # tombstone naming that shard
+            named = sorted({e.shard_key for e in entries})
+            self.catalog.delete_trajectories(namespace, victims, named)
             log.info("retention dropped %d trajectories from %s", len(victims), namespace)
         return len(victims)
 
@@ -203,21 +214,42 @@ class Maintenance:
                     log.warning("compaction of %s failed: %s", usage.key, exc)
 
     def _rewrite(self, key: str, namespace: str, now: float) -> None:
-        entries = self.catalog.entries_in(key)
+        new_key = self._plan(namespace)
+        try:
+            entries = self.catalog.entries_in(key)
+            data = self.store.get(key) if entries else b""
+            read = _reader(memoryview(data))
+            rows = [row_of(e, e.spans.streams(read, e.digest)) for e in entries]
+            at_rest = self.catalog.shard(key).rest_level
+        except BaseException:
+            self._abandon(new_key)
+            raise
         if not entries:
+            self._abandon(new_key)
             return
-        data = self.store.get(key)
-
-        def read(span: Span) -> bytes:
-            return data[span.offset : span.end]
-
-        rows = [row_of(e, e.spans.streams(read, e.digest)) for e in entries]
-        at_rest = self.catalog.shard(key).rest_level
-        built = self._replace([key], namespace, entries, rows, now, at_rest)
+        built = self._replace(new_key, [key], namespace, entries, rows, now, at_rest)
         log.info("compacted %s into %s (%d rows)", key, built.key, len(rows))
+
+    def _plan(self, namespace: str) -> str:
+        """A new shard key, recorded as a planned maintenance upload before anything is
+        read: tombstones of the namespace are kept while it is pending."""
+        now = self.clock()
+        key = shard_key(namespace, now)
+        self.catalog.plan_upload(key, namespace, MAINTENANCE, now)
+        return key
+
+    def _abandon(self, key: str) -> None:
+        """A planned upload that will not be committed: its object (if any) goes, then the
+        plan; left to collection when the store cannot say."""
+        try:
+            self.store.delete(key)
+            self.catalog.forget_upload(key)
+        except R3StoreError as exc:
+            log.warning("could not remove the abandoned upload %s (collected later): %s", key, exc)
 
     def _replace(
         self,
+        key: str,
         old: list[str],
         namespace: str,
         entries: list[TrajectoryEntry],
@@ -225,34 +257,39 @@ class Maintenance:
         now: float,
         rest_level: int | None,
     ) -> BuiltShard:
-        """Write `rows` (those of `entries`, in order) into a new shard and point the
-        catalog at it instead of `old`."""
-        built = build_shard(
-            namespace, self.spec(namespace), rows, self.row_group_bytes, rest_level=rest_level
-        )
+        """Write `rows` (those of `entries`, in order) into the planned shard `key` and
+        point the catalog at it instead of `old`. Refused by the catalog (rows dropped or
+        moved meanwhile, a dictionary collected), the new object goes again."""
+        try:
+            built = build_shard(
+                namespace,
+                self.spec(namespace),
+                rows,
+                self.row_group_bytes,
+                rest_level=rest_level,
+                key=key,
+            )
+        except BaseException:
+            self._abandon(key)
+            raise
         self.store.put_if_absent(built.key, built.data)
         shard, fresh = shard_records(namespace, built, rows)
         moved = [  # the rows keep when they were stored and how often they were sampled
             dataclasses.replace(new, created_at=e.created_at, times_sampled=e.times_sampled)
             for new, e in zip(fresh, entries, strict=True)
         ]
-        self.catalog.replace_shards(old, shard, moved, now)
+        try:
+            self.catalog.replace_shards(old, shard, moved, now)
+        except Conflict:
+            self._abandon(key)
+            raise
         return built
 
     def settle(
         self, report: MaintenanceReport, progress: Callable[[int, int], None] | None = None
     ) -> None:
         """Merge cold shards and encode their rows at rest (the module docstring, 3)."""
-        if self.cold_seconds is None:
-            return
-        cutoff = self.clock() - self.cold_seconds
-        small = self.rest_shard_bytes // 4
-        by_namespace: dict[str, list[ShardUsage]] = defaultdict(list)
-        for usage in self.catalog.shard_usage():
-            cold = usage.live_rows and usage.created_at < cutoff
-            if cold and (usage.rest_level is None or usage.live_bytes < small):
-                by_namespace[usage.namespace].append(usage)
-        batches = [b for usages in by_namespace.values() for b in self._batches(usages)]
+        batches = self._rest_batches()
         for done, batch in enumerate(batches, start=1):
             if progress is not None:
                 progress(done, len(batches))
@@ -260,6 +297,18 @@ class Maintenance:
                 self._settle(batch, report)
             except R3StoreError as exc:  # left as it was; the next pass tries again
                 log.warning("rest encoding of %d shards failed: %s", len(batch), exc)
+
+    def _rest_batches(self) -> list[list[ShardUsage]]:
+        if self.cold_seconds is None:
+            return []
+        cutoff = self.clock() - self.cold_seconds
+        small = self.rest_shard_bytes // 4
+        by_namespace: dict[str, list[ShardUsage]] = defaultdict(list)
+        for usage in self.catalog.shard_usage():
+            cold = usage.live_rows and usage.created_at < cutoff
+            if cold and (usage.rest_level is None or usage.live_bytes < small):
+                by_namespace[usage.namespace].append(usage)
+        return [b for usages in by_namespace.values() for b in self._batches(usages)]
 
     def _batches(self, usages: list[ShardUsage]) -> list[list[ShardUsage]]:
         """Consecutive shards (oldest first) of up to `rest_shard_bytes` of routes; a
@@ -275,6 +324,24 @@ class Maintenance:
         return [b for b in batches if b and not (len(b) == 1 and b[0].rest_level is not None)]
 
     def _settle(self, batch: list[ShardUsage], report: MaintenanceReport) -> None:
+        key = self._plan(batch[0].namespace)
+        try:
+            rows, entries, before, after = self._encode_at_rest(batch, report)
+        except BaseException:
+            self._abandon(key)
+            raise
+        namespace, keys = batch[0].namespace, [u.key for u in batch]
+        built = self._replace(key, keys, namespace, entries, rows, self.clock(), self.rest_level)
+        report.shards_merged += len(batch)
+        report.shards_at_rest += 1
+        report.rest_bytes_saved += before - after
+        log.info("%d shards of %s at rest in %s", len(batch), namespace, built.key)
+
+    def _encode_at_rest(
+        self, batch: list[ShardUsage], report: MaintenanceReport
+    ) -> tuple[list[ShardRow], list[TrajectoryEntry], int, int]:
+        """The rows of `batch`'s shards encoded at rest, their entries, and their route
+        bytes before and after."""
         namespace, spec = batch[0].namespace, self.spec(batch[0].namespace)
         entries: list[TrajectoryEntry] = []
         stored: list[EncodedRoutes] = []
@@ -308,12 +375,7 @@ class Maintenance:
             for i, encoded in zip(picked, settled, strict=True):
                 stored[i] = encoded
         rows = [row_of(e, s) for e, s in zip(entries, stored, strict=True)]
-        keys = [u.key for u in batch]
-        built = self._replace(keys, namespace, entries, rows, self.clock(), self.rest_level)
-        report.shards_merged += len(batch)
-        report.shards_at_rest += 1
-        report.rest_bytes_saved += before - sum(route_bytes(stored))
-        log.info("%d shards of %s at rest in %s", len(batch), namespace, built.key)
+        return rows, entries, before, sum(route_bytes(stored))
 
     def _dictionary(
         self,
@@ -325,44 +387,157 @@ class Maintenance:
     ) -> Dictionary | None:
         """The dictionary of `version`: its own if it has one, else one trained from
         `cold` (stored first), else the newest of an earlier version, else none."""
+        # each dictionary used is held in the catalog first (and again when the rows
+        # commit): one being collected meanwhile is not used
         found = self.catalog.dictionary_for(namespace, version)
-        if found is not None and found[1] == version:
+        held = found is not None and self.catalog.hold_dictionary(namespace, found[0], self.clock())
+        if found is not None and held and found[1] == version:
             return self._dictionaries.get(namespace, found[0])
         trained = rest.train(rest.samples(spec, cold))
         if trained is not None:
+            self.catalog.record_dictionary(namespace, trained.digest, version, self.clock())
             with contextlib.suppress(ObjectExists):  # named by content: the same bytes
                 self.store.put_if_absent(dictionary_key(namespace, trained.digest), trained.data)
             self._dictionaries.add(namespace, trained)
             report.dictionaries_trained += 1
             return trained
-        return None if found is None else self._dictionaries.get(namespace, found[0])
+        return self._dictionaries.get(namespace, found[0]) if found is not None and held else None
 
     def collect(self, report: MaintenanceReport) -> None:
-        cutoff = self.clock() - self.grace_seconds
+        """Delete what `collectible` names, each deletion logged; objects this catalog
+        did not make are left alone and reported (`unknown_objects`)."""
+        found = self.collectible()
+        for deletion in found.deletions:
+            if not self._claim(deletion):
+                continue  # a commit or another pass took it meanwhile
+            self.store.delete(deletion.key)
+            if deletion.kind == RETIRED:
+                self.catalog.forget_shard(deletion.key)
+                report.objects_deleted += 1
+            elif deletion.kind == TOMBSTONE:
+                report.tombstones_deleted += 1
+            else:
+                report.orphans_deleted += 1
+            level = logging.WARNING if deletion.kind == ORPHAN else logging.INFO
+            log.log(level, "deleted %s: %s", deletion.key, deletion.why)
+        for plan in found.stale_plans:  # planned, never uploaded: nothing to delete
+            self.catalog.forget_upload(plan)
+        report.unknown_objects += len(found.unknown)
+        if found.unknown:
+            log.warning(
+                "%d objects this catalog did not write are left alone (e.g. %s): another "
+                "catalog's, or this catalog is older than the store (restored from a "
+                "backup?); `r3store rebuild --yes` makes the catalog again from the store",
+                len(found.unknown),
+                ", ".join(found.unknown[:3]),
+            )
+
+    def _claim(self, deletion: Deletion) -> bool:
+        """Take what the catalog says about an object off it before the object goes, in
+        the statement that checks it may go."""
+        if deletion.kind == ORPHAN:
+            return self.catalog.forget_upload(deletion.key)
+        if deletion.kind == DICTIONARY:
+            namespace, digest = deletion.dictionary
+            cutoff = self.clock() - self.orphan_seconds
+            return self.catalog.drop_dictionary(namespace, digest, cutoff)
+        return True
+
+    def collectible(self) -> Collectible:
+        """What collection would delete now, and why; changes nothing (`r3store maintain
+        --dry-run` shows it)."""
+        now = self.clock()
+        cutoff, orphaned = now - self.grace_seconds, now - self.orphan_seconds
+        found = Collectible()
         for key in self.catalog.retired_before(cutoff):
-            self.store.delete(key)
-            self.catalog.forget_shard(key)
-            report.objects_deleted += 1
+            found.deletions.append(Deletion(key, RETIRED, "retired for over the grace"))
         known = self.catalog.shard_keys()
-        orphaned = self.clock() - self.orphan_seconds
+        pending = {p.key: p for p in self.catalog.pending_uploads()}
+        listed = set()
         for info in self.store.list(SHARD_PREFIX):
-            if info.key not in known and info.modified < orphaned:
-                self.store.delete(info.key)
-                report.orphans_deleted += 1
-        used = self.catalog.dictionaries_in_use()
-        for info in self.store.list(DICTIONARY_PREFIX):
-            namespace, _, name = info.key[len(DICTIONARY_PREFIX) :].rpartition("/")
-            digest = bytes.fromhex(name.removesuffix(".zdict"))
-            if (namespace, digest) not in used and info.modified < orphaned:
-                self.store.delete(info.key)
-                report.orphans_deleted += 1
-        # a tombstone matters while a shard holding its segments exists; compaction never
-        # copies dropped segments, so once those shards are gone it can go too
+            listed.add(info.key)
+            plan = pending.get(info.key)
+            if info.key in known:
+                continue
+            if plan is None:
+                found.unknown.append(info.key)
+            elif plan.planned_at < orphaned and info.modified < orphaned:
+                age = now - plan.planned_at
+                why = f"a {plan.kind} upload planned {age:.0f} s ago, never committed"
+                found.deletions.append(Deletion(info.key, ORPHAN, why))
+        found.stale_plans = [
+            p.key for p in pending.values() if p.key not in listed and p.planned_at < orphaned
+        ]
+        for namespace, digest in self.catalog.unused_dictionaries(orphaned):
+            key = dictionary_key(namespace, digest)
+            found.deletions.append(
+                Deletion(key, DICTIONARY, "a dictionary no row names", (namespace, digest))
+            )
+        recorded = self.catalog.dictionary_keys()
+        found.unknown += [
+            info.key for info in self.store.list(DICTIONARY_PREFIX) if info.key not in recorded
+        ]
+        # a tombstone matters while an object that may hold its segments exists: a shard
+        # it names, or a maintenance upload of its namespace not committed (which may
+        # hold copies of them); compaction and rest never commit dropped segments
+        copying = {p.namespace for p in pending.values() if p.kind == MAINTENANCE}
         for info in self.store.list(TOMBSTONE_PREFIX):
             try:
                 record = json.loads(self.store.get(info.key))
             except ObjectNotFound:  # another replica's pass deleted it meanwhile
                 continue
-            if not set(record.get("shards", [])) & known and info.modified < cutoff:
-                self.store.delete(info.key)
-                report.tombstones_deleted += 1
+            held = set(record.get("shards", [])) & known or record["namespace"] in copying
+            if not held and info.modified < cutoff:
+                why = "no shard or upload that may hold its segments is left"
+                found.deletions.append(Deletion(info.key, TOMBSTONE, why))
+        return found
+
+    def preview(self) -> MaintenancePreview:
+        """What a pass would do now, changing nothing: trajectories retention would drop,
+        shards compaction and rest would rewrite, objects collection would delete. A
+        real pass may do more (shards retention empties are collected a grace later)."""
+        preview = MaintenancePreview()
+        for info in self.catalog.list_namespaces():
+            victims = self._victims(info.name)
+            if victims:
+                preview.retention[info.name] = victims
+        for usage in self.catalog.shard_usage():
+            if usage.live_rows == 0:
+                preview.retire.append(usage.key)
+            elif usage.live_fraction < self.compact_below:
+                preview.compact.append(usage.key)
+        preview.rest = [[u.key for u in batch] for batch in self._rest_batches()]
+        found = self.collectible()
+        preview.delete = [(d.key, d.why) for d in found.deletions]
+        preview.unknown = found.unknown
+        return preview
+
+
+RETIRED, ORPHAN, DICTIONARY, TOMBSTONE = "retired", "orphan", "dictionary", "tombstone"
+
+
+@dataclass(frozen=True)
+class Deletion:
+    key: str
+    kind: str  # RETIRED, ORPHAN, DICTIONARY or TOMBSTONE
+    why: str
+    dictionary: tuple[str, bytes] = ("", b"")  # a dictionary's namespace and digest
+
+
+@dataclass
+class Collectible:
+    deletions: list[Deletion] = field(default_factory=list)
+    unknown: list[str] = field(default_factory=list)  # objects this catalog did not make
+    stale_plans: list[str] = field(default_factory=list)  # planned, never uploaded
+
+
+@dataclass
+class MaintenancePreview:
+    """`Maintenance.preview()`: what a pass would do, as things stand."""
+
+    retention: dict[str, list[str]] = field(default_factory=dict)  # namespace: ids
+    retire: list[str] = field(default_factory=list)  # shards no row points at
+    compact: list[str] = field(default_factory=list)
+    rest: list[list[str]] = field(default_factory=list)  # shards merged into one, each
+    delete: list[tuple[str, str]] = field(default_factory=list)  # (key, why)
+    unknown: list[str] = field(default_factory=list)  # left alone: not this catalog's

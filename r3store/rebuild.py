@@ -18,7 +18,7 @@ from r3store.catalog_stats import LoadRecord
 from r3store.catalog_types import NamespaceInfo, ShardInfo, TrajectoryEntry
 from r3store.codec import Dictionary, EncodedRoutes, Transform
 from r3store.errors import CorruptShard, R3StoreError
-from r3store.keys import NAMESPACE_PREFIX, SHARD_PREFIX
+from r3store.keys import DICTIONARY_PREFIX, NAMESPACE_PREFIX, SHARD_PREFIX, parse_dictionary_key
 from r3store.maintenance import read_tombstones
 from r3store.policy import ENGINE, NamespaceSettings
 from r3store.reader import DictionaryCache
@@ -257,7 +257,9 @@ def rebuild_catalog(
         for shard, entries, loads in reversed(loaded):  # oldest first, as written
             yield shard, [_committed(e, committed) for e in entries], loads
 
-    catalog.replace_all(list(spaces.values()), contents())
+    found = [parse_dictionary_key(info.key) for info in store.list(DICTIONARY_PREFIX)]
+    dictionaries = [d for d in found if d is not None]
+    catalog.replace_all(list(spaces.values()), contents(), dictionaries)
     report.namespaces = len(spaces)
     report.shards = len(loaded)
     return report

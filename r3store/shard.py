@@ -219,12 +219,14 @@ def build_shard(
     row_group_bytes: int,
     created: float | None = None,
     rest_level: int | None = None,
+    key: str | None = None,
 ) -> BuiltShard:
-    """Write `rows` into one Parquet file in memory (`rest_level`: written at rest)."""
+    """Write `rows` into one Parquet file in memory (`rest_level`: written at rest), under
+    `key` (default: a new one)."""
     if not rows:
         raise ValueError("a shard needs at least one row")
     created = time.time() if created is None else created
-    key = shard_key(namespace, created)
+    key = shard_key(namespace, created) if key is None else key
     metadata = {
         META_FORMAT: FORMAT_VERSION.encode(),
         META_SPEC: spec.to_json().encode(),

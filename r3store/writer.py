@@ -1,17 +1,18 @@
 """Group commit: many callers' trajectories packed into one shard per commit.
 
-Callers validate and encode in their own threads, then `submit` a unit (one `put`
-call's rows) and wait on its future. Committer threads (`committers`, so that one
-shard's upload overlaps the next one's packing) each take the oldest pending units of
-one namespace, up to `shard_bytes`; each checks ids against the catalog, writes the
-shard with a create-only put, commits the catalog rows in one transaction, and only
-then resolves the futures. A unit whose ids are in another committer's hands waits for
-that commit, so racing puts of one id are settled by the catalog check, never by two
-shards. When another replica commits one of the ids first, the catalog refuses the
-whole shard: the units are settled again one by one (same content: acknowledged as a
-duplicate; other content: that unit alone gets `Conflict`) and the rest go into a new
-shard. A unit is all-or-nothing. Pending bytes are bounded by `buffer_bytes`: a caller
-waits for room, then gets `Backpressure`.
+Callers validate and encode in their own threads, then `submit` a unit (one `put` call's
+rows) and wait on its future. Committer threads (`committers`, so that one shard's
+upload overlaps the next one's packing) each take the oldest pending units of one
+namespace, up to `shard_bytes`; each checks ids against the catalog, records the shard's
+key as a planned upload (only such an upload, never committed, is an orphan maintenance
+may delete), writes the shard with a create-only put, commits the catalog rows in one
+transaction, and only then resolves the futures. A unit whose ids are in another
+committer's hands waits for that commit, so racing puts of one id are settled by the
+catalog check, never by two shards. When another replica commits one of the ids first,
+the catalog refuses the whole shard: the units are settled again one by one (same
+content: acknowledged as a duplicate; other content: that unit alone gets `Conflict`)
+and the rest go into a new shard. A unit is all-or-nothing. Pending bytes are bounded by
+`buffer_bytes`: a caller waits for room, then gets `Backpressure`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from r3store.catalog import Catalog
+from r3store.catalog_ledger import INGEST
 from r3store.catalog_stats import LoadRecord
 from r3store.catalog_types import ShardInfo, TrajectoryEntry
 from r3store.codec import EncodedRoutes
@@ -362,6 +364,8 @@ class GroupCommitter:
             built = build_shard(
                 namespace, spec, to_write, self.config.row_group_bytes, created=self._clock()
             )
+            # planned first: an upload the catalog never hears of is never collected
+            self._catalog.plan_upload(built.key, namespace, INGEST, self._clock())
             self._store.put_if_absent(built.key, built.data)
             shard, entries = shard_records(namespace, built, to_write)
             try:
@@ -372,6 +376,7 @@ class GroupCommitter:
                 # orphan nobody points at; settle every unit again, each on its own
                 with contextlib.suppress(R3StoreError):
                     self._store.delete(built.key)
+                    self._catalog.forget_upload(built.key)
                 accepted = self._settle([unit for unit, _rows, _results in accepted])
                 continue
             if self._on_shard is not None:

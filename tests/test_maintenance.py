@@ -135,16 +135,27 @@ def test_orphans_older_than_the_grace_are_collected(
     engine = make_engine(store)
     engine.create_namespace("ns", SPEC)
     engine.put("ns", [make_write("kept")])
-    store.put(f"{SHARD_PREFIX}ns/0000000000001-old.parquet", b"left by a crash")
-    store.put(f"{SHARD_PREFIX}ns/9999999999999-new.parquet", b"an upload not yet committed")
-    old = tmp_path / "o" / SHARD_PREFIX / "ns" / "0000000000001-old.parquet"
+    catalog = make_engine.catalog()
     past = time.time() - 7200
-    os.utime(old, (past, past))
+    # uploads this catalog planned and never committed (a crash between put and commit)
+    for name, when in (("0000000000001-old", past), ("9999999999999-new", time.time())):
+        catalog.plan_upload(f"{SHARD_PREFIX}ns/{name}.parquet", "ns", "ingest", when)
+        store.put(f"{SHARD_PREFIX}ns/{name}.parquet", b"an upload never committed")
+    # an object no plan of this catalog names: another catalog's, never deleted
+    store.put(f"{SHARD_PREFIX}ns/0000000000002-foreign.parquet", b"not ours")
+    for name in ("0000000000001-old", "0000000000002-foreign"):
+        path = tmp_path / "o" / SHARD_PREFIX / "ns" / f"{name}.parquet"
+        os.utime(path, (past, past))
     report = engine.maintenance(orphan_seconds=3600).run()
     assert report.orphans_deleted == 1
+    assert report.unknown_objects == 1
     names = sorted(p.name for p in (tmp_path / "o" / SHARD_PREFIX / "ns").iterdir())
     assert "0000000000001-old.parquet" not in names
     assert "9999999999999-new.parquet" in names
+    assert "0000000000002-foreign.parquet" in names
+    assert [p.key for p in catalog.pending_uploads()] == [
+        f"{SHARD_PREFIX}ns/9999999999999-new.parquet"
+    ]
     check_all(engine, {"kept": make_write("kept")})
 
 

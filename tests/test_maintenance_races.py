@@ -1,0 +1,182 @@
+"""Two maintenance passes interleaved on purpose (one pass's catalog call runs the other
+pass first), on the local store and real S3: nothing live is lost, and nothing retention
+dropped comes back in a rebuild."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from helpers import SPEC, MakeEngine, expected_ids, make_write
+from r3store import rest
+from r3store.catalog import Catalog
+from r3store.engine import Engine
+from r3store.maintenance import Maintenance, MaintenanceReport
+from r3store.policy import NamespaceSettings, Retention
+from r3store.records import TrajectoryWrite
+from r3store.store import ObjectStore
+from test_rest import SPEC as REST_SPEC
+from test_rest import _group_writes
+
+KEEP_ONE = NamespaceSettings(retention=Retention(keep_versions=1))
+
+
+def _pass(engine: Engine, catalog: Catalog, **options: Any) -> Maintenance:
+    """A pass over the engine's store through its own catalog connection, so that its
+    calls can be hooked without touching the other pass's."""
+    store = engine._store  # the same objects: another replica's view
+    defaults = {"grace_seconds": 0, "orphan_seconds": 0, "cold_seconds": 0}
+    return Maintenance(store, catalog, engine.spec, **{**defaults, **options})
+
+
+def _before(catalog: Catalog, name: str, first: Callable[[], object]) -> list[object]:
+    """Make `catalog.name(...)` run `first()` once, just before it does its own work."""
+    real = getattr(catalog, name)
+    ran: list[object] = []
+
+    def hooked(*args: Any, **kwargs: Any) -> Any:
+        if not ran:
+            ran.append(first())
+        return real(*args, **kwargs)
+
+    setattr(catalog, name, hooked)
+    return ran
+
+
+def _exact(engine: Engine, namespace: str, writes: dict[str, Any], ids: bool = False) -> None:
+    batch = engine.get_batch(namespace, list(writes))
+    assert batch.missing == []
+    for tid, item in zip(batch.ids, batch.items, strict=True):
+        assert item is not None
+        assert item.routes is not None
+        want = writes[tid][1] if ids else expected_ids(writes[tid])
+        assert np.array_equal(item.routes.to_topk(), want), tid
+
+
+def _rebuilt(engine: Engine, make_engine: MakeEngine, store: ObjectStore) -> Engine:
+    engine.flush()
+    fresh = make_engine(store, db="rebuilt.db")
+    fresh.rebuild()
+    return fresh
+
+
+def test_a_dictionary_collected_while_a_pass_encodes_with_it_is_not_committed(
+    store: ObjectStore, make_engine: MakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_engine(store)
+    engine.create_namespace("ns", REST_SPEC, KEEP_ONE)
+    old = _group_writes(version=0)
+    engine.put("ns", [w for w, _ids in old.values()])
+    assert engine.maintenance(cold_seconds=0).run().dictionaries_trained == 1  # D1, version 0
+    new = _group_writes(version=1)
+    engine.put("ns", [w for w, _ids in new.values()])
+    engine.set_policy_version("ns", 1)  # version 0 is now retention's
+
+    at_rest = [u for u in make_engine.catalog().shard_usage("ns") if u.rest_level is not None]
+    # X: a rest pass that finds no dictionary of its own for version 1 and takes D1;
+    # just before it commits, Y drops version 0 and collects D1 (no row names it then)
+    monkeypatch.setattr(rest, "train", lambda samples: None)
+    x_catalog = make_engine.catalog()
+    # (version 1's rows in one merge; the shard at rest of version 0 is not small)
+    x = _pass(engine, x_catalog, rest_shard_bytes=4 * at_rest[0].live_bytes)
+    y = engine.maintenance(grace_seconds=0, orphan_seconds=0, cold_seconds=None)
+    ran = _before(x_catalog, "replace_shards", y.run)
+    report = MaintenanceReport()
+    x.settle(report)  # its rest step alone: retention is Y's
+    assert ran
+    assert ran[0].trajectories_dropped == len(old)
+    assert report.shards_at_rest == 0, "the commit with a collected dictionary is refused"
+    monkeypatch.undo()
+
+    _exact(engine, "ns", new, ids=True)
+    engine.maintenance(cold_seconds=0, grace_seconds=0, orphan_seconds=0).run()
+    _exact(engine, "ns", new, ids=True)
+    rebuilt = _rebuilt(engine, make_engine, store)
+    _exact(rebuilt, "ns", new, ids=True)
+    assert rebuilt.get_batch("ns", list(old)).missing == list(old)
+
+
+def _mixed(engine: Engine) -> tuple[list[TrajectoryWrite], dict[str, TrajectoryWrite]]:
+    """One shard: 8 rows of version 0 (retention's once the version moves) and 12 of 1,
+    so that a copy holding all 20 is 60% live: never compacted."""
+    engine.create_namespace("ns", SPEC, KEEP_ONE)
+    dropped = [make_write(f"old{i}", policy_version=0) for i in range(8)]
+    live = {f"new{i}": make_write(f"new{i}", policy_version=1) for i in range(12)}
+    engine.put("ns", [*dropped, *live.values()])
+    engine.set_policy_version("ns", 1)
+    return dropped, live
+
+
+def _settle_down(engine: Engine) -> None:
+    for _ in range(3):
+        engine.maintenance(cold_seconds=0, grace_seconds=0, orphan_seconds=0).run()
+
+
+def test_rows_retention_drops_while_a_rest_pass_copies_them_stay_dropped(
+    store: ObjectStore, make_engine: MakeEngine
+) -> None:
+    engine = make_engine(store)
+    dropped, live = _mixed(engine)
+    # X copies the shard's 20 rows into a new object; before X commits, Y drops 8
+    x_catalog = make_engine.catalog()
+    x = _pass(engine, x_catalog)
+    y = engine.maintenance(grace_seconds=0, orphan_seconds=0, cold_seconds=None)
+    ran = _before(x_catalog, "replace_shards", y.run)
+    report = MaintenanceReport()
+    x.settle(report)  # its rest step alone: retention is Y's
+    assert ran
+    assert ran[0].trajectories_dropped == 8
+    assert report.shards_at_rest == 0, "rows dropped meanwhile: the switch is refused"
+    _settle_down(engine)
+    _exact(engine, "ns", live)
+    rebuilt = _rebuilt(engine, make_engine, store)
+    _exact(rebuilt, "ns", live)
+    gone = [w.trajectory_id for w in dropped]
+    assert rebuilt.get_batch("ns", gone).missing == gone
+
+
+def test_rows_a_rest_pass_moved_while_retention_drops_them_stay_dropped(
+    store: ObjectStore, make_engine: MakeEngine
+) -> None:
+    engine = make_engine(store)
+    dropped, live = _mixed(engine)
+    # Y writes its tombstone naming the old shard; before Y forgets the rows, X moves
+    # all 20 into a new shard and commits
+    y_catalog = make_engine.catalog()
+    y = _pass(engine, y_catalog, cold_seconds=None)
+    x = engine.maintenance(grace_seconds=0, orphan_seconds=0, cold_seconds=0)
+    moved = MaintenanceReport()
+    ran = _before(y_catalog, "delete_trajectories", lambda: x.settle(moved))
+    y.run()
+    assert ran
+    assert moved.shards_at_rest == 1
+    _settle_down(engine)  # the moved rows are dropped again, with a tombstone naming them
+    _exact(engine, "ns", live)
+    gone = [w.trajectory_id for w in dropped]
+    assert engine.get_batch("ns", gone).missing == gone
+    rebuilt = _rebuilt(engine, make_engine, store)
+    _exact(rebuilt, "ns", live)
+    gone = [w.trajectory_id for w in dropped]
+    assert rebuilt.get_batch("ns", gone).missing == gone
+
+
+def test_an_orphan_collected_while_its_commit_is_under_way_is_not_committed(
+    tmp_path: Path, make_engine: MakeEngine
+) -> None:
+    from r3store.store import LocalStore
+
+    store = LocalStore(tmp_path / "o")
+    engine = make_engine(store)
+    engine.create_namespace("ns", SPEC)
+    catalog = engine._catalog
+    # a commit delayed past the orphan age: collection takes the upload first
+    sweep = engine.maintenance(grace_seconds=0, orphan_seconds=0)
+    _before(catalog, "commit_shard", sweep.run)
+    engine.put("ns", [make_write("slow")])  # settled again into a new shard, acknowledged
+    _exact(engine, "ns", {"slow": make_write("slow")})
+    assert sweep.totals.orphans_deleted == 1
+    assert catalog.pending_uploads() == []
