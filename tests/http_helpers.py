@@ -182,7 +182,6 @@ class ServerProcess:
                 ]
             ),
         }
-        full_env.update(env or {})
         if catalog_url is not None:
             full_env["R3STORE_CATALOG_URL"] = catalog_url
         if seaweed is not None:
@@ -201,6 +200,7 @@ class ServerProcess:
                     "R3STORE_S3__SECRET_ACCESS_KEY": seaweed.secret_access_key,
                 }
             )
+        full_env.update(env or {})
         self.env = full_env
         self.log = (tmp / f"server-{self.port}.log").open("wb")
         self.process = subprocess.Popen(

@@ -51,7 +51,10 @@ def cli(*args: str) -> object:
 
 
 def test_cli_end_to_end(env: dict[str, str]) -> None:
-    made = cli("namespaces", "create", "run1", "--layers", "4", "--experts", "64", "--top-k", "4")
+    # a new bucket prefix and catalog: made only when asked
+    made = cli(
+        "--init", "namespaces", "create", "run1", "--layers", "4", "--experts", "64", "--top-k", "4"
+    )
     assert made["spec"]["num_experts"] == 64  # type: ignore[index]
     assert [n["name"] for n in cli("namespaces", "list")] == ["run1"]  # type: ignore[union-attr]
     engine = build_engine(Settings())
@@ -284,3 +287,20 @@ def test_a_settings_error_the_parser_let_through_is_one_line() -> None:
     with pytest.raises(ValueError, match=r"^--ttl: ") as raised:
         changed(NamespaceSettings(), argparse.Namespace(**{**given, "ttl": float("inf")}))
     assert "\n" not in str(raised.value)
+
+
+def test_maintain_dry_run_shows_a_pass_and_changes_nothing(env: dict[str, str]) -> None:
+    cli("--init", "namespaces", "create", "ns", "--layers", "4", "--experts", "64", "--top-k", "4")
+    cli("settings", "ns", "--keep-versions", "1")
+    engine = build_engine(Settings())
+    try:
+        engine.put("ns", [make_write(f"old{i}", policy_version=0) for i in range(3)])
+    finally:
+        engine.close()
+    cli("policy", "ns", "--version", "1")
+    shown = cli("maintain", "--dry-run", "--grace", "0", "--orphan-age", "0")
+    assert shown["dry_run"] is True  # type: ignore[index]
+    assert shown["drop"] == {"ns": {"trajectories": 3, "first": ["old0", "old1", "old2"]}}  # type: ignore[index]
+    assert cli("stats", "ns")["ns"]["trajectories"] == 3  # type: ignore[index]
+    done = cli("maintain", "--grace", "0", "--orphan-age", "0")
+    assert done["trajectories_dropped"] == 3  # type: ignore[index]

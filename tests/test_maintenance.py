@@ -219,3 +219,37 @@ def test_rebuild_does_not_bring_back_what_retention_dropped(
     assert first.tombstones_deleted + second.tombstones_deleted >= 1
     remaining = {o.key for o in store.list("tombstones/")}
     assert tombstones[0] not in remaining
+
+
+def test_a_preview_changes_nothing_and_a_pass_logs_what_it_deletes(
+    tmp_path: Path, make_engine: MakeEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    store = LocalStore(tmp_path / "o")
+    engine = make_engine(store)
+    engine.create_namespace("ns", SPEC, settings(keep_versions=1))
+    engine.put("ns", [make_write(f"d{i}", policy_version=0) for i in range(3)])
+    engine.put("ns", [make_write("live", policy_version=1)])
+    engine.set_policy_version("ns", 1)
+    objects = sorted(info.key for info in store.list())
+    maintenance = engine.maintenance(grace_seconds=0, orphan_seconds=0, cold_seconds=None)
+    preview = maintenance.preview()
+    assert preview.retention == {"ns": ["d0", "d1", "d2"]}
+    assert sorted(info.key for info in store.list()) == objects
+    assert engine.count("ns") == 4
+    with caplog.at_level(logging.INFO, logger="r3store.maintenance"):
+        maintenance.run()  # drops the three, retires their shard and deletes it
+    assert maintenance.totals.objects_deleted == 1
+    shard = next(
+        k
+        for k in objects
+        if k.startswith(SHARD_PREFIX) and k not in {i.key for i in store.list(SHARD_PREFIX)}
+    )
+    assert f"deleted {shard}: retired for over the grace" in caplog.text
+    after = engine.maintenance(grace_seconds=0, orphan_seconds=0)
+    assert [why for _key, why in after.preview().delete] == [
+        "no shard or upload that may hold its segments is left"  # the tombstone, next
+    ]
+    after.run()
+    assert after.preview().delete == []

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
 _EXISTS = {"PreconditionFailed", "412", "ConditionalRequestConflict"}
 MiB = 1024 * 1024
+NO_BUCKET = "the bucket does not exist: create it before r3store starts (docs/operations.md)"
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class S3Config:
 
     bucket: str
     endpoint_url: str | None = None
+    public_endpoint_url: str | None = None  # signed into presigned URLs; None: endpoint_url
     region: str = "us-east-1"
     access_key_id: str | None = None
     secret_access_key: str | None = None
@@ -49,6 +51,8 @@ def translate(exc: Exception, key: str) -> R3StoreError:
     if isinstance(exc, ClientError):
         code = str(exc.response.get("Error", {}).get("Code", ""))
         status = str(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+        if code == "NoSuchBucket":
+            return StoreError(f"{NO_BUCKET}: {exc}")
         if code in _NOT_FOUND or status == "404":
             return ObjectNotFound(f"no object {key!r}")
         if code in _EXISTS or status == "412":
@@ -84,12 +88,17 @@ class S3Store(ObjectStore):
         )
         # readiness probes must answer fast: one attempt, short timeouts
         self._probe: S3Client = self._make_client(1, 2.0, 2.0)
+        # presigned URLs name the endpoint trainers reach, which may not be the server's
+        public = config.public_endpoint_url
+        self._signer = self._client if not public else self._make_client(1, 2.0, 2.0, public)
 
-    def _make_client(self, attempts: int, connect: float, read: float) -> S3Client:
+    def _make_client(
+        self, attempts: int, connect: float, read: float, endpoint: str | None = None
+    ) -> S3Client:
         config = self.config
         client: S3Client = boto3.client(
             "s3",
-            endpoint_url=config.endpoint_url or None,
+            endpoint_url=endpoint or config.endpoint_url or None,
             region_name=config.region,
             aws_access_key_id=config.access_key_id,
             aws_secret_access_key=config.secret_access_key,
@@ -117,7 +126,7 @@ class S3Store(ObjectStore):
         """A presigned GET of the object (signed here, no request is made)."""
         params = {"Bucket": self.bucket, "Key": self._key(key)}
         with _translated(key):
-            url: str = self._client.generate_presigned_url(
+            url: str = self._signer.generate_presigned_url(
                 "get_object", Params=params, ExpiresIn=expires
             )
         return url
@@ -212,8 +221,14 @@ class S3Store(ObjectStore):
             self._client.delete_object(Bucket=self.bucket, Key=self._key(key))
 
     def ping(self) -> None:
-        with _translated(self.bucket):
-            self._probe.head_bucket(Bucket=self.bucket)
+        """`StoreError` unless the bucket answers; a missing bucket is said so."""
+        try:
+            with _translated(self.bucket):
+                self._probe.head_bucket(Bucket=self.bucket)
+        except ObjectNotFound:  # HEAD has no body: a 404 on the bucket is its absence
+            raise StoreError(
+                f"{self.description}: {NO_BUCKET.replace('the bucket', 'it')}"
+            ) from None
 
     def create_bucket(self) -> None:
         """Create the bucket if it does not exist (for tests and first runs)."""
@@ -229,3 +244,5 @@ class S3Store(ObjectStore):
     def close(self) -> None:
         self._client.close()
         self._probe.close()
+        if self._signer is not self._client:
+            self._signer.close()

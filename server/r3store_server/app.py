@@ -14,6 +14,7 @@ from starlette.concurrency import run_in_threadpool
 import r3store
 from r3store import models
 from r3store.engine import Engine
+from r3store.errors import InvalidConfig, StoreError
 from r3store.maintenance import Maintenance
 from r3store.policy import NamespaceSettings, Retention
 from r3store_server import (
@@ -27,7 +28,7 @@ from r3store_server import (
     ui,
 )
 from r3store_server.auth import KeyRing
-from r3store_server.backends import build_engine
+from r3store_server.backends import build_engine, server_lock
 from r3store_server.limits import JSON_BODY_BYTES, JsonBodyLimit, MemoryBudget
 from r3store_server.metrics import Metrics
 from r3store_server.observe import observe
@@ -53,18 +54,43 @@ async def _maintain(maintenance: Maintenance, interval: float) -> None:
             log.exception("maintenance pass failed")
 
 
+def _open_engine(settings: Settings) -> Engine:
+    """The engine the settings name, bound to its store (`Engine.bind`: refuses a store
+    that belongs to another catalog)."""
+    engine = build_engine(settings)
+    try:
+        engine.bind(create=True, where=f"the catalog {settings.catalog_description()}")
+    except BaseException:
+        engine.close()
+        raise
+    return engine
+
+
+async def _opened(app: FastAPI, settings: Settings) -> Engine:
+    """Open the engine, retrying with a bounded back-off (1 s doubling to 30 s) while the
+    catalog or the store is unavailable (a database restarting); `/readyz` says why
+    meanwhile. A setting that cannot work (`InvalidConfig`) is not retried."""
+    delay = 1.0
+    while True:
+        try:
+            return await run_in_threadpool(_open_engine, settings)
+        except StoreError as exc:
+            app.state.opening = f"starting: {exc}; retrying in {delay:.0f} s"
+            log.warning("cannot open the store or the catalog (retrying in %.0f s): %s", delay, exc)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 30.0)
+
+
 def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     """Build the service; the engine is made from `settings` unless one is given.
 
     Refuses (ValueError) to build a service without API keys anywhere but the embedded
-    store on a loopback address.
+    store on a loopback address. Until its engine is open (a catalog still starting)
+    the service answers 503 and `/readyz` says why.
     """
     keyring = KeyRing.from_settings(settings)
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        own = engine is None
-        eng = app.state.engine = engine if engine is not None else build_engine(settings)
+    def attach(app: FastAPI, eng: Engine) -> Maintenance:
         keyring.attach(lambda: eng.list_keys(active_only=True))
         app.state.metrics.watch(eng)
         app.state.metrics.watch_namespaces(eng)
@@ -79,18 +105,53 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             rest_level=settings.maintenance_rest_level,
         )
         app.state.metrics.watch_maintenance(maintenance)
-        task = None
+        app.state.engine = eng
+        app.state.opening = None
+        return maintenance
+
+    async def run(app: FastAPI, opening: asyncio.Task[Engine] | None, eng: Engine | None) -> None:
+        """Wait for the engine if it is still opening, then run maintenance."""
+        if eng is None:
+            assert opening is not None
+            try:
+                eng = await opening
+            except InvalidConfig as exc:
+                app.state.opening = f"cannot start: {exc}"
+                log.error("cannot start: %s", exc)
+                return
+            app.state.owned = eng
+        maintenance = attach(app, eng)
         if settings.maintenance_interval > 0:
-            task = asyncio.create_task(_maintain(maintenance, settings.maintenance_interval))
-        try:
-            yield
-        finally:
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            if own:
-                await run_in_threadpool(eng.close)
+            await _maintain(maintenance, settings.maintenance_interval)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.engine = None
+        app.state.owned = None
+        app.state.opening = "starting"
+        with contextlib.ExitStack() as held:
+            opening = None
+            eng = engine
+            if eng is None:
+                held.enter_context(server_lock(settings))
+                try:  # the first try at once: a setting that cannot work stops the start
+                    eng = app.state.owned = await run_in_threadpool(_open_engine, settings)
+                except StoreError as exc:
+                    log.warning("cannot open the store or the catalog yet: %s", exc)
+                    app.state.opening = f"starting: {exc}"
+                    opening = asyncio.create_task(_opened(app, settings))
+            task = asyncio.create_task(run(app, opening, eng))
+            await asyncio.sleep(0)
+            try:
+                yield
+            finally:
+                for pending in (task, opening):
+                    if pending is not None:
+                        pending.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await pending
+                if app.state.owned is not None:
+                    await run_in_threadpool(app.state.owned.close)
 
     app = FastAPI(
         title="r3store",

@@ -1,10 +1,19 @@
 """The object store, catalog and engine that the settings name (the server and the CLI
-open them the same way)."""
+open them the same way), and the lock that keeps one server per SQLite catalog."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from sqlalchemy.engine import make_url
+
 from r3store.catalog import Catalog
 from r3store.engine import Engine
+from r3store.errors import InvalidConfig
 from r3store.store import LocalStore, ObjectStore, S3Config, S3Store
 from r3store_server.settings import Settings
 
@@ -20,6 +29,7 @@ def build_store(settings: Settings) -> ObjectStore:
         S3Config(
             bucket=s3.bucket,
             endpoint_url=s3.endpoint_url,
+            public_endpoint_url=s3.public_endpoint_url,
             region=s3.region,
             access_key_id=key_id,
             secret_access_key=secret,
@@ -32,6 +42,50 @@ def build_store(settings: Settings) -> ObjectStore:
 
 
 def build_engine(settings: Settings) -> Engine:
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    """The engine over the store and catalog the settings name, not yet bound (the
+    caller checks that they belong together: `Engine.bind`)."""
+    if settings.embedded or settings.catalog_url is None:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
     catalog = Catalog(settings.resolved_catalog_url(), timeout=settings.catalog_timeout)
-    return Engine(build_store(settings), catalog)
+    try:
+        return Engine(build_store(settings), catalog)
+    except BaseException:
+        catalog.close()
+        raise
+
+
+def sqlite_path(settings: Settings) -> Path | None:
+    """The SQLite catalog's file, or None for another database."""
+    url = make_url(settings.resolved_catalog_url())
+    if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
+        return None
+    return Path(url.database).absolute()
+
+
+@contextlib.contextmanager
+def server_lock(settings: Settings) -> Iterator[None]:
+    """Held while a server runs on a SQLite catalog: SQLite serves one server process
+    (the `r3store` command line may run beside it); a second server is refused, naming
+    the first one's pid. Several replicas need PostgreSQL."""
+    path = sqlite_path(settings)
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = path.with_name(path.name + ".server-lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise InvalidConfig(
+                f"another r3store-server (pid {holder}) runs on the SQLite catalog {path}: "
+                "SQLite serves one server; stop it, give this one its own R3STORE_DATA_DIR, "
+                "or share a PostgreSQL catalog (R3STORE_CATALOG_URL) between replicas"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

@@ -50,7 +50,7 @@ from r3store.policy import (
 from r3store.rest import REST_LEVEL
 from r3store.spec import RouteSpec
 from r3store_server.auth import digest
-from r3store_server.backends import build_engine
+from r3store_server.backends import build_engine, sqlite_path
 from r3store_server.settings import Settings, load_settings, unknown_variables
 
 CLEAR = "none"
@@ -436,7 +436,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--init",
         action="store_true",
-        help="create the embedded store if R3STORE_DATA_DIR does not exist yet",
+        help="create a new, empty store and catalog (the embedded store in R3STORE_DATA_DIR, "
+        "a SQLite catalog file, or an empty bucket prefix); without it, only existing ones open",
     )
     common = argparse.ArgumentParser(add_help=False)  # --json after the command, too
     common.add_argument(
@@ -542,6 +543,11 @@ def parser() -> argparse.ArgumentParser:
         help="seconds after which shards are merged and compressed again at rest",
     )
     maintain.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="show what a pass would drop, rewrite and delete, changing nothing",
+    )
+    maintain.add_argument(
         "--rest-level",
         type=int,
         choices=range(1, 23),
@@ -579,26 +585,66 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def open_engine(settings: Settings, init: bool) -> Engine:
-    """The engine the settings name; refuses to make a new embedded store unless `init`."""
+def open_engine(settings: Settings, init: bool, bind: bool = True) -> Engine:
+    """The engine the settings name, bound to its store (`bind`; a rebuild binds after);
+    refuses to make a new store or catalog unless `init`."""
+    catalog_file = sqlite_path(settings)
     if settings.store == "local" and not settings.data_dir.exists() and not init:
         raise InvalidConfig(
             f"no store at {settings.data_dir.resolve()} (R3STORE_DATA_DIR): run r3store "
             "where the server keeps its data, set R3STORE_DATA_DIR (or R3STORE_STORE=s3 and "
             "R3STORE_S3__*), or pass --init to create a new, empty store there"
         )
+    # the embedded store is asked for by its directory; a bucket prefix by --init
+    init = init or settings.store == "local"
+    if catalog_file is not None and not catalog_file.exists() and not init:
+        raise InvalidConfig(
+            f"no catalog at {catalog_file} (R3STORE_CATALOG_URL, or R3STORE_DATA_DIR): point "
+            "the settings at the server's catalog, or pass --init to create a new, empty one"
+        )
     engine = build_engine(settings)
     print(
         f"r3store: store {engine.store_description}, catalog {settings.catalog_description()}",
         file=sys.stderr,
     )
+    if bind:
+        try:
+            engine.bind(create=init, where=f"the catalog {settings.catalog_description()}")
+        except BaseException:
+            engine.close()
+            raise
     return engine
+
+
+def maintain(engine: Engine, args: argparse.Namespace) -> Any:
+    """One maintenance pass now, or with `--dry-run` what one would do."""
+    maintenance = engine.maintenance(
+        grace_seconds=args.grace,
+        orphan_seconds=args.orphan_age,
+        cold_seconds=args.cold_age,
+        rest_level=args.rest_level,
+    )
+    if not args.dry_run:
+        return maintenance.run(_progress("shards")).__dict__
+    preview = maintenance.preview()
+    return {
+        "dry_run": True,
+        "drop": {
+            ns: {"trajectories": len(ids), "first": ids[:5]}
+            for ns, ids in preview.retention.items()
+        },
+        "retire": preview.retire,
+        "compact": preview.compact,
+        "merge_at_rest": preview.rest,
+        "delete": [{"key": key, "why": why} for key, why in preview.delete],
+        "left_alone": preview.unknown,
+    }
 
 
 def run(args: argparse.Namespace, settings: Settings) -> Any:
     if args.command == "rebuild" and not args.yes:
         raise SystemExit("rebuild replaces the catalog's content: pass --yes")
-    engine = open_engine(settings, args.init)
+    engine = open_engine(settings, args.init, bind=args.command != "rebuild")
     try:
         if args.command == "rebuild":
             return engine.rebuild(_progress("rebuild")).__dict__
@@ -630,13 +676,7 @@ def run(args: argparse.Namespace, settings: Settings) -> Any:
             return stats(engine, args.name, args.experts)
         if args.command == "keys":
             return keys(engine, args)
-        maintenance = engine.maintenance(
-            grace_seconds=args.grace,
-            orphan_seconds=args.orphan_age,
-            cold_seconds=args.cold_age,
-            rest_level=args.rest_level,
-        )
-        return maintenance.run(_progress("shards")).__dict__
+        return maintain(engine, args)
     finally:
         engine.close()
 

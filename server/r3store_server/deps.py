@@ -10,6 +10,7 @@ from fastapi import Depends, Request, Security
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 from r3store.engine import Engine
+from r3store.errors import StoreError
 from r3store_server.auth import KeyRing, Principal
 from r3store_server.limits import Deadline, MemoryBudget
 from r3store_server.metrics import Metrics
@@ -17,7 +18,10 @@ from r3store_server.settings import Settings
 
 
 def get_engine(request: Request) -> Engine:
-    engine: Engine = request.app.state.engine
+    """The engine; 503 (`StoreError`, saying why) while it is still opening."""
+    engine: Engine | None = request.app.state.engine
+    if engine is None:
+        raise StoreError(f"the service is {request.app.state.opening}")
     return engine
 
 

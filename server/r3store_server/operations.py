@@ -8,7 +8,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from r3store.errors import R3StoreError
 from r3store.models import Health
-from r3store_server.deps import EngineDep, SettingsDep, allowed
+from r3store_server.deps import SettingsDep, allowed, get_engine
 from r3store_server.errors import ERROR_RESPONSES
 from r3store_server.limits import Deadline
 
@@ -26,10 +26,11 @@ async def healthz() -> Health:
     response_model=Health,
     responses={503: {"model": Health, "description": "store or catalog unreachable"}},
 )
-async def readyz(engine: EngineDep, settings: SettingsDep) -> Health | JSONResponse:
+async def readyz(request: Request, settings: SettingsDep) -> Health | JSONResponse:
     """The object store and the catalog answer, within `R3STORE_READINESS_TIMEOUT`.
     Open to all."""
     try:
+        engine = get_engine(request)
         await Deadline(settings.readiness_timeout).run(engine.ping, what="the readiness probe")
     except R3StoreError as exc:
         body = Health(status="unavailable", detail=str(exc))

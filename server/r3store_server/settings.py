@@ -47,6 +47,11 @@ class S3Settings(BaseModel):
     `R3STORE_S3__SECRET_ACCESS_KEY_FILE=/run/secrets/s3-secret`."""
 
     endpoint_url: str | None = Field(None, description="the S3 endpoint; none: AWS")
+    public_endpoint_url: str | None = Field(
+        None,
+        description="the S3 endpoint trainers reach, signed into direct-read URLs (an "
+        "external host where the server uses a cluster-internal name); none: endpoint_url",
+    )
     bucket: str = Field("r3store", description="the bucket that holds every object")
     region: str = "us-east-1"
     access_key_id: SecretStr | None = Field(None, description="none: boto3's default")
@@ -133,7 +138,7 @@ class Settings(BaseSettings):
         600.0,
         ge=0,
         description="seconds after which shards are merged and compressed again at rest "
-        "(dictionaries, a higher zstd level, prompt routes once per group); null: never",
+        "(dictionaries, a higher zstd level, prompt routes once per group); none: never",
     )
     maintenance_rest_level: int = Field(
         REST_LEVEL,
@@ -163,6 +168,13 @@ class Settings(BaseSettings):
         description=f"memory for uploads in flight ({UPLOAD_COST}x each body); "
         "beyond it uploads answer 429",
     )
+
+    @field_validator("maintenance_cold_age", mode="before")
+    @classmethod
+    def _never(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() in ("", "null", "none", "never"):
+            return None
+        return value
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -203,6 +215,17 @@ class Settings(BaseSettings):
                 "R3STORE_S3__ENDPOINT_URL is set but R3STORE_STORE is local: set "
                 "R3STORE_STORE=s3 to use the bucket"
             )
+        if self.store == "s3":
+            url = make_url(self.resolved_catalog_url())
+            relative = (
+                url.get_backend_name() == "sqlite" and not Path(url.database or "").is_absolute()
+            )
+            if (self.catalog_url is None and not self.data_dir.is_absolute()) or relative:
+                raise ValueError(
+                    "R3STORE_STORE=s3 needs a catalog that does not depend on the working "
+                    "directory: R3STORE_CATALOG_URL (postgresql+psycopg://... for replicas, "
+                    "or sqlite:////an/absolute/path.db), or an absolute R3STORE_DATA_DIR"
+                )
         return self
 
     def resolved_catalog_url(self) -> str:

@@ -1,0 +1,258 @@
+"""Operator mistakes that used to lose shards, tried for real (SeaweedFS, SQLite and
+PostgreSQL, server and command-line processes): a second, empty or stale catalog on
+the same bucket deletes nothing and is told what is wrong; a second server on one
+SQLite catalog is refused; a replica waits for its database; a missing bucket is said."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from helpers import SPEC, expected_ids, make_write
+from http_helpers import KEYS, ServerProcess
+from r3store.catalog import Catalog
+from r3store.engine import Engine
+from r3store.errors import InvalidConfig, StoreError
+from r3store.keys import IDENTITY_KEY, SHARD_PREFIX
+from r3store.store import S3Store
+from r3store.testing.postgres import Postgres
+from r3store.testing.seaweedfs import SeaweedFS
+from r3store_client import Client
+from r3store_server.settings import load_settings
+
+WRITES = {f"t{i}": make_write(f"t{i}") for i in range(8)}
+
+
+def _s3_env(seaweed: SeaweedFS, prefix: str, data_dir: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "R3STORE_DATA_DIR": str(data_dir),
+        "R3STORE_STORE": "s3",
+        "R3STORE_S3__ENDPOINT_URL": seaweed.endpoint_url,
+        "R3STORE_S3__BUCKET": seaweed.config().bucket,
+        "R3STORE_S3__PREFIX": prefix,
+        "R3STORE_S3__ACCESS_KEY_ID": seaweed.access_key_id,
+        "R3STORE_S3__SECRET_ACCESS_KEY": seaweed.secret_access_key,
+    }
+
+
+def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "r3store_server.cli", "--json", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
+def _exits(server: ServerProcess, seconds: float = 60) -> str:
+    """The server's log once it exited by itself (it must, within `seconds`)."""
+    try:
+        code = server.process.wait(timeout=seconds)
+    finally:
+        server.kill()
+    assert code != 0
+    return (Path(server.log.name)).read_text()
+
+
+def _check(client: Client) -> None:
+    batch = client.get_batch("ns", list(WRITES))
+    assert batch.missing == []
+    for tid, item in zip(batch.ids, batch.items, strict=True):
+        assert np.array_equal(item.routes.to_topk(), expected_ids(WRITES[tid]))
+
+
+def test_a_second_catalog_on_the_same_bucket_deletes_nothing(
+    tmp_path: Path, seaweed: SeaweedFS, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "a").mkdir()
+    server = ServerProcess(tmp_path / "a", seaweed)
+    prefix = server.prefix
+    try:
+        with Client(server.url, KEYS["admin"]) as client:
+            client.create_namespace("ns", SPEC)
+            for tid, write in WRITES.items():  # one shard each
+                client.put("ns", [write])
+                assert tid
+        store = seaweed.new_store(prefix)
+        shards = sorted(info.key for info in store.list(SHARD_PREFIX))
+        assert len(shards) == len(WRITES)
+        identity = json.loads(store.get(IDENTITY_KEY))
+
+        # the CLI run from another directory: no catalog there, none made
+        other = tmp_path / "elsewhere"
+        other.mkdir()
+        env = _s3_env(seaweed, prefix, other)
+        done = _cli(env, "stats")
+        assert done.returncode == 2
+        assert "no catalog at" in done.stderr
+        assert "--init" in done.stderr
+        assert not (other / "catalog.db").exists()
+        # asked to make one anyway, and to collect orphans at once: refused, named
+        done = _cli(env, "--init", "maintain", "--orphan-age", "0", "--grace", "0")
+        assert done.returncode == 2
+        assert f"belongs to catalog {identity['catalog']}" in done.stderr
+        assert "rebuild" in done.stderr
+        # a server on a fresh data directory (or another deployment on the prefix)
+        (tmp_path / "b").mkdir()
+        second = ServerProcess(tmp_path / "b", seaweed, prefix=prefix, wait=False)
+        log = _exits(second)
+        assert f"belongs to catalog {identity['catalog']}" in log
+
+        # the library, unbound, on an empty catalog: collects nothing it did not plan
+        fresh = Engine(seaweed.new_store(prefix), Catalog(f"sqlite:///{tmp_path / 'x.db'}"))
+        with caplog.at_level(logging.WARNING, logger="r3store.maintenance"):
+            report = fresh.maintenance(orphan_seconds=0, grace_seconds=0).run()
+        fresh.close()
+        assert report.orphans_deleted == 0
+        assert report.unknown_objects == len(WRITES)
+        assert "did not write are left alone" in caplog.text
+
+        assert sorted(info.key for info in store.list(SHARD_PREFIX)) == shards
+        with Client(server.url, KEYS["admin"]) as client:
+            _check(client)
+        store.close()
+    finally:
+        server.stop()
+
+
+def test_a_catalog_restored_from_a_backup_deletes_nothing_newer(
+    tmp_path: Path, seaweed: SeaweedFS
+) -> None:
+    prefix = f"t-{uuid.uuid4().hex[:16]}"
+    url = f"sqlite:///{tmp_path / 'catalog.db'}"
+    engine = Engine(seaweed.new_store(prefix), Catalog(url))
+    engine.bind(create=True)
+    engine.create_namespace("ns", SPEC)
+    items = list(WRITES.values())
+    for write in items[:4]:
+        engine.put("ns", [write])
+    live, backup = sqlite3.connect(tmp_path / "catalog.db"), sqlite3.connect(tmp_path / "b.db")
+    live.backup(backup)
+    live.close()
+    backup.close()
+    for write in items[4:]:
+        engine.put("ns", [write])
+    engine.close()
+    shutil.copy(tmp_path / "b.db", tmp_path / "catalog.db")
+    for suffix in ("-wal", "-shm"):
+        (tmp_path / f"catalog.db{suffix}").unlink(missing_ok=True)
+
+    restored = Engine(seaweed.new_store(prefix), Catalog(url))
+    restored.bind(create=False)  # the same catalog, older
+    report = restored.maintenance(orphan_seconds=0, grace_seconds=0).run()
+    assert report.orphans_deleted == 0
+    assert report.unknown_objects == 4  # the shards written after the backup: said, kept
+    assert restored.get_batch("ns", list(WRITES)).missing == [w.trajectory_id for w in items[4:]]
+    restored.rebuild()  # what the warning advises: every trajectory again
+    batch = restored.get_batch("ns", list(WRITES))
+    assert batch.missing == []
+    assert restored.maintenance(orphan_seconds=0).run().unknown_objects == 0
+    restored.close()
+
+
+def test_an_s3_catalog_never_depends_on_the_working_directory(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    for name in list(os.environ):
+        if name.startswith("R3STORE_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("R3STORE_STORE", "s3")
+    with pytest.raises(InvalidConfig, match="R3STORE_CATALOG_URL"):
+        load_settings()
+    monkeypatch.setenv("R3STORE_CATALOG_URL", "sqlite:///relative/catalog.db")
+    with pytest.raises(InvalidConfig, match="working directory"):
+        load_settings()
+    monkeypatch.setenv("R3STORE_CATALOG_URL", f"sqlite:///{tmp_path / 'catalog.db'}")
+    assert load_settings().catalog_url
+    monkeypatch.delenv("R3STORE_CATALOG_URL")
+    monkeypatch.setenv("R3STORE_DATA_DIR", str(tmp_path))  # absolute: SQLite there
+    assert load_settings().resolved_catalog_url() == f"sqlite:///{tmp_path / 'catalog.db'}"
+
+
+def test_a_second_server_on_one_sqlite_catalog_is_refused(tmp_path: Path) -> None:
+    first = ServerProcess(tmp_path, None)
+    try:
+        second = ServerProcess(tmp_path, None, wait=False)
+        log = _exits(second)
+        assert f"another r3store-server (pid {first.process.pid})" in log
+        assert "PostgreSQL" in log
+        assert httpx.get(f"{first.url}/readyz").status_code == 200
+    finally:
+        first.stop()
+    again = ServerProcess(tmp_path, None)  # the lock goes with its holder
+    again.stop()
+
+
+def _first_answer(server: ServerProcess) -> httpx.Response:
+    """`/readyz` as soon as the server listens (it must not exit meanwhile)."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return httpx.get(f"{server.url}/readyz", timeout=5)
+        except httpx.TransportError:
+            assert server.process.poll() is None, "the server exited"
+            assert time.monotonic() < deadline, "never answered"
+            time.sleep(0.2)
+
+
+def test_a_replica_waits_for_its_database_and_says_why(
+    tmp_path: Path, postgres_server: Postgres
+) -> None:
+    name = f"r3_{uuid.uuid4().hex[:12]}"
+    url = postgres_server.database(name)
+    postgres_server.allow_connections(name, False)  # restarting, as far as it can tell
+    server = ServerProcess(tmp_path, None, catalog_url=url, wait=False)
+    try:
+        try:
+            ready = _first_answer(server)
+            assert ready.status_code == 503
+            assert "starting: the catalog is unavailable" in ready.json()["detail"]
+            assert httpx.get(f"{server.url}/healthz").status_code == 200
+            api = httpx.get(f"{server.url}/v1/namespaces", headers={"X-API-Key": KEYS["admin"]})
+            assert api.status_code == 503
+        finally:
+            postgres_server.allow_connections(name, True)
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{server.url}/readyz", timeout=5).status_code != 200:
+            assert server.process.poll() is None, "the server exited"
+            assert time.monotonic() < deadline, "never ready"
+            time.sleep(0.5)
+        with Client(server.url, KEYS["admin"]) as client:
+            client.create_namespace("ns", SPEC)
+            client.put("ns", [WRITES["t0"]])
+            assert client.get_batch("ns", ["t0"]).missing == []
+    finally:
+        server.stop()
+    assert "retrying in" in Path(server.log.name).read_text()
+
+
+def test_a_missing_bucket_is_said_and_not_made(tmp_path: Path, seaweed: SeaweedFS) -> None:
+    bucket = f"missing-{uuid.uuid4().hex[:8]}"
+    server = ServerProcess(
+        tmp_path, seaweed, wait=False, env={"R3STORE_S3__BUCKET": bucket}, prefix="p"
+    )
+    try:
+        ready = _first_answer(server)
+        assert ready.status_code == 503
+        assert "does not exist" in ready.json()["detail"]
+    finally:
+        server.stop()
+    probe = S3Store(dataclasses.replace(seaweed.config(), bucket=bucket))
+    with pytest.raises(StoreError, match="does not exist"):
+        probe.ping()
+    probe.close()
