@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import base64
 import io
+import logging
 import pickle
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -17,7 +19,8 @@ import torch
 
 from helpers import SPEC, expected_ids, make_write
 from http_helpers import KEYS, ServerProcess
-from r3store.errors import Conflict, InvalidRoutes, NotFound, Unauthorized
+from r3store.errors import Conflict, Forbidden, InvalidRoutes, NotFound, Unauthorized
+from r3store.policy import NamespaceSettings, Retention
 from r3store.records import TrajectoryWrite
 from r3store.spec import RouteSpec
 from r3store.testing.seaweedfs import SeaweedFS
@@ -268,7 +271,10 @@ def test_rank_slices_cover_the_batch_once() -> None:
         rank_slice(ids, 4, 4)
 
 
-def test_writer_survives_a_server_outage(tmp_path: Path, seaweed: SeaweedFS) -> None:
+def test_writer_survives_a_server_outage(
+    tmp_path: Path, seaweed: SeaweedFS, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="r3store.client")
     first = ServerProcess(tmp_path, seaweed)
     port, prefix = first.port, first.prefix
     client = Client(first.url, api_key=KEYS["admin"], retry=Retry(attempts=2, backoff=0.05))
@@ -295,6 +301,22 @@ def test_writer_survives_a_server_outage(tmp_path: Path, seaweed: SeaweedFS) -> 
         assert batch.missing == []
     finally:
         second.stop()
+    # the outage is one WARNING when uploads start failing and one when they recover;
+    # the retries in between are INFO
+    logged = [r for r in caplog.records if r.name == "r3store.client"]
+    warnings = [r.getMessage() for r in logged if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings
+    failing, recovered = warnings
+    assert "failing (StoreError:" in failing
+    assert "keeps retrying" in failing
+    assert first.url in failing
+    attempts = sum("upload failed again" in r.getMessage() for r in logged) + 1
+    assert attempts >= 2  # a second or more of retries every 0.1-0.8 s
+    pattern = r"recovered after (\d+\.\d) s of failures \((\d+) failed attempts\)"
+    match = re.search(pattern, recovered)
+    assert match, recovered
+    assert float(match.group(1)) >= 1.0  # the writer waited at least the sleep above
+    assert int(match.group(2)) == attempts
     # a server that stays away: close() gives up and names what it could not send
     stranded = RolloutWriter(client, "ns", retry_backoff=0.05)
     stranded.write(make_write("c0"))
@@ -318,3 +340,85 @@ def test_spec_reported_with_routes(client: Client, namespace: str) -> None:
     client.put(namespace, [make_write("s")])
     spec, _ = client.fetch(namespace, ["s"])
     assert spec == RouteSpec(L, E, K)
+
+
+@pytest.mark.parametrize("encode", [True, False])
+def test_transposed_routes_of_the_same_size_are_refused(
+    client: Client, namespace: str, server: ServerProcess, encode: bool
+) -> None:
+    """A `[layers, tokens - 1, top_k]` array holds as many bytes as the right one: sent
+    as bytes it would be read as other routes. The client checks the shape first, on
+    both paths (a writer key: describing the namespace for its spec is allowed)."""
+    tid = f"transposed-{encode}"  # the namespace fixture gives both cases one namespace
+    write = make_write(tid, tokens=100)
+    ids = np.asarray(write.topk)
+    transposed = np.ascontiguousarray(ids.transpose(1, 0, 2))  # [4, 99, 4]
+    assert transposed.nbytes == ids.nbytes
+    masks = np.zeros((L, 99, 8), np.uint8)  # [layers, tokens - 1, ceil(E / 8)]
+    masks[..., 0] = 0b1111  # experts 0-3 everywhere: valid masks, had they been given right
+    refused = [
+        (TrajectoryWrite(tid, 100, topk=transposed), r"top-k ids of shape \[4, 99, 4\]"),
+        (TrajectoryWrite(tid, 100, mask=masks), r"masks of shape \[4, 99, 8\]"),
+    ]
+    with Client(server.url, api_key=KEYS["writer"], encode=encode) as worker:
+        for bad, given in refused:
+            with pytest.raises(InvalidRoutes, match=given + r"; expected \[99, 4, ") as caught:
+                worker.put(namespace, [bad])
+            assert str(caught.value).startswith(f"{tid}: ")
+        assert client.get_batch(namespace, [tid]).missing == [tid]
+        worker.put(namespace, [write])  # the same routes the right way round are stored
+    stored = client.get_batch(namespace, [tid]).items[0]
+    assert stored is not None
+    assert np.array_equal(stored.routes.to_topk()[:99], expected_ids(write)[:99])
+
+
+def test_ensure_namespace_survives_an_operator_changing_its_settings(
+    client: Client, server: ServerProcess
+) -> None:
+    """A worker's start: the namespace must exist with its spec; the operator's settings
+    are the operator's. Creating it takes an admin key; describing it, any key."""
+    name = "ensured"
+    with (
+        Client(server.url, api_key=KEYS["writer"]) as worker,
+        Client(server.url, api_key=KEYS["reader"]) as trainer,
+    ):
+        with pytest.raises(Forbidden, match="needs an admin key"):
+            worker.ensure_namespace(name, SPEC)
+        with pytest.raises(NotFound):
+            client.namespace(name)  # the refusal made nothing
+        made = client.ensure_namespace(name, SPEC)  # an admin key creates it
+        assert made.spec.to_spec() == SPEC
+        assert made.settings == NamespaceSettings()
+        changed = NamespaceSettings(max_policy_lag=2, retention=Retention(keep_versions=4))
+        client.update_settings(name, changed)  # as `r3store settings ... --keep-versions 4`
+        with pytest.raises(Conflict, match="other settings"):
+            client.create_namespace(name, SPEC)  # what workers called: fails once they moved
+        for who in (client, worker, trainer):
+            info = who.ensure_namespace(name, SPEC)
+            assert info.settings == changed
+            assert info.spec.to_spec() == SPEC
+        worker.put(name, [make_write("after-settings")])  # its spec, asked once, kept
+        with pytest.raises(Conflict, match=r"top_k 4 \(asked: 2\)") as caught:
+            worker.ensure_namespace(name, RouteSpec(L, E, 2))
+        assert "num_layers" not in str(caught.value)  # only the fields that differ
+        with pytest.raises(Conflict, match=r"num_experts 64 \(asked: 128\), ordered False"):
+            client.ensure_namespace(name, RouteSpec(L, 128, K, ordered=True))
+    assert client.namespace(name).settings == changed  # nothing changed it back
+
+
+def test_token_ids_without_decoding_routes(client: Client, namespace: str) -> None:
+    rng = np.random.default_rng(7)
+    first = TrajectoryWrite(
+        "turns", 10, topk=uniform_topk(rng, 10, L, E, K), token_ids=np.arange(10)
+    )
+    second = TrajectoryWrite("turns", 5, topk=uniform_topk(rng, 4, L, E, K), start=10)
+    bare = make_write("bare")
+    client.put(namespace, [first, bare])
+    client.put(namespace, [second])  # an appended turn sent without its token ids
+    got = client.token_ids(namespace, ["turns", "bare", "absent"])
+    assert list(got) == ["turns", "bare"]  # the missing id is left out
+    turns = got["turns"]
+    assert turns is not None
+    assert turns.dtype == np.int32
+    assert turns.tolist() == [*range(10), -1, -1, -1, -1, -1]
+    assert got["bare"] is None

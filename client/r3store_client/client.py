@@ -11,13 +11,16 @@ uploads are (the server acknowledges stored content again), `sample` is not (it 
 sent again only if it never reached the server). Uploads are encoded here, with the
 engine's own validation and codec (a rollout worker's CPU instead of the server's, and
 about six times fewer bytes than int32 ids on the wire); the server checks the streams by
-decoding them. `encode=False` sends the ids as they are. Errors are the project's own exceptions
+decoding them. `encode=False` sends the ids as they are; either way the client checks
+each array's shape against the namespace's spec first (its bytes alone would fit a
+transposed array). Errors are the project's own exceptions
 (`r3store.errors`), chosen by the code the server sends. A pickled client (DataLoader
 workers) drops its connection and opens a new one on first use.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import threading
@@ -28,10 +31,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import numpy as np
+import numpy.typing as npt
 import urllib3
 
-from r3store.codec import Dictionaries, load_dictionary
-from r3store.errors import R3StoreError, StoreError, error_class
+from r3store.codec import Dictionaries, decode_tokens, load_dictionary
+from r3store.errors import (
+    Conflict,
+    Forbidden,
+    InvalidRoutes,
+    NotFound,
+    R3StoreError,
+    StoreError,
+    error_class,
+)
 from r3store.models import (
     AgreementModel,
     DriftModel,
@@ -74,6 +87,11 @@ class Retry:
         return float(max(wait, retry_after or 0.0))
 
 
+def _with_status(error: R3StoreError, status: int) -> R3StoreError:
+    error.status = status  # type: ignore[attr-defined]
+    return error
+
+
 def _raise_for(response: httpx.Response) -> None:
     if response.status_code < 400:
         return
@@ -82,9 +100,33 @@ def _raise_for(response: httpx.Response) -> None:
         code, message = str(detail["code"]), str(detail["message"])
     except (ValueError, KeyError, TypeError):
         code, message = "http_error", f"HTTP {response.status_code}: {response.text[:200]}"
-    error = error_class(code)(message)
-    error.status = response.status_code  # type: ignore[attr-defined]
-    raise error
+    raise _with_status(error_class(code)(message), response.status_code)
+
+
+def check_shape(write: TrajectoryWrite, spec: RouteSpec) -> None:
+    """Refuse routes whose array is not `[num_tokens - 1 or num_tokens, layers, width]`
+    (`InvalidRoutes` naming the expected and the given shape). Only the bytes travel, so
+    a transposed `[layers, num_tokens - 1, top_k]` array of the same size would be read
+    as other routes."""
+    if write.encoded is not None or (write.topk is None and write.mask is None):
+        return  # encoded streams are checked by decoding; none at all: `check` says so
+    n = write.num_tokens
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        return  # `check` names a bad token count
+    routes = write.topk if write.topk is not None else write.mask
+    kind, width, name = (
+        ("top-k ids", spec.top_k, "top_k")
+        if write.topk is not None
+        else ("masks", spec.mask_bytes, "ceil(num_experts / 8)")
+    )
+    given = tuple(int(d) for d in np.shape(routes))
+    if len(given) == 3 and given[0] in (n - 1, n) and given[1:] == (spec.num_layers, width):
+        return
+    raise InvalidRoutes(
+        f"{write.trajectory_id}: {kind} of shape {list(given)}; expected "
+        f"[{n - 1}, {spec.num_layers}, {width}] ([num_tokens - 1, layers, {name}]; "
+        f"{n} rows also accepted) for {n} tokens"
+    )
 
 
 class Client:
@@ -225,6 +267,50 @@ class Client:
     def namespace(self, name: str) -> NamespacePublic:
         return NamespacePublic.model_validate(self.request("GET", f"/v1/namespaces/{name}").json())
 
+    def ensure_namespace(self, name: str, spec: RouteSpec) -> NamespacePublic:
+        """The namespace `name`, which must have `spec`: created (with default settings)
+        when it does not exist. Its settings are not compared: they are the operator's
+        to change (`r3store settings`), and a worker started again afterwards goes on.
+
+        Reading the namespace needs any role (`writer`, `reader` or `admin`); creating it
+        needs `admin` (`Forbidden` says so). Another spec under the name: `Conflict`
+        naming the fields that differ.
+        """
+        try:
+            info = self.namespace(name)
+        except NotFound:
+            try:
+                return self._keep_spec(name, self.create_namespace(name, spec))
+            except Forbidden as exc:
+                raise _with_status(
+                    Forbidden(
+                        f"namespace {name!r} does not exist and this key may not create it: "
+                        f"creating a namespace needs an admin key (an operator can run "
+                        f"`r3store namespaces create {name} ...`); {exc}"
+                    ),
+                    403,
+                ) from None
+            except Conflict:  # made meanwhile by someone else: compare with theirs
+                info = self.namespace(name)
+        stored = info.spec.to_spec()
+        differing = [
+            f"{f.name} {getattr(stored, f.name)!r} (asked: {getattr(spec, f.name)!r})"
+            for f in dataclasses.fields(RouteSpec)
+            if getattr(stored, f.name) != getattr(spec, f.name)
+        ]
+        if differing:
+            raise _with_status(
+                Conflict(
+                    f"namespace {name!r} exists with another route spec: " + ", ".join(differing)
+                ),
+                409,
+            )
+        return self._keep_spec(name, info)
+
+    def _keep_spec(self, name: str, info: NamespacePublic) -> NamespacePublic:
+        self._specs[name] = info.spec.to_spec()
+        return info
+
     def spec(self, name: str) -> RouteSpec:
         """The namespace's route spec (fixed at creation: asked once, then kept)."""
         if name not in self._specs:
@@ -245,10 +331,13 @@ class Client:
 
     def put(self, namespace: str, writes: Sequence[TrajectoryWrite]) -> list[PutResult]:
         """Upload trajectories (or appended segments); returns after the durable commit.
-        Routes are validated and encoded here first (unless `encode=False`): bad ones
-        raise `InvalidRoutes` before anything is sent."""
+        Each array's shape is checked against the namespace's spec, and routes are
+        validated and encoded here (unless `encode=False`): bad ones raise
+        `InvalidRoutes` before anything is sent."""
+        spec = self.spec(namespace)
+        for w in writes:
+            check_shape(w, spec)
         if self.encode:  # a segment too long to be checked by decoding goes as ids
-            spec = self.spec(namespace)
             writes = [w.encode(spec) if fits(spec, w.num_tokens) else w for w in writes]
         response = self.request(
             "POST",
@@ -291,6 +380,39 @@ class Client:
         }
         response = self.request("POST", f"/v1/namespaces/{namespace}/routes/batch", json=body)
         return decode_batch(response.content, decode=decode, executor=self.decoders)
+
+    def token_ids(
+        self,
+        namespace: str,
+        ids: Sequence[str],
+        include_stale: bool = False,
+        source: Source | None = None,
+    ) -> dict[str, npt.NDArray[np.int32] | None]:
+        """The token ids stored with `ids`, by id (`[num_tokens]` int32, -1 where a
+        segment came without them; None for a trajectory stored without any); missing
+        and stale ids are left out. Only the token streams are decoded, not the routes;
+        the routes' stored streams still travel with them (the read endpoint has no
+        tokens-only form)."""
+        batch = self.get_batch(namespace, ids, include_stale, decode=False, source=source)
+        out: dict[str, npt.NDArray[np.int32] | None] = {}
+        for item in batch.found:
+            parts = [
+                None
+                if s.encoded is None or s.encoded.tokens is None
+                else decode_tokens(s.encoded.tokens, s.num_tokens)
+                for s in item.segments
+            ]
+            out[item.trajectory_id] = (
+                None
+                if all(p is None for p in parts)
+                else np.concatenate(
+                    [
+                        np.full(s.num_tokens, -1, np.int32) if p is None else p
+                        for s, p in zip(item.segments, parts, strict=True)
+                    ]
+                )
+            )
+        return out
 
     def plan(
         self,
