@@ -9,7 +9,9 @@ Memory is bounded by `max_pending_bytes`: `write` then blocks (or raises `Backpr
 with `block=False`). A batch the server refuses as bad input is sent again trajectory by
 trajectory, so one bad trajectory does not sink the others; those refused are reported.
 While the server is unreachable the writer keeps its batch and retries with backoff;
-uploads are idempotent, so nothing is stored twice. Whatever is still unsent when
+uploads are idempotent, so nothing is stored twice. The first failure of a run of them
+is logged as a WARNING (each retry after it at INFO), and so is the recovery, with how
+long uploads failed and how many attempts failed. Whatever is still unsent when
 `close(timeout)` gives up is reported, never dropped silently.
 """
 
@@ -68,6 +70,8 @@ class RolloutWriter:
         self._cond = threading.Condition()
         self._closing = False
         self._deadline: float | None = None
+        self._failing_since: float | None = None  # when uploads started failing
+        self._failed_attempts = 0
         self._thread = threading.Thread(target=self._run, name="r3store-writer", daemon=True)
         self._thread.start()
 
@@ -168,10 +172,12 @@ class RolloutWriter:
         while True:
             try:
                 self.client.put(self.namespace, [w for w, _ in batch])
+                self._recovered()
                 with self._cond:
                     self.report.sent += len(batch)
                 return []
             except InvalidInput as exc:
+                self._answered(exc)
                 if len(batch) == 1:
                     with self._cond:
                         self.report.failed[batch[0][0].trajectory_id] = str(exc)
@@ -188,12 +194,46 @@ class RolloutWriter:
                         and time.monotonic() >= self._deadline
                     ):
                         return batch
-                log.info("upload failed (%s); retrying", exc)
+                self._failed(exc)
                 with self._cond:  # a sleep that close() can cut short
                     self._cond.wait(min(10.0, self.retry_backoff * 2**attempt))
                 attempt += 1
             except R3StoreError as exc:  # conflict, auth, stale: will not succeed by retrying
+                self._answered(exc)
                 with self._cond:
                     for w, _ in batch:
                         self.report.failed[w.trajectory_id] = f"{type(exc).__name__}: {exc}"
                 return []
+
+    def _failed(self, exc: R3StoreError) -> None:
+        """One failed attempt: the first of a run is a WARNING, the others INFO."""
+        self._failed_attempts += 1
+        if self._failing_since is None:
+            self._failing_since = time.monotonic()
+            log.warning(
+                "uploads to %s failing (%s: %s); the writer keeps the trajectories queued "
+                "and keeps retrying",
+                self.client.base_url,
+                type(exc).__name__,
+                exc,
+            )
+        else:
+            log.info("upload failed again (attempt %d; %s); retrying", self._failed_attempts, exc)
+
+    def _answered(self, exc: R3StoreError) -> None:
+        """A refusal: the server answered it (it has a status), unless the client
+        refused the write itself before sending."""
+        if getattr(exc, "status", None) is not None:
+            self._recovered()
+
+    def _recovered(self) -> None:
+        """The server answered again after failed attempts: one WARNING saying so."""
+        if self._failing_since is None:
+            return
+        log.warning(
+            "uploads to %s recovered after %.1f s of failures (%d failed attempts)",
+            self.client.base_url,
+            time.monotonic() - self._failing_since,
+            self._failed_attempts,
+        )
+        self._failing_since, self._failed_attempts = None, 0
