@@ -5,9 +5,13 @@
 
 A real worker gets its responses from SGLang (`return_routed_experts=True`); a
 synthetic engine of the same output format stands in here. `R3STORE_URL` names the
-server (default `http://127.0.0.1:8330`) and `R3STORE_KEY` a key with the `admin` role
-(or `writer`, once the namespace exists): none is needed while the server runs on the
-embedded store on a loopback address with no keys (authentication is off there).
+server (default `http://127.0.0.1:8330`) and `R3STORE_KEY` a key with the `writer` role
+once the namespace exists (`r3store namespaces create quickstart --layers 4 --experts 16
+--top-k 2`), or the `admin` role to have the worker create it: none is needed while the
+server runs on the embedded store on a loopback address with no keys (authentication is
+off there). The worker only checks that the namespace has its route spec, so an
+operator may change its settings (`r3store settings quickstart --keep-versions 4`)
+between runs; the trainer, not the worker, moves the policy version on.
 """
 
 from __future__ import annotations
@@ -44,8 +48,7 @@ def sglang_response(rng: np.random.Generator, rid: str) -> dict[str, Any]:
 def main() -> None:
     rng = np.random.default_rng(0)
     with Client(URL, api_key=KEY) as client:
-        client.create_namespace(NAMESPACE, RouteSpec(LAYERS, EXPERTS, TOP_K))  # idempotent
-        client.set_policy_version(NAMESPACE, POLICY_VERSION)
+        client.ensure_namespace(NAMESPACE, RouteSpec(LAYERS, EXPERTS, TOP_K))  # this spec
         with RolloutWriter(client, NAMESPACE) as writer:  # batches uploads in the background
             for group in range(GROUPS):
                 for sample in range(SAMPLES):

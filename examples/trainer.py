@@ -7,9 +7,10 @@
 The model is a tiny Qwen3-MoE built from a config (no download) with the namespace's
 shape. Each data-parallel rank takes its share of the step's trajectories, fetches only
 their routes (the next micro-batch while the current one computes), and runs forward and
-backward with every router forced to the engine's experts. `R3STORE_URL` and
-`R3STORE_KEY` (a `reader` key) as for the worker; `RANK` and `WORLD_SIZE` as a launcher
-sets them (default: one rank).
+backward with every router forced to the engine's experts; after the step, rank 0 sets
+the namespace's policy version to the new weights' (2). `R3STORE_URL` and `R3STORE_KEY`
+(a `reader` key) as for the worker; `RANK` and `WORLD_SIZE` as a launcher sets them
+(default: one rank).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ URL = os.environ.get("R3STORE_URL", "http://127.0.0.1:8330")
 KEY = os.environ.get("R3STORE_KEY")  # None: authentication is off on the embedded server
 NAMESPACE = "quickstart"
 RANK, WORLD_SIZE = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+POLICY_VERSION = 1  # the policy the worker's rollouts came from
 
 
 def tiny_moe(layers: int, experts: int, top_k: int) -> Qwen3MoeForCausalLM:
@@ -53,15 +55,14 @@ def main() -> None:
     with Client(URL, api_key=KEY) as client:
         spec = client.namespace(NAMESPACE).spec
         model = tiny_moe(spec.num_layers, spec.num_experts, spec.top_k)
-        # The step's rollouts: an RL framework hands them to the trainer; here they are
-        # read back from r3store, where the worker stored their tokens beside the routes.
-        step = client.get_batch(
-            NAMESPACE, [f"step1/prompt{g}/sample{s}" for g in range(4) for s in range(4)]
-        )
+        # The step's rollouts: an RL framework hands them to the trainer; here their token
+        # ids are read back from r3store, where the worker stored them beside the routes
+        # (only the token streams are decoded; the routes come below, per micro-batch).
+        step = [f"step{POLICY_VERSION}/prompt{g}/sample{s}" for g in range(4) for s in range(4)]
         tokens = {
-            r.trajectory_id: torch.from_numpy(r.token_ids).long()
-            for r in step.items
-            if r is not None
+            tid: torch.from_numpy(ids).long()
+            for tid, ids in client.token_ids(NAMESPACE, step).items()
+            if ids is not None
         }
         mine = rank_slice(sorted(tokens), RANK, WORLD_SIZE)  # only this rank's routes
         reader = TrainerReader(client, NAMESPACE)
@@ -76,6 +77,8 @@ def main() -> None:
             print(f"rank {RANK}: {len(ids)} trajectories replayed, loss {loss.item():.3f}")
         optimizer.step()
         print(f"rank {RANK}: replayed {len(mine)} trajectories of {NAMESPACE!r}")
+        if RANK == 0:  # the new weights: rollouts from now on are of the next version
+            client.set_policy_version(NAMESPACE, POLICY_VERSION + 1)
 
 
 if __name__ == "__main__":

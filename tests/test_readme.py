@@ -66,19 +66,24 @@ def test_curl_walkthrough(tmp_path: Path) -> None:
     assert answers[-1]["trajectories"] == 0
 
 
-def test_cli_block(tmp_path: Path) -> None:
-    (tmp_path / "data").mkdir()  # where `make serve` keeps its store
+def run_cli_block(where: Path) -> subprocess.CompletedProcess[str]:
+    (where / "data").mkdir()  # where `make serve` keeps its store
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     env = {k: v for k, v in env.items() if not k.startswith("R3STORE_")}
     result = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", block("cli")],
-        cwd=tmp_path,
+        cwd=where,
         env=env,
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_cli_block(tmp_path: Path) -> None:
+    result = run_cli_block(tmp_path)
     assert "store local directory" in result.stderr
     assert str(tmp_path / "data" / "objects") in result.stderr
     assert "max_policy_lag" in result.stdout
@@ -86,12 +91,26 @@ def test_cli_block(tmp_path: Path) -> None:
     assert "namespaces: 1" in result.stdout  # the rebuild found the namespace again
 
 
-def test_engine_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
-    os.makedirs("data")
+def run_engine_block() -> None:
     scope: dict[str, object] = {}
     exec(compile(block("engine"), "README.md", "exec"), scope)
     routes = scope["routes"]
     assert isinstance(routes, np.ndarray)
     assert routes.shape == (4096, 48, 8)
     assert (routes[-1] == -1).all()
+
+
+def test_engine_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("data")
+    run_engine_block()
+
+
+def test_engine_block_after_the_cli_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read in order, the README runs the command line's block on the store in `data/`
+    and then the engine's on the same store: it must not trip over the namespace the
+    command line configured; run again, it is acknowledged again."""
+    run_cli_block(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    run_engine_block()
+    run_engine_block()
