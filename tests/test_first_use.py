@@ -91,7 +91,13 @@ def test_a_typo_is_warned_and_a_busy_port_named_before_anything_is_logged(
         busy.listen()
         port = busy.getsockname()[1]
         result = server(
-            clean_env(R3STORE_DATA_DIR=str(tmp_path), R3STORE_PORT=str(port), R3STORE_PROT="1")
+            clean_env(
+                R3STORE_DATA_DIR=str(tmp_path),
+                R3STORE_PORT=str(port),
+                R3STORE_PROT="1",
+                R3STORE_URL="http://127.0.0.1:8330",  # the client's, as the examples export
+                R3STORE_KEY="a-client-key",
+            )
         )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()

@@ -314,9 +314,14 @@ def _one_line(exc: ValidationError) -> str:
     return f"{name}{where}{'=' + shown if shown else ''}: {message}{hint}"
 
 
+# read by the client's examples and scripts, not by the server
+CLIENT_VARIABLES = frozenset({f"{PREFIX}URL", f"{PREFIX}KEY"})
+
+
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
-    """`R3STORE_*` variables that no setting reads (typos, most likely)."""
-    known = set(variables())
+    """`R3STORE_*` variables that no setting reads (typos, most likely); the client's
+    own (`R3STORE_URL`, `R3STORE_KEY`) are not."""
+    known = set(variables()) | CLIENT_VARIABLES
     env = os.environ if environ is None else environ
     return sorted(k for k in env if k.upper().startswith(PREFIX) and k.upper() not in known)
 
