@@ -21,7 +21,7 @@ import pytest
 import sqlalchemy as sa
 import zstandard
 
-from r3store import catalog_stats
+from r3store import catalog_ledger, catalog_stats
 from r3store.catalog import Catalog, metadata
 from r3store.engine import Engine
 from r3store.policy import NamespaceSettings
@@ -311,7 +311,7 @@ def _columns(names: Any) -> str:
 def test_catalog_tables_are_documented() -> None:
     catalog = section(FORMAT.read_text(), "## Catalog")
     documented = re.findall(r"^### `(\w+)`$", catalog, flags=re.M)
-    tables = {**metadata.tables, **catalog_stats.metadata.tables}
+    tables = {**metadata.tables, **catalog_stats.metadata.tables, **catalog_ledger.metadata.tables}
     assert sorted(documented) == sorted(tables)
     for name, sa_table in tables.items():
         text = section(catalog, f"### `{name}`")
