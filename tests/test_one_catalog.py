@@ -256,3 +256,72 @@ def test_a_missing_bucket_is_said_and_not_made(tmp_path: Path, seaweed: SeaweedF
     with pytest.raises(StoreError, match="does not exist"):
         probe.ping()
     probe.close()
+
+
+def test_two_bound_catalogs_never_share_a_store(tmp_path: Path) -> None:
+    from r3store.store import LocalStore
+
+    def engine(store: str, db: str) -> Engine:
+        return Engine(LocalStore(tmp_path / store), Catalog(f"sqlite:///{tmp_path / db}"))
+
+    a, b = engine("a", "a.db"), engine("b", "b.db")
+    ids = a.bind(create=True), b.bind(create=True)
+    a.create_namespace("ns", SPEC)
+    a.put("ns", [WRITES["t0"]])
+    a.close()
+    b.close()
+    crossed = engine("a", "b.db")  # cluster b's catalog on cluster a's prefix
+    with pytest.raises(InvalidConfig, match=f"belongs to catalog {ids[0]}.*is catalog {ids[1]}"):
+        crossed.bind(create=True)
+    crossed.close()
+    again = engine("a", "a.db")
+    assert again.bind(create=False) == ids[0]
+    assert again.get_batch("ns", ["t0"]).missing == []
+    again.close()
+
+
+def test_a_deployment_made_before_identities_is_bound_in_place(tmp_path: Path) -> None:
+    import sqlalchemy as sa
+
+    from r3store.store import LocalStore
+
+    url = f"sqlite:///{tmp_path / 'catalog.db'}"
+    old = Engine(LocalStore(tmp_path / "objects"), Catalog(url))
+    old.create_namespace("ns", SPEC)
+    old.put("ns", [WRITES["t0"]])  # no identity anywhere, as before they existed
+    old.close()
+    assert not (tmp_path / "objects" / IDENTITY_KEY).exists()
+    with sa.create_engine(url).begin() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM catalog_meta")).scalar_one() == 0
+    # a fresh, empty catalog on that store is refused; its own catalog is bound
+    other = Engine(LocalStore(tmp_path / "objects"), Catalog(f"sqlite:///{tmp_path / 'x.db'}"))
+    with pytest.raises(InvalidConfig, match="holds objects but no identity"):
+        other.bind(create=True)
+    other.close()
+    engine = Engine(LocalStore(tmp_path / "objects"), Catalog(url))
+    bound = engine.bind(create=False)
+    assert json.loads((tmp_path / "objects" / IDENTITY_KEY).read_bytes())["catalog"] == bound
+    assert engine.get_batch("ns", ["t0"]).missing == []
+    engine.close()
+
+
+def test_presigned_urls_name_the_endpoint_trainers_reach() -> None:
+    from r3store.store import S3Config
+
+    inside = S3Store(
+        S3Config(
+            bucket="routes",
+            endpoint_url="http://s3.storage.svc:9000",
+            access_key_id="id",
+            secret_access_key="secret",
+        )
+    )
+    public = S3Store(
+        dataclasses.replace(inside.config, public_endpoint_url="https://s3.example.org")
+    )
+    try:
+        assert inside.presign_get("shards/a", 60).startswith("http://s3.storage.svc:9000/routes/")
+        assert public.presign_get("shards/a", 60).startswith("https://s3.example.org/routes/")
+    finally:
+        inside.close()
+        public.close()
