@@ -239,6 +239,13 @@ class Catalog:
         self._engine: Engine = sa.create_engine(url, **kwargs)
         if url.startswith("sqlite"):
             sa.event.listen(self._engine, "connect", _sqlite_pragmas)
+        try:
+            self._create_tables()
+        except BaseException:  # no pool left behind by a catalog that could not open
+            self._engine.dispose()
+            raise
+
+    def _create_tables(self) -> None:
         with _translated():
             _add_sources(self._engine)
             _add_columns(self._engine)
@@ -248,7 +255,7 @@ class Catalog:
             catalog_ledger.metadata.create_all(self._engine)
             if ledger_is_new:  # a catalog made before the ledger: the dictionaries it uses
                 with self._engine.begin() as conn:
-                    _record_dictionaries_in_use(conn, time.time())
+                    catalog_ledger.record_in_use(conn, trajectories, time.time())
 
     def close(self) -> None:
         self._engine.dispose()
@@ -336,22 +343,24 @@ class Catalog:
 
     def delete_namespace(self, name: str) -> list[str]:
         """Forget a namespace and its trajectories; returns the keys of its objects this
-        catalog made (shards, uploads not committed, dictionaries), to delete."""
-        d, u = catalog_ledger.dictionaries, catalog_ledger.uploads
+        catalog made (shards, uploads not committed, dictionaries), to delete. They stay
+        on the ledger as deletions under way (`forget_upload` each once deleted), so
+        that collection finishes what a failure leaves."""
         with self._begin() as conn:
             keys = list(
                 conn.execute(sa.select(shards.c.key).where(shards.c.namespace == name)).scalars()
             )
-            keys += conn.execute(sa.select(u.c.key).where(u.c.namespace == name)).scalars()
-            found = conn.execute(sa.select(d.c.digest).where(d.c.namespace == name)).scalars()
-            keys += [dictionary_key(name, digest) for digest in found]
+            keys += [p.key for p in catalog_ledger.pending(conn, name)]
+            found = catalog_ledger.keys_of(conn, name)
+            keys += [dictionary_key(ns, digest) for ns, digest in found]
             conn.execute(trajectories.delete().where(trajectories.c.namespace == name))
             conn.execute(shards.delete().where(shards.c.namespace == name))
             catalog_stats.delete_namespace(conn, name)
             catalog_ledger.delete_namespace(conn, name)
+            catalog_ledger.mark_deleting(conn, keys, name)
             done = conn.execute(namespaces.delete().where(namespaces.c.name == name))
-        if done.rowcount == 0:
-            raise NotFound(f"no namespace {name!r}")
+            if done.rowcount == 0:
+                raise NotFound(f"no namespace {name!r}")
         return keys
 
     # trajectories
@@ -543,17 +552,23 @@ class Catalog:
         self, namespace: str, ids: Sequence[str], shard_keys: Sequence[str] | None = None
     ) -> int:
         """Forget trajectories (all their segments); returns segments removed. With
-        `shard_keys`, only segments still in those shards: a segment a pass moved
-        elsewhere since (into a shard a tombstone does not name yet) stays."""
+        `shard_keys`, only trajectories all of whose segments are still in those shards:
+        one with a segment a pass moved elsewhere since (into a shard a tombstone does
+        not name yet) stays whole, for the next pass."""
+        t = trajectories
         removed = 0
         with self._begin() as conn:
             for begin in range(0, len(ids), _BATCH):
                 part = list(ids[begin : begin + _BATCH])
-                query = trajectories.delete().where(
-                    trajectories.c.namespace == namespace, trajectories.c.trajectory_id.in_(part)
-                )
+                query = t.delete().where(t.c.namespace == namespace, t.c.trajectory_id.in_(part))
                 if shard_keys is not None:
-                    query = query.where(trajectories.c.shard_key.in_(list(shard_keys)))
+                    other = t.alias("other")
+                    elsewhere = sa.exists().where(
+                        other.c.namespace == t.c.namespace,
+                        other.c.trajectory_id == t.c.trajectory_id,
+                        other.c.shard_key.not_in(list(shard_keys)),
+                    )
+                    query = query.where(~elsewhere)
                 removed += conn.execute(query).rowcount
         return removed
 
@@ -612,8 +627,8 @@ class Catalog:
                 taken = conn.execute(
                     t.delete()
                     .where(t.c.shard_key.in_(old))
-                    .returning(t.c.trajectory_id, t.c.source, t.c.start)
-                )
+                    .returning(t.c.trajectory_id, t.c.source, t.c.start, t.c.dictionary)
+                ).all()
                 still = {(r.trajectory_id, r.source, r.start) for r in taken}
                 wanted = {(e.trajectory_id, e.source, e.start) for e in entries}
                 if still != wanted:
@@ -621,10 +636,15 @@ class Catalog:
                         f"{len(wanted - still)} of its rows were dropped or moved meanwhile, "
                         f"{len(still - wanted)} added"
                     )
+                # a dictionary the old rows named cannot have been collected (recorded
+                # if an older server did not); one the pass chose must still be held
+                named = {r.dictionary for r in taken if r.dictionary is not None}
                 used = {e.spans.dictionary for e in entries if e.spans.dictionary is not None}
-                if not catalog_ledger.hold(conn, new.namespace, used, now):
+                for digest in named & used:
+                    catalog_ledger.record(conn, new.namespace, digest, 0, now)
+                if not catalog_ledger.hold(conn, new.namespace, used - named, now):
                     raise Conflict("a dictionary its rows use was collected meanwhile")
-                if not catalog_ledger.settle(conn, [new.key]):
+                if not catalog_ledger.unplan(conn, [new.key]):
                     raise Conflict(f"{new.key} was collected as an orphan meanwhile")
                 self._insert(conn, new, list(entries))
                 conn.execute(shards.update().where(shards.c.key.in_(old)).values(retired_at=now))
@@ -694,7 +714,7 @@ class Catalog:
         """Record a stored shard, its rows and their expert load in one transaction:
         all visible, or none."""
         with self._begin() as conn:
-            if not catalog_ledger.settle(conn, [shard.key]):
+            if not catalog_ledger.unplan(conn, [shard.key]):
                 raise Conflict(f"{shard.key} was not planned, or was collected as an orphan")
             self._insert(conn, shard, entries)
             catalog_stats.insert_loads(conn, loads)
@@ -704,17 +724,30 @@ class Catalog:
     def identity(self) -> str | None:
         """The id this catalog is bound to its store with, or None when unbound."""
         with self._connect() as conn:
-            return catalog_ledger.identity(conn)
+            return catalog_ledger.value(conn, catalog_ledger.IDENTITY)
 
     def bind_identity(self, catalog_id: str, replace: bool = False) -> str:
-        """Record `catalog_id` as this catalog's identity unless it has one (`replace`:
-        even then); returns the identity it has now."""
+        """Record `catalog_id` as this catalog's identity unless it has one (another
+        process's, recorded first, wins; `replace`: even then); returns the identity it
+        has now."""
         with self._begin() as conn:
-            current = catalog_ledger.identity(conn)
-            if current is None or replace:
-                catalog_ledger.set_identity(conn, catalog_id)
+            if replace:
+                catalog_ledger.set_value(conn, catalog_ledger.IDENTITY, catalog_id)
                 return catalog_id
-            return current
+            catalog_ledger.insert_value(conn, catalog_ledger.IDENTITY, catalog_id)
+        found = self.identity()
+        assert found is not None
+        return found
+
+    def generation(self) -> int:
+        """How many maintenance passes counted up this catalog's generation."""
+        with self._connect() as conn:
+            return int(catalog_ledger.value(conn, catalog_ledger.GENERATION) or 0)
+
+    def advance_generation(self, seen: int) -> bool:
+        """Count the generation up from `seen`; False when another pass did first."""
+        with self._begin() as conn:
+            return catalog_ledger.advance_generation(conn, seen)
 
     def is_empty(self) -> bool:
         """No namespace and no shard: a catalog nothing was ever written through."""
@@ -730,28 +763,31 @@ class Catalog:
         with self._begin() as conn:
             catalog_ledger.plan(conn, key, namespace, kind, now)
 
-    def forget_upload(self, key: str) -> bool:
-        """Take a planned upload off the ledger; True when it was there. Collection
-        deletes an orphan's object only after this succeeded, and a commit of the same
-        key after it fails: one of them wins, never both."""
+    def claim_orphan(self, key: str, cutoff: float) -> bool:
+        """Take an upload planned before `cutoff` and never committed for deletion; a
+        commit of it after this fails, so collection and a late commit never both win."""
         with self._begin() as conn:
-            return bool(catalog_ledger.settle(conn, [key]))
+            return catalog_ledger.claim_orphan(conn, key, cutoff)
 
-    def dictionary_keys(self) -> set[str]:
-        """The keys of every dictionary this catalog recorded."""
-        d = catalog_ledger.dictionaries
-        with self._connect() as conn:
-            rows = conn.execute(sa.select(d.c.namespace, d.c.digest)).all()
-        return {dictionary_key(r.namespace, r.digest) for r in rows}
+    def forget_upload(self, key: str) -> None:
+        """An upload abandoned, or an object deleted: off the ledger."""
+        with self._begin() as conn:
+            catalog_ledger.forget(conn, key)
 
     def pending_uploads(self, namespace: str | None = None) -> list[PlannedUpload]:
         with self._connect() as conn:
             return catalog_ledger.pending(conn, namespace)
 
-    def record_dictionary(self, namespace: str, digest: bytes, version: int, now: float) -> None:
-        """A dictionary about to be stored: recorded (and held) before its object is."""
+    def dictionary_keys(self) -> set[str]:
+        """The keys of every dictionary this catalog recorded."""
+        with self._connect() as conn:
+            return {dictionary_key(ns, digest) for ns, digest in catalog_ledger.keys_of(conn)}
+
+    def record_dictionary(self, namespace: str, digest: bytes, version: int, now: float) -> bool:
+        """A dictionary about to be stored: recorded (and held) before its object is;
+        False when it is being deleted: do not use it."""
         with self._begin() as conn:
-            catalog_ledger.record(conn, namespace, digest, version, now)
+            return catalog_ledger.record(conn, namespace, digest, version, now)
 
     def hold_dictionary(self, namespace: str, digest: bytes, now: float) -> bool:
         """Hold a dictionary a pass is about to encode with; False when it is being (or
@@ -761,34 +797,27 @@ class Catalog:
 
     def unused_dictionaries(self, cutoff: float) -> list[tuple[str, bytes]]:
         """(namespace, digest) of recorded dictionaries no row names, last held before
-        `cutoff`."""
-        d, t = catalog_ledger.dictionaries, trajectories
-        named = sa.exists().where(t.c.namespace == d.c.namespace, t.c.dictionary == d.c.digest)
-        query = sa.select(d.c.namespace, d.c.digest).where(d.c.used_at < cutoff, ~named)
+        `cutoff` (or being deleted)."""
         with self._connect() as conn:
-            return [(r.namespace, r.digest) for r in conn.execute(query)]
+            return catalog_ledger.unused(conn, trajectories, cutoff)
 
-    def drop_dictionary(self, namespace: str, digest: bytes, cutoff: float) -> bool:
-        """Forget a dictionary if still unused and not held since `cutoff`, checked in
-        the one statement that deletes its row (a pass holding it meanwhile keeps it);
-        True when forgotten: its object may go."""
-        d, t = catalog_ledger.dictionaries, trajectories
-        named = sa.exists().where(t.c.namespace == namespace, t.c.dictionary == digest)
+    def start_dropping_dictionary(self, namespace: str, digest: bytes, cutoff: float) -> bool:
+        """Mark a dictionary as being deleted if still unused and not held since
+        `cutoff`; True when marked: its object may go, then `forget_dictionary`."""
         with self._begin() as conn:
-            done = conn.execute(
-                d.delete().where(
-                    d.c.namespace == namespace, d.c.digest == digest, d.c.used_at < cutoff, ~named
-                )
-            )
-            return bool(done.rowcount)
+            return catalog_ledger.start_drop(conn, trajectories, namespace, digest, cutoff)
+
+    def forget_dictionary(self, namespace: str, digest: bytes) -> None:
+        with self._begin() as conn:
+            catalog_ledger.end_drop(conn, namespace, digest)
 
     # statistics (r3store.catalog_stats)
 
     def expert_loads(
-        self, namespace: str, source: str, shape: tuple[int, int]
+        self, namespace: str, source: str, shape: tuple[int, int], newest: int | None = None
     ) -> dict[int, tuple[int, Any]]:
         with self._connect() as conn:
-            return catalog_stats.loads(conn, namespace, source, shape)  # type: ignore[arg-type]
+            return catalog_stats.loads(conn, namespace, source, shape, newest)  # type: ignore[arg-type]
 
     def annotated_ids(self, namespace: str) -> list[str]:
         """Trajectories holding routes of a source other than engine."""
@@ -845,22 +874,9 @@ class Catalog:
             for shard, entries, loads in contents:
                 self._insert(conn, shard, entries)
                 catalog_stats.insert_loads(conn, loads)
-            _record_dictionaries_in_use(conn, time.time())
+            catalog_ledger.record_in_use(conn, trajectories, time.time())
             for namespace, digest in dictionaries:
                 catalog_ledger.record(conn, namespace, digest, 0, time.time())
-
-
-def _record_dictionaries_in_use(conn: Connection, now: float) -> None:
-    """Record every dictionary a row names (a catalog made before the ledger, or
-    rebuilt), with the oldest policy version naming it."""
-    t = trajectories
-    query = (
-        sa.select(t.c.namespace, t.c.dictionary, sa.func.min(t.c.policy_version).label("v"))
-        .where(t.c.dictionary.is_not(None))
-        .group_by(t.c.namespace, t.c.dictionary)
-    )
-    for row in conn.execute(query).all():
-        catalog_ledger.record(conn, row.namespace, row.dictionary, row.v, now)
 
 
 def _add_sources(engine: Engine) -> None:

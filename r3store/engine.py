@@ -313,8 +313,11 @@ class Engine:
         keys = self._catalog.delete_namespace(check_namespace(name))
         with self._lock:
             self._specs.pop(name, None)
+        for key in keys:  # marked as deletions under way: maintenance finishes a failure
+            self._store.delete(key)
+            self._catalog.forget_upload(key)
         tombstones = [info.key for info in self._store.list(f"{TOMBSTONE_PREFIX}{name}/")]
-        for key in [*keys, *tombstones]:
+        for key in tombstones:
             self._store.delete(key)
         self._store.delete(namespace_key(name))
         return len(keys) + len(tombstones) + 1

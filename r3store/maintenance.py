@@ -20,14 +20,18 @@ One pass (`Maintenance.run`), for every namespace:
    stored once per group). The catalog switches as in compaction, all merged shards at
    once.
 4. Collection: retired shards' objects are deleted once retired for `grace_seconds` (so
-   reads that looked up the old rows still find them), then their catalog rows; objects
-   under `shards/` that no catalog row names (a crash between upload and commit) are
-   deleted once older than `orphan_seconds`, far longer than any commit takes: a shard
-   uploaded by a replica whose catalog commit is still under way is not an orphan.
-   Dictionaries no row names are deleted once older than `orphan_seconds` too.
+   reads that looked up the old rows still find them), then their catalog rows; uploads
+   this catalog planned and never committed (a crash between upload and commit) once
+   planned more than `orphan_seconds` ago, claimed in the catalog first so that a late
+   commit is refused instead; dictionaries no row names and no pass held for as long,
+   marked first; deletions under way (a namespace's, a crash's) are finished. Objects
+   this catalog did not plan (another catalog's) are never deleted, only reported; a
+   catalog older than its store (`binding.behind`) deletes nothing. Each deletion is
+   logged.
 
-Objects are deleted only after the catalog no longer points at them. The clock is
-injectable, for tests.
+Objects are deleted only after the catalog no longer points at them. At the end of a
+pass the catalog's generation counts up (`binding.advance`). The clock is injectable,
+for tests.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from r3store import codec, rest
+from r3store import binding, codec, rest
+from r3store import catalog_ledger as ledger
 from r3store.catalog import Catalog
 from r3store.catalog_ledger import MAINTENANCE
 from r3store.catalog_types import ShardUsage, TrajectoryEntry
@@ -141,6 +146,7 @@ class Maintenance:
         self.compact(report, progress)
         self.settle(report, progress)
         self.collect(report)
+        binding.advance(self.store, self.catalog)  # a backup older than this pass is stale
         for usage in self.catalog.shard_usage():
             report.live_bytes += usage.live_bytes
             report.dead_bytes += usage.route_bytes - usage.live_bytes
@@ -405,14 +411,20 @@ class Maintenance:
 
     def collect(self, report: MaintenanceReport) -> None:
         """Delete what `collectible` names, each deletion logged; objects this catalog
-        did not make are left alone and reported (`unknown_objects`)."""
+        did not make are left alone and reported (`unknown_objects`). A catalog older
+        than its store (`binding.behind`) deletes nothing."""
+        stale = binding.behind(self.store, self.catalog)
+        if stale is not None:
+            log.error("maintenance deletes nothing: %s", stale)
+            report.unknown_objects += 1
+            return
         found = self.collectible()
         for deletion in found.deletions:
             if not self._claim(deletion):
                 continue  # a commit or another pass took it meanwhile
             self.store.delete(deletion.key)
+            self._forget(deletion)
             if deletion.kind == RETIRED:
-                self.catalog.forget_shard(deletion.key)
                 report.objects_deleted += 1
             elif deletion.kind == TOMBSTONE:
                 report.tombstones_deleted += 1
@@ -433,15 +445,25 @@ class Maintenance:
             )
 
     def _claim(self, deletion: Deletion) -> bool:
-        """Take what the catalog says about an object off it before the object goes, in
-        the statement that checks it may go."""
+        """Mark an object as being deleted in the catalog, in the statement that checks
+        it may go (a late commit of an orphan, a pass holding a dictionary meanwhile,
+        wins instead); it stays marked until `_forget`, so a failure between leaves it
+        to the next pass, never unknown."""
+        cutoff = self.clock() - self.orphan_seconds
         if deletion.kind == ORPHAN:
-            return self.catalog.forget_upload(deletion.key)
+            return self.catalog.claim_orphan(deletion.key, cutoff)
         if deletion.kind == DICTIONARY:
             namespace, digest = deletion.dictionary
-            cutoff = self.clock() - self.orphan_seconds
-            return self.catalog.drop_dictionary(namespace, digest, cutoff)
+            return self.catalog.start_dropping_dictionary(namespace, digest, cutoff)
         return True
+
+    def _forget(self, deletion: Deletion) -> None:
+        if deletion.kind == RETIRED:
+            self.catalog.forget_shard(deletion.key)
+        elif deletion.kind in (ORPHAN, DELETING):
+            self.catalog.forget_upload(deletion.key)
+        elif deletion.kind == DICTIONARY:
+            self.catalog.forget_dictionary(*deletion.dictionary)
 
     def collectible(self) -> Collectible:
         """What collection would delete now, and why; changes nothing (`r3store maintain
@@ -453,11 +475,15 @@ class Maintenance:
             found.deletions.append(Deletion(key, RETIRED, "retired for over the grace"))
         known = self.catalog.shard_keys()
         pending = {p.key: p for p in self.catalog.pending_uploads()}
+        for under_way in pending.values():  # deletions begun (a namespace's, a crash's)
+            if under_way.kind == ledger.DELETING:
+                why = "its deletion was under way"
+                found.deletions.append(Deletion(under_way.key, DELETING, why))
         listed = set()
         for info in self.store.list(SHARD_PREFIX):
             listed.add(info.key)
             plan = pending.get(info.key)
-            if info.key in known:
+            if info.key in known or (plan is not None and plan.kind == ledger.DELETING):
                 continue
             if plan is None:
                 found.unknown.append(info.key)
@@ -466,7 +492,9 @@ class Maintenance:
                 why = f"a {plan.kind} upload planned {age:.0f} s ago, never committed"
                 found.deletions.append(Deletion(info.key, ORPHAN, why))
         found.stale_plans = [
-            p.key for p in pending.values() if p.key not in listed and p.planned_at < orphaned
+            p.key
+            for p in pending.values()
+            if p.key not in listed and p.planned_at < orphaned and p.kind != ledger.DELETING
         ]
         for namespace, digest in self.catalog.unused_dictionaries(orphaned):
             key = dictionary_key(namespace, digest)
@@ -480,7 +508,7 @@ class Maintenance:
         # a tombstone matters while an object that may hold its segments exists: a shard
         # it names, or a maintenance upload of its namespace not committed (which may
         # hold copies of them); compaction and rest never commit dropped segments
-        copying = {p.namespace for p in pending.values() if p.kind == MAINTENANCE}
+        copying = {p.namespace for p in pending.values() if p.kind in (MAINTENANCE, DELETING)}
         for info in self.store.list(TOMBSTONE_PREFIX):
             try:
                 record = json.loads(self.store.get(info.key))
@@ -514,12 +542,13 @@ class Maintenance:
 
 
 RETIRED, ORPHAN, DICTIONARY, TOMBSTONE = "retired", "orphan", "dictionary", "tombstone"
+DELETING = "deleting"
 
 
 @dataclass(frozen=True)
 class Deletion:
     key: str
-    kind: str  # RETIRED, ORPHAN, DICTIONARY or TOMBSTONE
+    kind: str  # RETIRED, ORPHAN, DICTIONARY, TOMBSTONE or DELETING
     why: str
     dictionary: tuple[str, bytes] = ("", b"")  # a dictionary's namespace and digest
 

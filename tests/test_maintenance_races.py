@@ -180,3 +180,49 @@ def test_an_orphan_collected_while_its_commit_is_under_way_is_not_committed(
     _exact(engine, "ns", {"slow": make_write("slow")})
     assert sweep.totals.orphans_deleted == 1
     assert catalog.pending_uploads() == []
+
+
+def test_a_dictionary_being_deleted_cannot_be_recorded_or_held_again(
+    tmp_path: Path,
+) -> None:
+    catalog = Catalog(f"sqlite:///{tmp_path / 'c.db'}")
+    digest, now = b"d" * 16, 1000.0
+    assert catalog.record_dictionary("ns", digest, 1, now)
+    assert catalog.start_dropping_dictionary("ns", digest, now + 1)
+    # a pass that trained the same dictionary again, while its object is being deleted
+    assert not catalog.record_dictionary("ns", digest, 1, now + 2)
+    assert not catalog.hold_dictionary("ns", digest, now + 2)
+    catalog.forget_dictionary("ns", digest)
+    assert catalog.record_dictionary("ns", digest, 1, now + 3)  # gone: a new one may come
+    assert catalog.hold_dictionary("ns", digest, now + 4)
+    assert not catalog.start_dropping_dictionary("ns", digest, now + 4)  # held since
+    catalog.close()
+
+
+def test_a_namespace_deletion_that_fails_midway_is_finished_by_maintenance(
+    store: ObjectStore, make_engine: MakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from r3store.errors import StoreError
+
+    engine = make_engine(store)
+    engine.create_namespace("ns", SPEC)
+    for i in range(3):
+        engine.put("ns", [make_write(f"t{i}")])
+    real = store.delete
+    calls: list[str] = []
+
+    def fails_second(key: str) -> None:
+        calls.append(key)
+        if len(calls) == 2:
+            raise StoreError("the store went away")
+        real(key)
+
+    monkeypatch.setattr(store, "delete", fails_second)
+    with pytest.raises(StoreError):
+        engine.delete_namespace("ns")
+    monkeypatch.undo()
+    assert len(list(store.list("shards/"))) == 2
+    report = engine.maintenance(grace_seconds=0, orphan_seconds=0).run()
+    assert report.unknown_objects == 0
+    assert list(store.list("shards/")) == []
+    assert make_engine.catalog().pending_uploads() == []
