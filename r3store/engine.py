@@ -55,7 +55,7 @@ from r3store.records import (
 from r3store.routes import Routes
 from r3store.sampling import Candidate, Strategy, choose
 from r3store.shard import ShardRow
-from r3store.sources import choose_source, inherit
+from r3store.sources import choose_source, engine_segments, inherit
 from r3store.spec import RouteSpec
 from r3store.store.base import ObjectStore
 from r3store.writer import (
@@ -398,7 +398,8 @@ class Engine:
             seen.add(key)
         known = self._catalog.lookup(namespace, {w.trajectory_id for w in writes}) if writes else {}
         stored = known_segments(known)
-        writes = [inherit(w, stored, writes) for w in writes]
+        engines = engine_segments(stored, writes)
+        writes = [inherit(w, engines) for w in writes]
         for write in writes:
             if is_stale(write.policy_version, info.policy_version, info.settings):
                 raise StalePolicy(

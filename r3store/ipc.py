@@ -15,6 +15,7 @@ format uses. Both are read from the message's own flatbuffer (`Message.fbs`:
 from __future__ import annotations
 
 import struct
+from collections import Counter
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -25,6 +26,9 @@ from r3store.errors import InvalidInput
 HEADER_TYPES = {1: "schema", 2: "dictionary batch", 3: "record batch"}
 _MESSAGE_HEADER_TYPE, _MESSAGE_HEADER, _MESSAGE_BODY_LENGTH = 1, 2, 3
 _BATCH_LENGTH, _BATCH_NODES, _BATCH_BUFFERS, _BATCH_COMPRESSION = 0, 1, 2, 3
+# fields an upload's schema may have, nested ones counted: r3store reads 14 columns, and
+# every check of a stream is linear in its fields
+MAX_FIELDS = 64
 
 
 class Flatbuffer:
@@ -101,8 +105,27 @@ def _bad(what: str, exc: Exception) -> InvalidInput:
     return InvalidInput(f"the body is not a valid Arrow IPC stream: {what}: {exc}")
 
 
+def count_fields(schema: pa.Schema, limit: int) -> int:
+    """The fields of `schema`, nested ones counted, up to `limit + 1` (no further: a
+    schema is refused past `limit` without walking the rest)."""
+    stack = [field.type for field in schema]
+    count = len(stack)
+    while stack and count <= limit:
+        kind = stack.pop()
+        children = [kind.field(i).type for i in range(min(kind.num_fields, limit + 1))]
+        count += len(children)
+        stack.extend(children)
+    return min(count, limit + 1)
+
+
 def _check_schema(schema: pa.Schema) -> None:
-    """Field names (nested ones too) are UTF-8 and the columns' names are distinct."""
+    """At most `MAX_FIELDS` fields; field names (nested ones too) are UTF-8 and the
+    columns' names are distinct."""
+    if len(schema) > MAX_FIELDS or count_fields(schema, MAX_FIELDS) > MAX_FIELDS:
+        raise InvalidInput(
+            f"the upload's schema has more than {MAX_FIELDS} fields (nested ones counted): "
+            "send the columns r3store reads (docs/api.md) and few others"
+        )
     try:
         schema.to_string(show_field_metadata=False, show_schema_metadata=False)
         names = schema.names
@@ -110,7 +133,7 @@ def _check_schema(schema: pa.Schema) -> None:
         raise InvalidInput(
             f"the upload's schema has a field name that is not UTF-8: {exc}"
         ) from None
-    twice = sorted({name for name in names if names.count(name) > 1})
+    twice = sorted(name for name, n in Counter(names).items() if n > 1)
     if twice:
         raise InvalidInput(f"the upload has more than one column named {twice[0]!r}")
 

@@ -163,22 +163,38 @@ class Segment:
     policy_version: int = 0
 
 
-def settle(write_id: str, start: int, digest: bytes, stored: list[Segment]) -> bool:
-    """Decide a segment against the trajectory's stored ones (in start order).
+class Held:
+    """One trajectory's segments of one source, stored and settled so far, indexed so
+    that settling a segment against them costs the same however many there are."""
+
+    def __init__(self, stored: Sequence[Segment]) -> None:
+        self.digests: dict[int, bytes] = {}
+        for segment in stored:
+            self.digests.setdefault(segment.start, segment.digest)
+        last = stored[-1] if stored else None
+        self.end = 0 if last is None else last.start + last.num_tokens  # in start order
+
+    def add(self, segment: Segment) -> None:
+        self.digests.setdefault(segment.start, segment.digest)
+        self.end = segment.start + segment.num_tokens
+
+
+def settle(write_id: str, start: int, digest: bytes, stored: Sequence[Segment] | Held) -> bool:
+    """Decide a segment against the trajectory's stored ones (in start order, or `Held`).
 
     True: new, store it. False: the same segment is stored already (a retry). Raises
     `Conflict` for the same start with other content, `InvalidInput` for an append
     that does not begin where the trajectory ends.
     """
-    for segment in stored:
-        if segment.start == start:
-            if segment.digest == digest:
-                return False
-            raise Conflict(f"{write_id} (from token {start}) is already stored with other content")
-    end = stored[-1].start + stored[-1].num_tokens if stored else 0
-    if start != end:
+    held = stored if isinstance(stored, Held) else Held(stored)
+    found = held.digests.get(start)
+    if found is not None:
+        if found == digest:
+            return False
+        raise Conflict(f"{write_id} (from token {start}) is already stored with other content")
+    if start != held.end:
         raise InvalidInput(
-            f"{write_id}: a segment must start where the trajectory ends (token {end}), "
+            f"{write_id}: a segment must start where the trajectory ends (token {held.end}), "
             f"not at token {start}"
         )
     return True

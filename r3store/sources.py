@@ -30,35 +30,39 @@ class _Stored(Protocol):
 _S = TypeVar("_S", bound=_Stored)
 
 
-def _engine_segment(
-    tid: str,
-    start: int,
-    stored: dict[tuple[str, Source], list[Segment]],
-    batch: Sequence[TrajectoryWrite],
-) -> Segment | None:
-    """The engine segment of `tid` at `start`, stored or in the same put."""
-    found = next((s for s in stored.get((tid, ENGINE), []) if s.start == start), None)
-    if found is not None:
-        return found
+EngineSegments = dict[tuple[str, int], Segment]  # per (trajectory id, start)
+
+
+def engine_segments(
+    stored: dict[tuple[str, Source], list[Segment]], batch: Sequence[TrajectoryWrite]
+) -> EngineSegments:
+    """The engine segment of each trajectory and start, stored or in the same put (a
+    stored one first), made once per put: `inherit` looks each write's up in it."""
+    found: EngineSegments = {}
+    for (tid, source), segments in stored.items():
+        if source == ENGINE:
+            for s in segments:
+                found.setdefault((tid, s.start), s)
     for w in batch:
-        if w.trajectory_id == tid and w.source == ENGINE and w.start == start:
-            return Segment(w.start, w.num_tokens, b"", w.group_id, w.prompt_len, w.policy_version)
-    return None
+        if w.source == ENGINE:
+            key = (w.trajectory_id, w.start)
+            if key not in found:
+                found[key] = Segment(
+                    w.start, w.num_tokens, b"", w.group_id, w.prompt_len, w.policy_version
+                )
+    return found
 
 
-def inherit(
-    write: TrajectoryWrite,
-    stored: dict[tuple[str, Source], list[Segment]],
-    batch: Sequence[TrajectoryWrite],
-) -> TrajectoryWrite:
-    """`write` with the metadata it takes from its trajectory: an appended engine
-    segment takes the group and prompt length; a segment of another source takes those
-    and the policy version of the engine segment it annotates. Raises `InvalidInput`
-    when there is nothing to take them from, or the write states other values."""
+def inherit(write: TrajectoryWrite, engines: EngineSegments) -> TrajectoryWrite:
+    """`write` with the metadata it takes from its trajectory (`engines`, from
+    `engine_segments`): an appended engine segment takes the group and prompt length; a
+    segment of another source takes those and the policy version of the engine segment
+    it annotates. Raises `InvalidInput` when there is nothing to take them from, or the
+    write states other values."""
     tid = write.trajectory_id
     if write.source == ENGINE and write.start == 0:
         return write
-    first = _engine_segment(tid, 0, stored, batch)
+    first = engines.get((tid, 0))
     if write.source == ENGINE:
         if first is None:
             raise InvalidInput(
@@ -70,7 +74,7 @@ def inherit(
             raise InvalidInput(f"{tid}: an appended segment changes prompt_len")
         return dataclasses.replace(write, group_id=first.group_id, prompt_len=first.prompt_len)
     where = f"{tid} ({write.source} routes from token {write.start})"
-    base = _engine_segment(tid, write.start, stored, batch)
+    base = engines.get((tid, write.start))
     if first is None or base is None or base.num_tokens != write.num_tokens:
         raise InvalidInput(
             f"{where}: no engine segment of {write.num_tokens} tokens starts there; "

@@ -34,7 +34,7 @@ from r3store.catalog_types import ShardInfo, TrajectoryEntry
 from r3store.codec import EncodedRoutes
 from r3store.errors import Backpressure, Conflict, R3StoreError
 from r3store.policy import ENGINE, Source
-from r3store.records import PutResult, Segment, settle
+from r3store.records import Held, PutResult, Segment, settle
 from r3store.shard import BuiltShard, ShardRow, build_shard
 from r3store.spec import RouteSpec
 from r3store.store.base import ObjectStore
@@ -96,15 +96,18 @@ def settle_rows(
     """
     fresh: list[ShardRow] = []
     results: dict[RowKey, PutResult] = {}
-    staged: Known = defaultdict(list)
+    held: dict[tuple[str, Source], Held] = {}
     for row in sorted(rows, key=lambda r: r.start):
         unit = (row.trajectory_id, row.source)
         where = row.trajectory_id
         if row.source != ENGINE:
             where = f"{where} ({row.source} routes)"
-        created = settle(where, row.start, row.digest, known.get(unit, []) + staged[unit])
+        segments = held.get(unit)
+        if segments is None:
+            segments = held[unit] = Held(known.get(unit, []))
+        created = settle(where, row.start, row.digest, segments)
         if created:
-            staged[unit].append(as_segment(row))
+            segments.add(as_segment(row))
             fresh.append(row)
         results[row_key(row)] = PutResult(row.trajectory_id, created, row.start, row.source)
     return fresh, results
