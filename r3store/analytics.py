@@ -62,26 +62,35 @@ class Analytics:
         self._reader = reader
         self._spec = spec
 
-    def loads(self, namespace: str, source: Source = ENGINE) -> list[VersionLoad]:
-        """Expert load per policy version of the routes of `source` ever stored."""
+    def loads(
+        self, namespace: str, source: Source = ENGINE, newest: int | None = None
+    ) -> list[VersionLoad]:
+        """Expert load per policy version of the routes of `source` ever stored (of the
+        `newest` versions holding them only, when given)."""
         spec = self._spec(namespace)
         shape = (spec.num_layers, spec.num_experts)
-        held = self._catalog.expert_loads(namespace, check_source(source), shape)
+        held = self._catalog.expert_loads(namespace, check_source(source), shape, newest)
         return [VersionLoad(v, tokens, counts) for v, (tokens, counts) in sorted(held.items())]
 
-    def drift(self, namespace: str, source: Source = ENGINE) -> list[VersionDrift]:
-        """Divergence per layer from each policy version to the next one holding routes."""
-        loads = self.loads(namespace, source)
+    def drift(
+        self, namespace: str, source: Source = ENGINE, newest: int | None = None
+    ) -> list[VersionDrift]:
+        """Divergence per layer from each policy version to the next one holding routes
+        (the last `newest` steps only, when given)."""
+        loads = self.loads(namespace, source, None if newest is None else newest + 1)
         return [
             VersionDrift(a.policy_version, b.policy_version, stats.drift(a.load, b.load))
             for a, b in itertools.pairwise(loads)
         ]
 
-    def agreement(self, namespace: str, a: Source, b: Source) -> list[VersionAgreement]:
-        """Agreement per policy version between the routes of sources `a` and `b`."""
+    def agreement(
+        self, namespace: str, a: Source, b: Source, newest: int | None = None
+    ) -> list[VersionAgreement]:
+        """Agreement per policy version between the routes of sources `a` and `b` (of
+        the `newest` versions measured only, when given)."""
         pair = (check_source(a), check_source(b))
         spec = self._spec(namespace)
-        held = self._catalog.agreements(namespace, pair, spec.num_layers)
+        held = self._catalog.agreements(namespace, pair, spec.num_layers, newest)
         return [
             VersionAgreement(v, segments, tokens, overlap)
             for v, (segments, tokens, overlap) in sorted(held.items())

@@ -836,10 +836,10 @@ class Catalog:
             catalog_stats.upsert_agreements(conn, records)
 
     def agreements(
-        self, namespace: str, pair: tuple[str, str], num_layers: int
+        self, namespace: str, pair: tuple[str, str], num_layers: int, newest: int | None = None
     ) -> dict[int, tuple[int, int, Any]]:
         with self._connect() as conn:
-            return catalog_stats.agreements(conn, namespace, pair, num_layers)  # type: ignore[arg-type]
+            return catalog_stats.agreements(conn, namespace, pair, num_layers, newest)  # type: ignore[arg-type]
 
     @staticmethod
     def _insert(conn: Connection, shard: ShardInfo, entries: Sequence[TrajectoryEntry]) -> None:

@@ -96,14 +96,39 @@ def insert_loads(conn: Connection, records: Sequence[LoadRecord]) -> None:
         )
 
 
+def _newest(
+    conn: Connection, table: sa.Table, where: sa.ColumnElement[bool], newest: int | None
+) -> sa.ColumnElement[bool]:
+    """`where`, narrowed to the `newest` policy versions it holds (None: all of them),
+    so that a namespace's history costs nothing when only its end is asked for."""
+    if newest is None:
+        return where
+    versions = list(
+        conn.execute(
+            sa.select(table.c.policy_version)
+            .where(where)
+            .distinct()
+            .order_by(table.c.policy_version.desc())
+            .limit(newest)
+        ).scalars()
+    )
+    return where & table.c.policy_version.in_(versions)
+
+
 def loads(
-    conn: Connection, namespace: str, source: Source, shape: tuple[int, int]
+    conn: Connection,
+    namespace: str,
+    source: Source,
+    shape: tuple[int, int],
+    newest: int | None = None,
 ) -> dict[int, tuple[int, stats.Counts]]:
-    """Tokens and `[L, E]` load per policy version, summed over commits."""
+    """Tokens and `[L, E]` load per policy version, summed over commits; of the
+    `newest` versions only, when given."""
     t = expert_load
+    where = _newest(conn, t, (t.c.namespace == namespace) & (t.c.source == source), newest)
     query = (
         sa.select(t.c.policy_version, t.c.tokens, t.c.counts)
-        .where(t.c.namespace == namespace, t.c.source == source)
+        .where(where)
         .order_by(t.c.policy_version)
     )
     out: dict[int, tuple[int, stats.Counts]] = {}
@@ -147,14 +172,20 @@ def upsert_agreements(conn: Connection, records: Sequence[AgreementRecord]) -> N
 
 
 def agreements(
-    conn: Connection, namespace: str, pair: tuple[Source, Source], num_layers: int
+    conn: Connection,
+    namespace: str,
+    pair: tuple[Source, Source],
+    num_layers: int,
+    newest: int | None = None,
 ) -> dict[int, tuple[int, int, stats.Overlap]]:
-    """Per policy version: segments, tokens and summed overlap of the pair of sources."""
+    """Per policy version: segments, tokens and summed overlap of the pair of sources;
+    of the `newest` versions only, when given."""
     t = route_agreement
     a, b = sorted(pair)
+    where = (t.c.namespace == namespace) & (t.c.source_a == a) & (t.c.source_b == b)
     query = (
         sa.select(t.c.policy_version, t.c.tokens, t.c.matches, t.c.slots)
-        .where(t.c.namespace == namespace, t.c.source_a == a, t.c.source_b == b)
+        .where(_newest(conn, t, where, newest))
         .order_by(t.c.policy_version)
     )
     out: dict[int, tuple[int, int, stats.Overlap]] = {}

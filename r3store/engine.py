@@ -39,7 +39,14 @@ from r3store.errors import (
 from r3store.keys import TOMBSTONE_PREFIX, dictionary_key, namespace_key
 from r3store.maintenance import Maintenance
 from r3store.plans import ReadPlan, make_plan
-from r3store.policy import ENGINE, NamespaceSettings, Source, is_stale, staleness_floor
+from r3store.policy import (
+    ENGINE,
+    NamespaceSettings,
+    Source,
+    is_stale,
+    newest_accepted,
+    staleness_floor,
+)
 from r3store.reader import ReaderConfig, ShardReader, plan_ranges
 from r3store.rebuild import RebuildReport, rebuild_catalog
 from r3store.records import (
@@ -85,6 +92,8 @@ class EngineConfig:
     writer: WriterConfig = field(default_factory=WriterConfig)
     reader: ReaderConfig = field(default_factory=ReaderConfig)
     compression_level: int = codec.DEFAULT_LEVEL
+    # how far ahead of its namespace's current policy version a write may be; None: any
+    max_policy_ahead: int | None = None
 
 
 def _salt(write: TrajectoryWrite) -> bytes:
@@ -400,12 +409,20 @@ class Engine:
         stored = known_segments(known)
         engines = engine_segments(stored, writes)
         writes = [inherit(w, engines) for w in writes]
+        newest = newest_accepted(info.policy_version, self.config.max_policy_ahead)
         for write in writes:
             if is_stale(write.policy_version, info.policy_version, info.settings):
                 raise StalePolicy(
                     f"{write.trajectory_id}: policy version {write.policy_version} is older "
                     f"than the window (current {info.policy_version}, "
                     f"max lag {info.settings.max_policy_lag})"
+                )
+            if newest is not None and write.policy_version > newest:
+                raise InvalidInput(
+                    f"{write.trajectory_id}: policy version {write.policy_version} is more "
+                    f"than {self.config.max_policy_ahead} ahead of the namespace's current "
+                    f"version {info.policy_version} (the limit R3STORE_MAX_POLICY_AHEAD): "
+                    "set the policy version first (PUT .../policy-version)"
                 )
         rows = [self.prepare(info.spec, write) for write in writes]
         fresh, results = settle_rows(rows, stored)  # refuse now what the commit would

@@ -90,3 +90,12 @@ def staleness_floor(current_version: int, settings: NamespaceSettings) -> int | 
 def is_stale(policy_version: int, current_version: int, settings: NamespaceSettings) -> bool:
     floor = staleness_floor(current_version, settings)
     return floor is not None and policy_version < floor
+
+
+def newest_accepted(current_version: int, max_ahead: int | None) -> int | None:
+    """The newest policy version an upload may hold: `max_ahead` versions past the
+    current one (None: any). Bounding it keeps a writer from filling a namespace with
+    versions its trainer never reached (each one a statistics row for every commit)."""
+    if max_ahead is None:
+        return None
+    return min(current_version + max_ahead, MAX_POLICY_VERSION)

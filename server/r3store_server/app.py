@@ -93,7 +93,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     def attach(app: FastAPI, eng: Engine) -> Maintenance:
         keyring.attach(lambda: eng.list_keys(active_only=True))
         app.state.metrics.watch(eng)
-        app.state.metrics.watch_namespaces(eng)
+        app.state.metrics.watch_namespaces(eng, settings.metrics_interval)
         log.info("r3store serving on %s", eng.store_description)
         log.info("catalog: %s", settings.catalog_description())
         if not keyring.enabled:
@@ -150,6 +150,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
                         pending.cancel()
                         with contextlib.suppress(asyncio.CancelledError):
                             await pending
+                await run_in_threadpool(app.state.metrics.close)  # before the engine closes
                 if app.state.owned is not None:
                     await run_in_threadpool(app.state.owned.close)
 

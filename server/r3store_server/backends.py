@@ -12,7 +12,7 @@ from pathlib import Path
 from sqlalchemy.engine import make_url
 
 from r3store.catalog import Catalog
-from r3store.engine import Engine
+from r3store.engine import Engine, EngineConfig
 from r3store.errors import InvalidConfig
 from r3store.store import LocalStore, ObjectStore, S3Config, S3Store
 from r3store_server.settings import Settings
@@ -48,7 +48,8 @@ def build_engine(settings: Settings) -> Engine:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
     catalog = Catalog(settings.resolved_catalog_url(), timeout=settings.catalog_timeout)
     try:
-        return Engine(build_store(settings), catalog)
+        config = EngineConfig(max_policy_ahead=settings.max_policy_ahead)
+        return Engine(build_store(settings), catalog, config)
     except BaseException:
         catalog.close()
         raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -10,8 +11,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from r3store import stats
+from r3store.catalog_types import NamespaceInfo
 from r3store.engine import Engine
-from r3store.errors import R3StoreError
+from r3store.errors import NotFound, R3StoreError
 from r3store.maintenance import Maintenance
 from r3store.policy import SOURCES
 
@@ -71,8 +73,16 @@ class Metrics:
     def watch(self, engine: Engine) -> None:
         self.registry.register(_EngineCollector(engine))
 
-    def watch_namespaces(self, engine: Engine) -> None:
-        self.registry.register(_NamespaceCollector(engine))
+    def watch_namespaces(self, engine: Engine, interval: float = 15.0) -> None:
+        """Per-namespace gauges, gathered every `interval` seconds off the event loop."""
+        self.namespaces = _NamespaceCollector(engine, interval)
+        self.registry.register(self.namespaces)
+
+    def close(self) -> None:
+        """Stop gathering (before the engine closes)."""
+        collector: _NamespaceCollector | None = getattr(self, "namespaces", None)
+        if collector is not None:
+            collector.close()
 
     def watch_maintenance(self, maintenance: Maintenance) -> None:
         self.registry.register(_MaintenanceCollector(maintenance))
@@ -108,16 +118,54 @@ class _MaintenanceCollector(Collector):
 
 
 class _NamespaceCollector(Collector):
-    """Per namespace, read from the catalog at each scrape: trajectories and policy
-    version; of the newest policy version holding routes, per layer, the expert-load
-    imbalance (busiest over mean), the agreement between route sources and the drift
-    from the version before. Per-expert counts stay out (layers x experts series):
-    `GET .../stats/experts` has them."""
+    """Per namespace, read from the catalog: trajectories and policy version; of the
+    newest policy version holding routes, per layer, the expert-load imbalance (busiest
+    over mean), the agreement between route sources and the drift from the version
+    before. Per-expert counts stay out (layers x experts series): `GET .../stats/experts`
+    has them.
 
-    def __init__(self, engine: Engine) -> None:
+    A scrape never reads the catalog: a background thread gathers the gauges every
+    `interval` seconds and a scrape serves the last gathering. Each gathering is bounded
+    however many policy versions a namespace holds: it reads the newest version's load
+    and agreement, and the version before it for drift (`newest=`), nothing older."""
+
+    def __init__(self, engine: Engine, interval: float) -> None:
         self._engine = engine
+        self._interval = interval
+        self._families: list[GaugeMetricFamily] = self._empty()
+        self.gathered = 0  # gatherings done
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="r3store-metrics", daemon=True)
+        self._thread.start()
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield from self._families
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.refresh()
+            self._stop.wait(self._interval)
+
+    def refresh(self) -> None:
+        """Gather every namespace's gauges now; scrapes serve them from then on."""
+        families = self._empty()
+        try:
+            self._gather(*families)
+        except R3StoreError as exc:  # the catalog is down: the other metrics still answer
+            log.warning("namespace metrics not gathered: %s", exc)
+            families = self._empty()
+        except Exception:  # never let the thread die: the next gathering may succeed
+            log.exception("namespace metrics not gathered")
+            families = self._empty()
+        self._families = families
+        self.gathered += 1
+
+    @staticmethod
+    def _empty() -> list[GaugeMetricFamily]:
         trajectories = GaugeMetricFamily(
             "r3store_namespace_trajectories", "trajectories stored", labels=["namespace"]
         )
@@ -139,11 +187,7 @@ class _NamespaceCollector(Collector):
             "Jensen-Shannon divergence of engine expert load from the previous version",
             labels=["namespace", "layer"],
         )
-        try:
-            self._gather(trajectories, version, imbalance, agreement, drift)
-        except R3StoreError as exc:  # the catalog is down: the other metrics still answer
-            log.warning("namespace metrics not gathered: %s", exc)
-        yield from (trajectories, version, imbalance, agreement, drift)
+        return [trajectories, version, imbalance, agreement, drift]
 
     def _gather(
         self,
@@ -153,26 +197,40 @@ class _NamespaceCollector(Collector):
         agreement: GaugeMetricFamily,
         drift: GaugeMetricFamily,
     ) -> None:
-        analytics = self._engine.analytics
         for info in self._engine.list_namespaces():
-            ns = info.name
-            trajectories.add_metric([ns], self._engine.count(ns))
-            version.add_metric([ns], info.policy_version)
-            for source in SOURCES:
-                loads = analytics.loads(ns, source)
-                if loads:
-                    for layer, value in enumerate(stats.imbalance(loads[-1].load)):
-                        if value is not None:
-                            imbalance.add_metric([ns, source, str(layer)], value)
-            for i, a in enumerate(SOURCES):
-                for b in SOURCES[i + 1 :]:
-                    held = analytics.agreement(ns, a, b)
-                    if held:
-                        for layer, value in enumerate(held[-1].overlap.fraction):
-                            if value is not None:
-                                agreement.add_metric([ns, f"{a}/{b}", str(layer)], value)
-            steps = analytics.drift(ns)
-            if steps:
-                for layer, value in enumerate(steps[-1].divergence):
+            try:
+                self._namespace(info, trajectories, version, imbalance, agreement, drift)
+            except NotFound:  # deleted since it was listed
+                continue
+
+    def _namespace(
+        self,
+        info: NamespaceInfo,
+        trajectories: GaugeMetricFamily,
+        version: GaugeMetricFamily,
+        imbalance: GaugeMetricFamily,
+        agreement: GaugeMetricFamily,
+        drift: GaugeMetricFamily,
+    ) -> None:
+        analytics = self._engine.analytics
+        ns = info.name
+        trajectories.add_metric([ns], self._engine.count(ns))
+        version.add_metric([ns], info.policy_version)
+        for source in SOURCES:
+            loads = analytics.loads(ns, source, newest=1)
+            if loads:
+                for layer, value in enumerate(stats.imbalance(loads[-1].load)):
                     if value is not None:
-                        drift.add_metric([ns, str(layer)], value)
+                        imbalance.add_metric([ns, source, str(layer)], value)
+        for i, a in enumerate(SOURCES):
+            for b in SOURCES[i + 1 :]:
+                held = analytics.agreement(ns, a, b, newest=1)
+                if held:
+                    for layer, value in enumerate(held[-1].overlap.fraction):
+                        if value is not None:
+                            agreement.add_metric([ns, f"{a}/{b}", str(layer)], value)
+        steps = analytics.drift(ns, newest=1)
+        if steps:
+            for layer, value in enumerate(steps[-1].divergence):
+                if value is not None:
+                    drift.add_metric([ns, str(layer)], value)

@@ -34,6 +34,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from r3store.errors import InvalidConfig
+from r3store.policy import MAX_POLICY_VERSION
 from r3store.rest import REST_LEVEL
 
 Role = Literal["writer", "reader", "admin"]
@@ -167,6 +168,18 @@ class Settings(BaseSettings):
         ge=1 << 20,
         description=f"memory for uploads in flight ({UPLOAD_COST}x each body); "
         "beyond it uploads answer 429",
+    )
+    max_policy_ahead: int = Field(
+        16,
+        ge=0,
+        le=MAX_POLICY_VERSION,
+        description="how many versions ahead of its namespace's current policy version an "
+        "upload's routes may be; further ahead answer 400",
+    )
+    metrics_interval: float = Field(
+        15.0,
+        gt=0,
+        description="seconds between gatherings of the per-namespace gauges /metrics serves",
     )
 
     @field_validator("maintenance_cold_age", mode="before")
