@@ -96,6 +96,16 @@ class EngineConfig:
     max_policy_ahead: int | None = None
 
 
+ROW_BYTES = 8 << 10  # what a row of a put holds besides its load counts (measured)
+
+
+def put_row_bytes(spec: RouteSpec) -> int:
+    """The memory one row of a put holds from its decoding to the commit, beyond its
+    body and routes: its `[L, E]` int64 expert-load counts, and its records (the write,
+    the shard row, the catalog entry, the result)."""
+    return ROW_BYTES + 8 * spec.num_layers * spec.num_experts
+
+
 def _salt(write: TrajectoryWrite) -> bytes:
     """The metadata that is part of a segment's content digest."""
     group = (write.group_id or "").encode()
@@ -390,10 +400,17 @@ class Engine:
         """
         return self.commit(self.encode(namespace, writes))
 
-    def encode(self, namespace: str, writes: Sequence[TrajectoryWrite]) -> EncodedPut:
+    def encode(
+        self,
+        namespace: str,
+        writes: Sequence[TrajectoryWrite],
+        stop: Callable[[], bool] | None = None,
+    ) -> EncodedPut:
         """The first half of `put`: check, validate and encode `writes` (and refuse
         what the commit would). The result no longer refers to the writes' arrays, so
-        a caller can free them before the commit."""
+        a caller can free them before the commit. `stop()` is asked before each write
+        is encoded: once true (its request was answered), `StoreError` and no more
+        work."""
         info = self.namespace(namespace)
         seen: set[RowKey] = set()
         for write in writes:
@@ -424,7 +441,11 @@ class Engine:
                     f"version {info.policy_version} (the limit R3STORE_MAX_POLICY_AHEAD): "
                     "set the policy version first (PUT .../policy-version)"
                 )
-        rows = [self.prepare(info.spec, write) for write in writes]
+        rows = []
+        for write in writes:
+            if stop is not None and stop():
+                raise StoreError("the upload was answered before its routes were encoded")
+            rows.append(self.prepare(info.spec, write))
         fresh, results = settle_rows(rows, stored)  # refuse now what the commit would
         order = [row_key(r) for r in rows]
         return EncodedPut(namespace, info.spec, fresh, results, order)
@@ -460,6 +481,7 @@ class Engine:
         decode: bool = True,
         include_stale: bool = False,
         source: Source | None = None,
+        admit: Callable[[list[TrajectoryEntry]], None] | None = None,
     ) -> Batch:
         """Routes of `ids`, in the order asked.
 
@@ -471,8 +493,11 @@ class Engine:
         Each trajectory is served from one route source: `source` when given (ids that
         hold no routes of it for all their tokens are missing), else the first of the
         namespace's `read_sources` it holds; `TrajectoryRead.source` says which.
+
+        `admit(segments)` sees the segments found before any is read, and may refuse
+        the read by raising (an answer too large, say).
         """
-        info, current, stale = self._lookup(namespace, ids, include_stale, source)
+        info, current, stale = self._lookup(namespace, ids, include_stale, source, admit)
         reads = self._read(current, info.spec, decode)
         items: list[TrajectoryRead | None] = [reads.get(tid) for tid in ids]
         return Batch(list(ids), items, missing(ids, reads, stale), stale)
@@ -507,11 +532,16 @@ class Engine:
         )
 
     def _lookup(
-        self, namespace: str, ids: Sequence[str], include_stale: bool, source: Source | None
+        self,
+        namespace: str,
+        ids: Sequence[str],
+        include_stale: bool,
+        source: Source | None,
+        admit: Callable[[list[TrajectoryEntry]], None] | None = None,
     ) -> tuple[NamespaceInfo, Callable[[], dict[str, list[TrajectoryEntry]]], list[str]]:
         """The namespace, a lookup of `ids` (the segments of the source each is served
         from) that leaves out (and names in the list) trajectories older than the
-        staleness window unless `include_stale`."""
+        staleness window unless `include_stale`, and shows what it found to `admit`."""
         info = self.namespace(namespace)
         for tid in ids:
             check_id(tid)
@@ -527,6 +557,8 @@ class Engine:
                     if min(s.policy_version for s in segments) < floor:
                         stale.append(tid)
                         del found[tid]
+            if admit is not None:
+                admit([s for segments in found.values() for s in segments])
             return found
 
         return info, current, stale
@@ -557,12 +589,15 @@ class Engine:
         whole_groups: bool = False,
         decode: bool = True,
         seed: int | None = None,
+        admit: Callable[[list[TrajectoryEntry]], None] | None = None,
     ) -> Batch:
         """Take up to `n` trajectories for training, within the staleness window.
 
         FIFO takes the oldest first, UNIFORM uniformly at random; `whole_groups` never
         splits a prompt group. Each taken trajectory counts one sampling; once it has
-        been sampled `max_times_sampled` times it is no longer offered.
+        been sampled `max_times_sampled` times it is no longer offered. `admit` sees
+        the chosen trajectories' segments before any is counted or read, and may
+        refuse the sample by raising (nothing is counted then).
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise InvalidInput(f"n must be a positive integer, got {n!r}")
@@ -572,8 +607,11 @@ class Engine:
         rows = self._catalog.sampling_candidates(namespace, floor, limit)
         candidates = [Candidate(tid, group, created) for tid, group, created in rows]
         chosen = choose(candidates, n, strategy, whole_groups, random.Random(seed))
-        taken = self._catalog.mark_sampled(namespace, chosen, limit)
         wanted = info.settings.read_sources
+        if admit is not None:
+            found = self._served(namespace, chosen, wanted)
+            admit([s for segments in found.values() for s in segments])
+        taken = self._catalog.mark_sampled(namespace, chosen, limit)
         reads = self._read(lambda: self._served(namespace, taken, wanted), info.spec, decode)
         missed = [tid for tid in taken if tid not in reads]  # none of `read_sources` held
         return Batch(taken, [reads.get(tid) for tid in taken], missed, [])

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from r3store.errors import InvalidInput
+from r3store.errors import InvalidInput, PayloadTooLarge
 
 # Message.header_type values (Message.fbs: union MessageHeader)
 HEADER_TYPES = {1: "schema", 2: "dictionary batch", 3: "record batch"}
@@ -165,11 +165,13 @@ def _check_column(batch: pa.RecordBatch, index: int, first_row: int) -> None:
         raise InvalidInput(f"column {name!r} is malformed: {exc}") from None
 
 
-def read_table(body: bytes | bytearray | memoryview) -> pa.Table:
+def read_table(body: bytes | bytearray | memoryview, max_rows: int | None = None) -> pa.Table:
     """An IPC stream as a table whose every buffer has been validated.
 
     Raises `InvalidInput` for anything but an uncompressed stream of one schema and
-    record batches, and for any array that fails Arrow's full validation.
+    record batches, and for any array that fails Arrow's full validation;
+    `PayloadTooLarge` past `max_rows` rows (or record batches), before the batch that
+    crosses it is validated.
     """
     try:
         reader = pa.ipc.MessageReader.open_stream(pa.py_buffer(body))
@@ -209,6 +211,16 @@ def read_table(body: bytes | bytearray | memoryview) -> pa.Table:
             batch = pa.ipc.read_record_batch(message, schema)
         except (pa.ArrowException, OSError, ValueError) as exc:
             raise _bad(f"record batch {len(batches)} cannot be read", exc) from None
+        if max_rows is not None and rows + batch.num_rows > max_rows:
+            raise PayloadTooLarge(
+                f"the upload holds more than {max_rows} rows; the limit is {max_rows} rows "
+                "per upload: send fewer at a time"
+            )
+        if max_rows is not None and len(batches) >= max_rows:  # empty ones cost work too
+            raise PayloadTooLarge(
+                f"the upload holds more than {max_rows} record batches; at most one per row "
+                f"of the {max_rows} an upload may hold"
+            )
         for index in range(batch.num_columns):
             _check_column(batch, index, rows)
         try:

@@ -8,10 +8,10 @@ docs/api.md lists every column. Shared by the server and the client.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from r3store import codec
 from r3store.codec import EncodedRoutes, Transform
-from r3store.errors import InvalidInput, InvalidRoutes
+from r3store.errors import InvalidInput, InvalidRoutes, StoreError
 from r3store.ipc import read_table
 from r3store.policy import ENGINE
 from r3store.records import (
@@ -188,14 +188,23 @@ def route_shape_error(values: int, num_tokens: int, spec: RouteSpec, kind: str) 
     )
 
 
-def decode_writes(body: bytes | bytearray | memoryview, spec: RouteSpec) -> list[TrajectoryWrite]:
+def decode_writes(
+    body: bytes | bytearray | memoryview,
+    spec: RouteSpec,
+    max_rows: int = MAX_ROWS,
+    admit: Callable[[int], None] | None = None,
+) -> list[TrajectoryWrite]:
     """Parse an upload body into writes (the stream fully validated first, shapes and
-    dtypes checked; routes are validated later, on the values as sent)."""
-    table = read_table(body)
+    dtypes checked; routes are validated later, on the values as sent).
+
+    More than `max_rows` rows raise `PayloadTooLarge` before their batch is validated;
+    `admit(rows)` is called once the rows are counted, before any write is made (a
+    memory budget charges them there, or refuses them)."""
+    table = read_table(body, min(max_rows, MAX_ROWS))
     if table.num_rows == 0:
         raise InvalidInput("the upload holds no rows")
-    if table.num_rows > MAX_ROWS:
-        raise InvalidInput(f"the upload holds {table.num_rows} rows; at most {MAX_ROWS}")
+    if admit is not None:
+        admit(table.num_rows)
     ids = _column(table, "trajectory_id", "str")
     num_tokens = _column(table, "num_tokens", "int")
     blobs = _column(table, "routes", "bin")
@@ -301,10 +310,57 @@ def _token_ids(trajectory_id: str, blob: Any) -> npt.NDArray[np.int32] | None:
 # ---- reads: server -> client
 
 
-def encode_batch(batch: Batch, spec: RouteSpec, fmt: ReadFormat) -> bytes:
+class _Span(Protocol):
+    @property
+    def length(self) -> int: ...
+
+
+class _Spans(Protocol):
+    @property
+    def tokens(self) -> _Span | None: ...
+    @property
+    def spans(self) -> Sequence[_Span]: ...
+
+
+class _Stored(Protocol):  # a catalog entry (`TrajectoryEntry`)
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def spans(self) -> _Spans: ...
+
+
+def answer_bytes(spec: RouteSpec, fmt: ReadFormat, segments: Sequence[_Stored]) -> int:
+    """The route bytes an answer of `segments` in `fmt` holds, from the catalog's
+    token counts and the spec alone, before anything is read or decoded: the stored
+    streams for `encoded` (a shared prefix counted with each row that continues it);
+    for `ids` and `mask` the decoded arrays (for `ids` with the counts), and the token
+    ids when they are stored."""
+    total = 0
+    for s in segments:
+        n, spans = s.num_tokens, s.spans
+        if fmt is ReadFormat.ENCODED:
+            total += sum(span.length for span in spans.spans)
+            continue
+        if fmt is ReadFormat.IDS:
+            # and the counts (at most: a row continuing a shared prefix may take them there)
+            total += n * spec.num_layers * (spec.top_k * spec.id_dtype.itemsize + 1)
+        else:
+            total += n * spec.num_layers * spec.mask_bytes
+        total += 0 if spans.tokens is None else 4 * n
+    return total
+
+
+def encode_batch(
+    batch: Batch,
+    spec: RouteSpec,
+    fmt: ReadFormat,
+    stop: Callable[[], bool] | None = None,
+) -> bytes:
     """A read response: one row per stored segment, trajectories in the order asked.
 
     `batch` must come from `Engine.get_batch(..., decode=False)` (stored streams).
+    `stop()` is asked before each segment is decoded: once true (the request was
+    answered meanwhile), `StoreError` is raised and nothing more is decoded.
     """
     cols: dict[str, list[Any]] = {
         k: []
@@ -339,6 +395,8 @@ def encode_batch(batch: Batch, spec: RouteSpec, fmt: ReadFormat) -> bytes:
             cols["group_id"].append(item.group_id)
             cols["prompt_len"].append(item.prompt_len)
             cols["source"].append(item.source)
+            if stop is not None and stop():
+                raise StoreError("the read was answered before its routes were encoded")
             if fmt is ReadFormat.ENCODED:
                 cols["route_transform"].append(int(stored.transform))
                 cols["route_ids"].append(stored.ids)

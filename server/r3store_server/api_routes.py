@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Path, Request, Response
 
-from r3store.errors import InvalidInput, PayloadTooLarge, UnsupportedMediaType
+from r3store.catalog_types import TrajectoryEntry
+from r3store.engine import put_row_bytes
+from r3store.errors import InvalidInput, PayloadTooLarge, StoreError, UnsupportedMediaType
 from r3store.models import (
     NAME_PATTERN,
     BatchRequest,
@@ -24,7 +27,7 @@ from r3store.models import (
 )
 from r3store.records import Batch
 from r3store.spec import RouteSpec
-from r3store.wire import CONTENT_TYPE, ReadFormat, decode_writes, encode_batch
+from r3store.wire import CONTENT_TYPE, ReadFormat, answer_bytes, decode_writes, encode_batch
 from r3store_server.deps import (
     BudgetDep,
     DeadlineDep,
@@ -34,7 +37,7 @@ from r3store_server.deps import (
     allowed,
 )
 from r3store_server.errors import ERROR_RESPONSES
-from r3store_server.limits import MemoryBudget, Reservation
+from r3store_server.limits import Deadline, MemoryBudget, Reservation
 from r3store_server.settings import UPLOAD_COST
 
 router = APIRouter(prefix="/v1/namespaces", tags=["routes"], responses=ERROR_RESPONSES)
@@ -126,13 +129,18 @@ async def upload(
     )
     metrics.bytes_in.inc(len(body))
 
+    def admit(rows: int) -> None:
+        charge_rows(rows, spec, budget, reservation)
+
     def store() -> PutResponse:
-        writes = decode_writes(body, spec)
+        writes = decode_writes(body, spec, settings.max_upload_rows, admit)
         token_layers = sum(w.num_tokens for w in writes) * spec.num_layers
-        encoded = engine.encode(namespace, writes)
+        encoded = engine.encode(namespace, writes, stop=deadline.cancelled.is_set)
         del writes  # nothing refers to the body any more: its memory goes before the commit
         with contextlib.suppress(BufferError):
             body.clear()
+        if deadline.cancelled.is_set():  # answered meanwhile (503): store nothing
+            raise StoreError("the upload was answered before it was committed")
         started = time.perf_counter()
         results = engine.commit(encoded)
         metrics.commit.observe(time.perf_counter() - started)
@@ -142,8 +150,57 @@ async def upload(
     return await deadline.run(store, what="the upload", reservation=reservation)
 
 
-def _answer(batch: Batch, spec: RouteSpec, fmt: ReadFormat, metrics: Any) -> Response:
-    data = encode_batch(batch, spec, fmt)
+def charge_rows(rows: int, spec: RouteSpec, budget: MemoryBudget, reservation: Reservation) -> None:
+    """Hold what `rows` rows of an upload take from decoding to the commit, beyond their
+    body (`put_row_bytes`: each row's `[L, E]` expert-load counts and its records),
+    before any row is decoded: 413 when the budget could never hold it, 429 when
+    uploads in flight hold the room now."""
+    per_row = put_row_bytes(spec)
+    need = rows * per_row
+    most = budget.limit  # what one upload can ever hold
+    if reservation.nbytes + need > most:
+        fit = max(0, (most - reservation.nbytes) // per_row)
+        raise PayloadTooLarge(
+            f"{rows} rows of a namespace of {spec.num_layers} layers and {spec.num_experts} "
+            f"experts hold {need} bytes while they are stored ({per_row} a row), besides "
+            f"the {reservation.nbytes} of the body: more than one upload may hold of the "
+            f"upload memory (R3STORE_UPLOAD_MEMORY_BYTES: {most} bytes); send at most "
+            f"{fit} rows per upload of this size"
+        )
+    reservation.grow(need)
+
+
+def read_limit(
+    spec: RouteSpec, fmt: ReadFormat, limit: int, asked: int
+) -> Callable[[list[TrajectoryEntry]], None]:
+    """The `admit` of a read or a sample: refuses (413) an answer whose routes in `fmt`
+    would exceed `limit` bytes (`wire.answer_bytes`, from the catalog before anything is
+    read), saying how many of the `asked` ids would fit."""
+
+    def admit(segments: list[TrajectoryEntry]) -> None:
+        size = answer_bytes(spec, fmt, segments)
+        if size <= limit:
+            return
+        trajectories = len({s.trajectory_id for s in segments}) or 1
+        fit = max(1, asked * limit // size) if trajectories > 1 else 0
+        split = (
+            f"ask for at most about {fit} of the {asked} ids at a time"
+            if fit
+            else "this trajectory alone is larger"
+        )
+        raise PayloadTooLarge(
+            f"the answer would hold {size} bytes of routes as {fmt} for {trajectories} "
+            f"trajectories; the limit is {limit} bytes (R3STORE_MAX_READ_BYTES): {split}, "
+            "or read format encoded (the stored streams) or a direct read (routes/plan)"
+        )
+
+    return admit
+
+
+def _answer(
+    batch: Batch, spec: RouteSpec, fmt: ReadFormat, metrics: Any, deadline: Deadline
+) -> Response:
+    data = encode_batch(batch, spec, fmt, deadline.cancelled.is_set)
     metrics.bytes_out.inc(len(data))
     metrics.token_layers_out.inc(
         sum(item.num_tokens for item in batch.items if item is not None) * spec.num_layers
@@ -160,6 +217,7 @@ def _answer(batch: Batch, spec: RouteSpec, fmt: ReadFormat, metrics: Any) -> Res
 async def read_batch(
     body: BatchRequest,
     engine: EngineDep,
+    settings: SettingsDep,
     metrics: MetricsDep,
     deadline: DeadlineDep,
     namespace: str = NamespacePath,
@@ -172,14 +230,16 @@ async def read_batch(
     """
 
     def fetch() -> Response:
+        spec = engine.spec(namespace)
         batch = engine.get_batch(
             namespace,
             body.ids,
             decode=False,
             include_stale=body.include_stale,
             source=body.source,
+            admit=read_limit(spec, body.format, settings.max_read_bytes, len(body.ids)),
         )
-        return _answer(batch, engine.spec(namespace), body.format, metrics)
+        return _answer(batch, spec, body.format, metrics, deadline)
 
     return await deadline.run(fetch, what="the read")
 
@@ -216,6 +276,7 @@ async def read_plan(
 async def sample(
     body: SampleRequest,
     engine: EngineDep,
+    settings: SettingsDep,
     metrics: MetricsDep,
     deadline: DeadlineDep,
     namespace: str = NamespacePath,
@@ -226,9 +287,16 @@ async def sample(
     Reader or admin."""
 
     def take() -> Response:
+        spec = engine.spec(namespace)
         batch = engine.sample(
-            namespace, body.n, body.strategy, body.whole_groups, decode=False, seed=body.seed
+            namespace,
+            body.n,
+            body.strategy,
+            body.whole_groups,
+            decode=False,
+            seed=body.seed,
+            admit=read_limit(spec, body.format, settings.max_read_bytes, body.n),
         )
-        return _answer(batch, engine.spec(namespace), body.format, metrics)
+        return _answer(batch, spec, body.format, metrics, deadline)
 
     return await deadline.run(take, what="the sample")

@@ -20,7 +20,9 @@ from r3store.models import (
     VersionLoadModel,
 )
 from r3store.policy import ENGINE, MAX_POLICY_VERSION, Source
-from r3store_server.deps import DeadlineDep, EngineDep, allowed
+from r3store.wire import ReadFormat
+from r3store_server.api_routes import read_limit
+from r3store_server.deps import DeadlineDep, EngineDep, SettingsDep, allowed
 from r3store_server.errors import ERROR_RESPONSES
 
 router = APIRouter(
@@ -128,18 +130,25 @@ async def drift(
 async def trajectory_loads(
     body: TrajectoryLoadRequest,
     engine: EngineDep,
+    settings: SettingsDep,
     deadline: DeadlineDep,
     namespace: str = NamespacePath,
 ) -> TrajectoryLoadsModel:
     """Per-expert token counts of the routes a read of `ids` would serve (same source
     and staleness rules), so a trainer can spread micro-batches over expert-parallel
-    ranks before running them."""
+    ranks before running them. The routes are decoded here: at most
+    `R3STORE_MAX_READ_BYTES` of them, as a read in format `ids` would hold (413)."""
 
     def answer() -> TrajectoryLoadsModel:
-        batch = engine.get_batch(
-            namespace, body.ids, include_stale=body.include_stale, source=body.source
-        )
         spec = engine.spec(namespace)
+        limit = read_limit(spec, ReadFormat.IDS, settings.max_read_bytes, len(body.ids))
+        batch = engine.get_batch(
+            namespace,
+            body.ids,
+            include_stale=body.include_stale,
+            source=body.source,
+            admit=limit,
+        )
         return TrajectoryLoadsModel(
             ids=batch.ids,
             missing=batch.missing,

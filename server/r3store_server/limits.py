@@ -149,6 +149,9 @@ class Deadline:
         self.seconds = seconds
         self.retry_after = retry_after
         self._end = anyio.current_time() + seconds
+        # set once the request is answered while work of `run` may still go on (past
+        # the deadline, or cancelled): that work asks it between steps and stops
+        self.cancelled = threading.Event()
 
     def _expired(self, what: str) -> StoreError:
         return StoreError(
@@ -189,7 +192,11 @@ class Deadline:
             with anyio.fail_at(self._end):
                 return await anyio.to_thread.run_sync(work, abandon_on_cancel=True)
         except TimeoutError:
+            self.cancelled.set()
             raise self._expired(what) from None
+        except anyio.get_cancelled_exc_class():  # the client went away, the server stops
+            self.cancelled.set()
+            raise
         finally:
             if reservation is not None:
                 reservation.abandon()

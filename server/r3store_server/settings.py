@@ -169,6 +169,18 @@ class Settings(BaseSettings):
         description=f"memory for uploads in flight ({UPLOAD_COST}x each body); "
         "beyond it uploads answer 429",
     )
+    max_upload_rows: int = Field(
+        10_000,
+        ge=1,
+        le=100_000,  # r3store.wire.MAX_ROWS
+        description="rows (trajectories or segments) one upload may hold; more answer 413",
+    )
+    max_read_bytes: int = Field(
+        256 << 20,
+        ge=1 << 20,
+        description="the largest answer of a read or a sample, as the format asks for it "
+        "(decoded routes for ids and mask); larger ones answer 413 before any is read",
+    )
     max_policy_ahead: int = Field(
         16,
         ge=0,
