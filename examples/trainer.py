@@ -9,7 +9,7 @@ shape. Each data-parallel rank takes its share of the step's trajectories, fetch
 their routes (the next micro-batch while the current one computes), and runs forward and
 backward with every router forced to the engine's experts; after the step, rank 0 sets
 the namespace's policy version to the new weights' (2). `R3STORE_URL` and `R3STORE_KEY`
-(a `reader` key) as for the worker; `RANK` and `WORLD_SIZE` as a launcher sets them
+(a `trainer` key) as for the worker; `RANK` and `WORLD_SIZE` as a launcher sets them
 (default: one rank).
 """
 

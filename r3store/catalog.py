@@ -105,6 +105,7 @@ trajectories = sa.Table(
     sa.Column("prefix_order_length", sa.BigInteger),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("times_sampled", sa.Integer, nullable=False, default=0),
+    sa.Column("writer", sa.String(64)),  # the key that uploaded it (None: unknown)
     sa.Index("ix_trajectories_group", "namespace", "group_id"),
     sa.Index("ix_trajectories_version", "namespace", "policy_version"),
 )
@@ -324,17 +325,27 @@ class Catalog:
             raise NotFound(f"no namespace {name!r}")
         return self.namespace(name)
 
-    def set_policy_version(self, name: str, version: int) -> NamespaceInfo:
-        """Move the namespace's current policy version forward (never back)."""
+    def set_policy_version(
+        self, name: str, version: int, max_step: int | None = None, force: bool = False
+    ) -> NamespaceInfo:
+        """Move the namespace's current policy version forward (never back), at most
+        `max_step` at once; `force`: to `version`, whatever the current one."""
         with self._begin() as conn:
             row = conn.execute(
                 sa.select(namespaces.c.policy_version).where(namespaces.c.name == name)
             ).first()
             if row is None:
                 raise NotFound(f"no namespace {name!r}")
-            if version < row.policy_version:
+            if version < row.policy_version and not force:
                 raise InvalidInput(
-                    f"policy version {version} is older than the current {row.policy_version}"
+                    f"policy version {version} is older than the current {row.policy_version} "
+                    "(an admin key may set it back with force)"
+                )
+            if max_step is not None and not force and version - row.policy_version > max_step:
+                raise InvalidInput(
+                    f"policy version {version} is more than {max_step} ahead of the current "
+                    f"{row.policy_version}: move it in steps of at most {max_step}, or an admin "
+                    "key sets it with force"
                 )
             conn.execute(
                 namespaces.update().where(namespaces.c.name == name).values(policy_version=version)
@@ -410,6 +421,22 @@ class Catalog:
         )
         with self._connect() as conn:
             return {int(v): int(n) for v, n in conn.execute(query)}
+
+    def newest_version(self, namespace: str, nth: int = 1) -> int | None:
+        """The `nth` newest (1: the newest) policy version that a segment of the
+        namespace holds routes of; None when fewer versions do."""
+        t = trajectories
+        query = (
+            sa.select(t.c.policy_version)
+            .where(t.c.namespace == namespace)
+            .distinct()
+            .order_by(t.c.policy_version.desc())
+            .limit(1)
+            .offset(nth - 1)
+        )
+        with self._connect() as conn:
+            found = conn.execute(query).scalar()
+        return None if found is None else int(found)
 
     def count(self, namespace: str) -> int:
         """Trajectories (not segments) in the namespace."""

@@ -82,6 +82,7 @@ class TrajectoryEntry:
     spans: RouteSpans
     times_sampled: int = 0
     source: Source = ENGINE
+    writer: str | None = None  # the API key that uploaded it; None: unknown (docs/format.md)
 
 
 @dataclass(frozen=True)

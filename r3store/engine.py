@@ -29,6 +29,7 @@ from r3store.catalog_types import ApiKeyRecord, NamespaceInfo, NamespaceUsage, T
 from r3store.errors import (
     Conflict,
     CorruptShard,
+    Forbidden,
     InvalidInput,
     NotFound,
     ObjectExists,
@@ -52,6 +53,7 @@ from r3store.rebuild import RebuildReport, rebuild_catalog
 from r3store.records import (
     Batch,
     PutResult,
+    Segment,
     TrajectoryRead,
     TrajectoryWrite,
     check_id,
@@ -151,6 +153,33 @@ def _same_namespace(
             "(change settings with PUT .../settings)"
         )
     return existing
+
+
+def _annotating_own(
+    writes: Sequence[TrajectoryWrite],
+    stored: dict[tuple[str, Source], list[Segment]],
+    writer: str | None,
+) -> None:
+    """`Forbidden` unless every write of another source annotates an engine segment
+    that `writer` uploaded (stored by that key, or in the same put). A segment whose
+    writer is unknown (stored before writers were recorded, or rebuilt) is nobody's."""
+    writers = {
+        (tid, s.start): s.writer
+        for (tid, source), segments in stored.items()
+        if source == ENGINE
+        for s in segments
+    }
+    for write in writes:
+        if write.source == ENGINE:
+            continue
+        key = (write.trajectory_id, write.start)
+        if key in writers and (writer is None or writers[key] != writer):
+            raise Forbidden(
+                f"{write.trajectory_id} ({write.source} routes from token {write.start}): "
+                "another key uploaded its engine routes; routes of another source annotate "
+                "a trajectory only with the key that uploaded it, or one with the annotate "
+                "right (admin)"
+            )
 
 
 def _canonical(spec: RouteSpec, write: TrajectoryWrite) -> Routes:
@@ -316,11 +345,15 @@ class Engine:
         self._store.put(namespace_key(name), manifest(info))
         return info
 
-    def set_policy_version(self, name: str, version: int) -> NamespaceInfo:
-        """The trainer's current policy version; it only moves forward."""
+    def set_policy_version(
+        self, name: str, version: int, max_step: int | None = None, force: bool = False
+    ) -> NamespaceInfo:
+        """The trainer's current policy version; it only moves forward, by at most
+        `max_step` (None: any distance). `force`: set it as given, back or forward (an
+        operator's repair)."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise InvalidInput(f"policy version must be a non-negative integer, got {version!r}")
-        info = self._catalog.set_policy_version(check_namespace(name), version)
+        info = self._catalog.set_policy_version(check_namespace(name), version, max_step, force)
         self._store.put(namespace_key(name), manifest(info))
         return info
 
@@ -358,9 +391,11 @@ class Engine:
         write.check()
         return _canonical(spec, write)
 
-    def prepare(self, spec: RouteSpec, write: TrajectoryWrite) -> ShardRow:
+    def prepare(
+        self, spec: RouteSpec, write: TrajectoryWrite, writer: str | None = None
+    ) -> ShardRow:
         """Validate and encode one checked segment, or check the streams a client
-        encoded (pure CPU work, in the caller's thread)."""
+        encoded (pure CPU work, in the caller's thread); `writer`: the key uploading it."""
         if write.encoded is not None:
             where = write.trajectory_id
             encoded, load = streams.accept_counted(
@@ -386,9 +421,16 @@ class Engine:
             routes=encoded,
             source=write.source,
             load=load,
+            writer=writer,
         )
 
-    def put(self, namespace: str, writes: Sequence[TrajectoryWrite]) -> list[PutResult]:
+    def put(
+        self,
+        namespace: str,
+        writes: Sequence[TrajectoryWrite],
+        writer: str | None = None,
+        annotate_any: bool = True,
+    ) -> list[PutResult]:
         """Store trajectories (or appended segments) durably; all of them or, on any
         error, none.
 
@@ -396,15 +438,20 @@ class Engine:
         stored with the same content is acknowledged again (`created=False`) without a
         second copy; the same id and start with other content raises `Conflict`; routes
         older than the staleness window raise `StalePolicy`; a full write buffer raises
-        `Backpressure`. The same as `commit(encode(namespace, writes))`.
+        `Backpressure`. `writer` (an API key's name) is recorded with the new segments;
+        without `annotate_any`, routes of another source may annotate only engine
+        segments that `writer` wrote (`Forbidden` otherwise). The same as
+        `commit(encode(namespace, writes, writer=writer, annotate_any=annotate_any))`.
         """
-        return self.commit(self.encode(namespace, writes))
+        return self.commit(self.encode(namespace, writes, writer=writer, annotate_any=annotate_any))
 
     def encode(
         self,
         namespace: str,
         writes: Sequence[TrajectoryWrite],
         stop: Callable[[], bool] | None = None,
+        writer: str | None = None,
+        annotate_any: bool = True,
     ) -> EncodedPut:
         """The first half of `put`: check, validate and encode `writes` (and refuse
         what the commit would). The result no longer refers to the writes' arrays, so
@@ -426,6 +473,8 @@ class Engine:
         stored = known_segments(known)
         engines = engine_segments(stored, writes)
         writes = [inherit(w, engines) for w in writes]
+        if not annotate_any:
+            _annotating_own(writes, stored, writer)
         newest = newest_accepted(info.policy_version, self.config.max_policy_ahead)
         for write in writes:
             if is_stale(write.policy_version, info.policy_version, info.settings):
@@ -445,7 +494,7 @@ class Engine:
         for write in writes:
             if stop is not None and stop():
                 raise StoreError("the upload was answered before its routes were encoded")
-            rows.append(self.prepare(info.spec, write))
+            rows.append(self.prepare(info.spec, write, writer))
         fresh, results = settle_rows(rows, stored)  # refuse now what the commit would
         order = [row_key(r) for r in rows]
         return EncodedPut(namespace, info.spec, fresh, results, order)

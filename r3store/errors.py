@@ -9,6 +9,7 @@
     │   └── UnsupportedMediaType a body of the wrong content type
     ├── Unauthorized             no API key, or an unknown one
     ├── Forbidden                a key without the right for this
+    ├── TooManyFailures          too many unknown API keys from one address; retry later
     ├── NotFound                 a namespace, trajectory or object that does not exist
     │   └── ObjectNotFound       an object store key that does not exist
     ├── Conflict                 the same id with other content, or an existing name
@@ -63,6 +64,16 @@ class Unauthorized(R3StoreError):
 
 class Forbidden(R3StoreError):
     code = "forbidden"
+
+
+class TooManyFailures(R3StoreError):
+    """A client address that sent too many unknown API keys this minute."""
+
+    code = "too_many_failures"
+
+    def __init__(self, message: str, retry_after: float = 60.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class NotFound(R3StoreError):

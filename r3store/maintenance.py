@@ -2,9 +2,11 @@
 
 One pass (`Maintenance.run`), for every namespace:
 
-1. Retention: trajectories outside the namespace's retention settings (older than the
-   last `keep_versions` policy versions, first stored more than `ttl_seconds` ago, or
-   sampled `max_times_sampled` times when `evict_after_sampled`) leave the catalog,
+1. Retention: trajectories outside the namespace's retention settings (older than both
+   the last `keep_versions` policy versions and the last `keep_versions` versions that
+   hold routes, so moving the policy version alone drops no more; first stored more
+   than `ttl_seconds` ago; or sampled `max_times_sampled` times when
+   `evict_after_sampled`) leave the catalog,
    after a tombstone naming their segments is stored (`tombstones/`), so a catalog
    rebuild does not bring them back from shards not yet compacted.
 2. Compaction: a shard whose live route bytes fell below `compact_below` of the route
@@ -172,7 +174,12 @@ class Maintenance:
         retention = info.settings.retention
         floor = None
         if retention.keep_versions is not None:
-            floor = info.policy_version - retention.keep_versions + 1
+            # the last keep_versions versions, and the last keep_versions that hold routes:
+            # moving the policy version alone (a bad jump) drops nothing that the versions
+            # with routes keep
+            held = self.catalog.newest_version(namespace, retention.keep_versions)
+            if held is not None:
+                floor = min(info.policy_version - retention.keep_versions + 1, held)
         cutoff = None if retention.ttl_seconds is None else self.clock() - retention.ttl_seconds
         sampled = info.settings.max_times_sampled if retention.evict_after_sampled else None
         return self.catalog.retention_victims(namespace, floor, cutoff, sampled)

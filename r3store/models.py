@@ -90,6 +90,11 @@ class PolicyVersionSet(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     policy_version: int = Field(ge=0, le=MAX_POLICY_VERSION)
+    force: bool = Field(
+        False,
+        description="set it as given, back or any distance forward (an admin's repair); "
+        "without: forward only, at most the server's R3STORE_MAX_POLICY_STEP",
+    )
 
 
 class PutItem(BaseModel):

@@ -161,6 +161,7 @@ class Segment:
     group_id: str | None
     prompt_len: int
     policy_version: int = 0
+    writer: str | None = None  # the key that uploaded it, when known
 
 
 class Held:

@@ -78,6 +78,7 @@ class ShardRow:
     routes: EncodedRoutes
     source: Source = ENGINE
     load: Any = None  # [L, E] expert counts (`r3store.stats`), when computed
+    writer: str | None = None  # the API key that uploaded it (the catalog's, not the shard's)
 
     @property
     def digest(self) -> bytes:

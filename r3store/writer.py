@@ -64,7 +64,13 @@ class WriterConfig:
 
 def as_segment(row: ShardRow | TrajectoryEntry) -> Segment:
     return Segment(
-        row.start, row.num_tokens, row.digest, row.group_id, row.prompt_len, row.policy_version
+        row.start,
+        row.num_tokens,
+        row.digest,
+        row.group_id,
+        row.prompt_len,
+        row.policy_version,
+        row.writer,
     )
 
 
@@ -141,6 +147,7 @@ def row_of(entry: TrajectoryEntry, routes: EncodedRoutes, load: Any = None) -> S
         routes,
         entry.source,
         load,
+        entry.writer,
     )
 
 
@@ -175,6 +182,7 @@ def shard_records(
             row_index=place.row,
             created_at=built.created_at,
             spans=spans,
+            writer=row.writer,
         )
         for row, place, spans, nbytes in zip(rows, built.places, built.routes, charged, strict=True)
     ]

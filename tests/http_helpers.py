@@ -23,6 +23,7 @@ KEYS = {
     "admin": "admin-key-0123456789abcdefghij",
     "writer": "writer-key-0123456789abcdefghij",
     "reader": "reader-key-0123456789abcdefghij",
+    "trainer": "trainer-key-0123456789abcdefghi",
     "other": "other-reader-key-0123456789abcd",  # a reader scoped to namespace "other"
 }
 SPEC_JSON = {"num_layers": 4, "num_experts": 64, "top_k": 4}
@@ -41,6 +42,7 @@ def settings_for(tmp: Path, seaweed: SeaweedFS | None, **extra: Any) -> Settings
             {"name": "admin", "role": "admin", "key": KEYS["admin"]},
             {"name": "writer", "role": "writer", "key": KEYS["writer"]},
             {"name": "reader", "role": "reader", "key": KEYS["reader"]},
+            {"name": "trainer", "role": "trainer", "key": KEYS["trainer"]},
             {"name": "other", "role": "reader", "key": KEYS["other"], "namespaces": ["other"]},
         ],
         "log_json": False,

@@ -295,12 +295,13 @@ def test_maintain_dry_run_shows_a_pass_and_changes_nothing(env: dict[str, str]) 
     engine = build_engine(Settings())
     try:
         engine.put("ns", [make_write(f"old{i}", policy_version=0) for i in range(3)])
+        engine.put("ns", [make_write("new", policy_version=1)])  # version 1 holds routes
     finally:
         engine.close()
     cli("policy", "ns", "--version", "1")
     shown = cli("maintain", "--dry-run", "--grace", "0", "--orphan-age", "0")
     assert shown["dry_run"] is True  # type: ignore[index]
     assert shown["drop"] == {"ns": {"trajectories": 3, "first": ["old0", "old1", "old2"]}}  # type: ignore[index]
-    assert cli("stats", "ns")["ns"]["trajectories"] == 3  # type: ignore[index]
+    assert cli("stats", "ns")["ns"]["trajectories"] == 4  # type: ignore[index]
     done = cli("maintain", "--grace", "0", "--orphan-age", "0")
     assert done["trajectories_dropped"] == 3  # type: ignore[index]

@@ -88,8 +88,8 @@ def test_largest_settings_keep_the_namespace_working(client: AppClient) -> None:
     assert response.status_code == 200, response.text
     policy = client.put(
         "/v1/namespaces/ns/policy-version",
-        json={"policy_version": 2**63 - 1},
-        headers=auth("reader"),
+        json={"policy_version": 2**63 - 1, "force": True},
+        headers=auth("admin"),
     )
     assert policy.status_code == 200, policy.text
     taken = sample(client)
@@ -124,9 +124,94 @@ def test_policy_version_bounds_and_types(client: AppClient) -> None:
         response = client.put(
             "/v1/namespaces/ns/policy-version",
             json={"policy_version": value},
-            headers=auth("reader"),
+            headers=auth("trainer"),
         )
         assert response.status_code == 422, (value, response.text)
+    forced = client.put(
+        "/v1/namespaces/ns/policy-version",
+        json={"policy_version": 1, "force": 1},
+        headers=auth("admin"),
+    )
+    assert forced.status_code == 422, forced.text
+
+
+def set_version(client: AppClient, role: str, version: int, **body: Any) -> Any:
+    return client.put(
+        "/v1/namespaces/ns/policy-version",
+        json={"policy_version": version, **body},
+        headers=auth(role),
+    )
+
+
+def test_a_bad_policy_version_move_is_bounded_repairable_and_deletes_nothing(
+    tmp_path: Path,
+) -> None:
+    """What one key could do to a namespace by moving its policy version: a reader not
+    at all; a trainer at most R3STORE_MAX_POLICY_STEP forward per call, and retention
+    keeps what the versions holding routes hold; an admin sets it back with force."""
+    keep_two = {"max_policy_lag": 1, "retention": {"keep_versions": 2}}
+    with service(tmp_path, None, max_policy_step=1000) as client:
+        make_namespace(client)
+        assert put_settings(client, keep_two).status_code == 200
+        for v in range(3):
+            assert set_version(client, "trainer", v).status_code == 200
+            assert upload(client, [make_write(f"v{v}", policy_version=v)]).status_code == 200
+
+        refused = set_version(client, "reader", 2**63 - 1)
+        assert refused.status_code == 403, refused.text  # a reader reads, no more
+        too_far = set_version(client, "trainer", 2 + 1001)
+        assert too_far.status_code == 400, too_far.text
+        assert "at most 1000" in too_far.json()["error"]["message"]
+        assert set_version(client, "trainer", 2**63 - 1).status_code == 400
+        assert set_version(client, "trainer", 2, force=True).status_code == 403
+        assert set_version(client, "writer", 3).status_code == 403
+
+        jumped = set_version(client, "trainer", 2 + 1000)  # a mistaken, allowed move
+        assert jumped.status_code == 200, jumped.text
+        client.app.state.maintenance.run()
+        body = client.get("/v1/namespaces/ns", headers=auth("admin")).json()
+        # the last two versions holding routes stay; v0 goes, as it would have without
+        # the jump (numbers alone, 1001 and 1002, would have dropped all three)
+        assert body["trajectories"] == 2
+        kept = client.post(
+            "/v1/namespaces/ns/routes/batch",
+            json={"ids": ["v0", "v1", "v2"], "include_stale": True},
+            headers=auth("reader"),
+        )
+        assert decode_batch(kept.content)[1].missing == ["v0"]
+
+        assert set_version(client, "trainer", 2).status_code == 400  # never back, unforced
+        assert set_version(client, "admin", 2).status_code == 400
+        back = set_version(client, "admin", 2, force=True)  # the repair
+        assert back.status_code == 200, back.text
+        assert back.json()["policy_version"] == 2
+        assert upload(client, [make_write("v2b", policy_version=2)]).status_code == 200
+        taken = sample(client)
+        assert sorted(decode_batch(taken.content)[1].ids) == ["v1", "v2"]
+        far = set_version(client, "admin", 2**63 - 1, force=True)
+        assert far.status_code == 200, far.text
+        assert set_version(client, "admin", 3, force=True).status_code == 200
+
+
+def test_expert_load_takes_both_version_bounds(client: AppClient) -> None:
+    for v in range(3):
+        assert set_version(client, "trainer", v).status_code == 200
+        assert upload(client, [make_write(f"v{v}", policy_version=v)]).status_code == 200
+
+    def versions(query: str) -> Any:
+        return client.get(f"/v1/namespaces/ns/stats/experts?{query}", headers=auth("reader"))
+
+    def shown(query: str) -> list[int]:
+        answer = versions(query)
+        assert answer.status_code == 200, answer.text
+        return [v["policy_version"] for v in answer.json()["versions"]]
+
+    assert shown("") == [0, 1, 2]
+    assert shown("max_version=1") == [0, 1]
+    assert shown("min_version=1") == [1, 2]
+    assert shown("min_version=1&max_version=1") == [1]
+    for query in ("max_version=-1", f"max_version={2**63}", f"min_version={2**63}"):
+        assert versions(query).status_code == 422, query
 
 
 def _integer_bounds(node: Any) -> Iterator[tuple[str, Any]]:

@@ -118,7 +118,9 @@ class EngineMachine(RuleBasedStateMachine):
         report = self.engine.maintenance(grace_seconds=0, orphan_seconds=0).run()
         keep = self.settings.retention.keep_versions
         assert keep is not None
-        floor = self.version - keep + 1
+        # older than the last `keep` versions and than the last `keep` holding routes
+        held = sorted({v for s in self.model.values() for _, _, v, _ in s.segments})[::-1]
+        floor = min(self.version - keep + 1, held[keep - 1]) if len(held) >= keep else -1
         dropped = [t for t, s in self.model.items() if min(v for _, _, v, _ in s.segments) < floor]
         assert report.trajectories_dropped == len(dropped)
         for tid in dropped:

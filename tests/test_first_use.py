@@ -265,8 +265,9 @@ def test_readable_logs_with_client_addresses_and_maintenance_passes(tmp_path: Pa
             client.create_namespace("ns", RouteSpec(4, 64, 4), keep_one)
             client.put("ns", [make_write("old", policy_version=0)])
             client.set_policy_version("ns", 1)
+            client.put("ns", [make_write("new", policy_version=1)])  # version 0 is now older
             deadline = time.monotonic() + 20
-            while client.namespace("ns").trajectories:
+            while client.namespace("ns").trajectories != 1:
                 assert time.monotonic() < deadline, "retention did not run"
                 time.sleep(0.2)
             time.sleep(0.5)

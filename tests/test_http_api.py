@@ -92,7 +92,7 @@ def test_staleness_over_http(client: AppClient) -> None:
     )
     assert upload(client, [make_write("old", policy_version=0)]).status_code == 200
     r = client.put(
-        "/v1/namespaces/ns/policy-version", json={"policy_version": 3}, headers=auth("reader")
+        "/v1/namespaces/ns/policy-version", json={"policy_version": 3}, headers=auth("trainer")
     )
     assert r.status_code == 200
     assert r.json()["policy_version"] == 3
@@ -105,7 +105,7 @@ def test_staleness_over_http(client: AppClient) -> None:
     assert batch.items == [None, None]
     assert read(client, ["old"], include_stale=True).items[0] is not None
     back = client.put(
-        "/v1/namespaces/ns/policy-version", json={"policy_version": 2}, headers=auth("reader")
+        "/v1/namespaces/ns/policy-version", json={"policy_version": 2}, headers=auth("trainer")
     )
     assert back.status_code == 400
 

@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 
 from helpers import make_write
-from http_helpers import KEYS, SPEC_JSON, AppClient, make_namespace, service
+from http_helpers import KEYS, SPEC_JSON, AppClient, make_namespace, service, settings_for
 from r3store.wire import CONTENT_TYPE, encode_writes
 from r3store_server.app import create_app
 from r3store_server.settings import Settings
 
-CALLERS = ["admin", "writer", "reader", "other", "none", "bad"]
+CALLERS = ["admin", "writer", "reader", "trainer", "other", "none", "bad"]
 counter = itertools.count()
 
 
@@ -42,6 +42,11 @@ def call(client: AppClient, endpoint: str, caller: str) -> int:
         "policy": lambda: client.put(
             "/v1/namespaces/ns/policy-version", json={"policy_version": n}, headers=h
         ),
+        "force": lambda: client.put(
+            "/v1/namespaces/ns/policy-version",
+            json={"policy_version": n, "force": True},
+            headers=h,
+        ),
         "upload": lambda: client.post(
             "/v1/namespaces/ns/trajectories",
             content=encode_writes([make_write(f"w{n}", tokens=8)]),
@@ -67,14 +72,15 @@ def doomed(client: AppClient) -> str:
 
 ALLOWED = {
     "create": {"admin"},
-    "list": {"admin", "writer", "reader", "other"},
-    "describe": {"admin", "writer", "reader"},
+    "list": {"admin", "writer", "reader", "trainer", "other"},
+    "describe": {"admin", "writer", "reader", "trainer"},
     "delete": {"admin"},
     "settings": {"admin"},
-    "policy": {"admin", "reader"},
+    "policy": {"admin", "trainer"},
+    "force": {"admin"},
     "upload": {"admin", "writer"},
-    "batch": {"admin", "reader"},
-    "sample": {"admin", "reader"},
+    "batch": {"admin", "reader", "trainer"},
+    "sample": {"admin", "reader", "trainer"},
     "metrics": {"admin"},
     "healthz": set(CALLERS),
     "readyz": set(CALLERS),
@@ -84,7 +90,7 @@ ALLOWED = {
 
 def test_auth_matrix(tmp_path: Path) -> None:
     wrong = []
-    with service(tmp_path, None) as client:
+    with service(tmp_path, None, auth_failure_limit=1000) as client:  # many bad keys, one address
         make_namespace(client)
         for endpoint, allowed in ALLOWED.items():
             for caller in CALLERS:
@@ -129,3 +135,208 @@ def test_keys_from_a_secrets_file_are_hashed(tmp_path: Path) -> None:
         assert client.get("/metrics").status_code == 401
     with pytest.raises(ValueError, match="shorter than 24"):
         Settings(api_keys=[{"name": "x", "role": "admin", "key": "short"}])
+
+
+def the_keys() -> list[dict[str, Any]]:
+    """The test service's keys, as R3STORE_API_KEYS lists them."""
+    return [
+        {
+            "name": k.name,
+            "role": k.role,
+            "key": k.key.get_secret_value(),
+            "namespaces": k.namespaces,
+        }
+        for k in settings_for(Path("."), None).api_keys
+        if k.key is not None
+    ]
+
+
+def test_the_role_table_is_the_code() -> None:
+    """docs/api.md's "Keys and roles" table names each role's rights as auth.py does."""
+    import re
+
+    from r3store_server.auth import ROLES
+    from r3store_server.settings import Role
+
+    text = (Path(__file__).parent.parent / "docs" / "api.md").read_text()
+    section = text.split("## Keys and roles", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \| [^|]+ \| ([^|]+) \|", section, flags=re.M)
+    documented = {role: set(re.findall(r"`(\w+)`", rights)) for role, rights in rows}
+    assert documented == {role: set(rights) for role, rights in ROLES.items()}
+    assert set(ROLES) == set(Role.__args__)  # type: ignore[attr-defined]
+
+
+def test_every_error_code_is_documented() -> None:
+    import re
+
+    from r3store_server.errors import STATUS
+
+    text = (Path(__file__).parent.parent / "docs" / "api.md").read_text()
+    section = text.split("## Errors", 1)[1].split("\n## ", 1)[0]
+    table = section[section.index("| status | code |") :].split("\n\n", 1)[0]
+    documented = set(re.findall(r"^\| [^|]+ \| `(\w+)` \|", table, flags=re.M))
+    answered = {kind.code for kind, _ in STATUS} | {
+        "invalid_routes",
+        "invalid_spec",
+        "invalid_request",
+        "method_not_allowed",
+        "http_error",
+        "internal",
+    }
+    assert answered <= documented, answered - documented
+
+
+def test_unknown_keys_from_one_address_are_refused_for_a_while(tmp_path: Path) -> None:
+    import httpx
+
+    from http_helpers import ServerProcess
+
+    server = ServerProcess(tmp_path, None, env={"R3STORE_AUTH_FAILURE_LIMIT": "5"})
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+
+            def get(path: str, key: str, address: str) -> httpx.Response:
+                # uvicorn takes the client's address from X-Forwarded-For when the peer
+                # is a proxy it trusts (127.0.0.1 by default): two clients, one machine
+                sent = {"X-API-Key": key, "X-Forwarded-For": address}
+                return http.get(path, headers=sent)
+
+            bad = "not-a-key-of-ours-at-all-0000"
+            for _ in range(5):
+                assert get("/v1/namespaces", bad, "10.0.0.1").status_code == 401
+            refused = get("/v1/namespaces", bad, "10.0.0.1")
+            assert refused.status_code == 429, refused.text
+            assert refused.json()["error"]["code"] == "too_many_failures"
+            assert 1 <= int(refused.headers["retry-after"]) <= 60
+            # while refused, even a good key from there: guessing is what is slowed down
+            assert get("/v1/namespaces", KEYS["admin"], "10.0.0.1").status_code == 429
+            page = get("/ui", bad, "10.0.0.1")
+            assert page.status_code == 429
+            assert "retry-after" in page.headers
+            assert get("/v1/namespaces", KEYS["admin"], "10.0.0.2").status_code == 200
+            assert get("/v1/namespaces", bad, "10.0.0.2").status_code == 401
+            assert get("/healthz", bad, "10.0.0.1").status_code == 200  # open pages stay open
+    finally:
+        server.stop()
+
+
+def test_failed_keys_are_remembered_for_a_bounded_number_of_addresses() -> None:
+    from r3store.errors import TooManyFailures
+    from r3store_server.auth import FailedKeys
+
+    failures = FailedKeys(limit=2, window=60, addresses=100)
+    for i in range(10_000):
+        failures.failed(f"10.{i // 65536}.{i // 256 % 256}.{i % 256}")
+    assert len(failures) == 100
+    failures.failed("192.0.2.1")
+    failures.check("192.0.2.1")
+    failures.failed("192.0.2.1")
+    with pytest.raises(TooManyFailures):
+        failures.check("192.0.2.1")
+    failures.check("10.0.0.0")  # forgotten: the longest quiet
+
+
+def test_readiness_says_less_without_a_key(tmp_path: Path) -> None:
+    from http_helpers import auth
+
+    unreachable = {
+        "endpoint_url": "http://127.0.0.1:9",
+        "bucket": "nowhere-bucket",
+        "access_key_id": "an-access-key-id",
+        "secret_access_key": "a-secret-access-key",
+    }
+    with service(tmp_path, None, store="s3", s3=unreachable) as client:
+        for sent in ({}, {"X-API-Key": "not-a-key-of-ours-at-all-0000"}):
+            brief = client.get("/readyz", headers=sent)
+            assert brief.status_code == 503
+            detail = brief.json()["detail"]
+            failed = (
+                "the object store is unavailable",
+                "the object store or the catalog did not answer in time",
+            )
+            starting = tuple(f"the service is starting: {f}" for f in failed)
+            assert detail in (*failed, *starting, "the service is starting"), detail
+            assert "127.0.0.1" not in detail
+            assert "nowhere" not in detail
+        full = client.get("/readyz", headers=auth("reader"))
+        assert full.status_code == 503
+        assert "127.0.0.1:9" in full.json()["detail"], full.text
+
+
+def test_a_scoped_admin_sees_its_namespaces_in_metrics(tmp_path: Path) -> None:
+    import time
+
+    from http_helpers import auth
+
+    scoped_key = "scoped-admin-key-0123456789abc"
+    keys = [*the_keys(), {"name": "ops", "role": "admin", "key": scoped_key, "namespaces": ["ns"]}]
+    with service(tmp_path, None, api_keys=keys, metrics_interval=0.2) as client:
+        make_namespace(client, "ns")
+        make_namespace(client, "other")
+        deadline = time.monotonic() + 30
+        while True:
+            everything = client.get("/metrics", headers=auth("admin")).text
+            if 'namespace="ns"' in everything and 'namespace="other"' in everything:
+                break
+            assert time.monotonic() < deadline, everything
+            time.sleep(0.2)
+        mine = client.get("/metrics", headers={"X-API-Key": scoped_key})
+        assert mine.status_code == 200
+        assert 'r3store_namespace_policy_version{namespace="ns"}' in mine.text
+        assert 'namespace="other"' not in mine.text
+        assert "r3store_http_requests_total" in mine.text  # the server's own series
+
+
+def test_routes_of_another_source_annotate_only_the_writers_own(tmp_path: Path) -> None:
+    import sqlite3
+
+    from http_helpers import auth, read, upload
+
+    second = "second-writer-key-0123456789ab"
+    keys = [*the_keys(), {"name": "writer2", "role": "writer", "key": second}]
+
+    def as_second(writes: list[Any]) -> Any:
+        return client.post(
+            "/v1/namespaces/ns/trajectories",
+            content=encode_writes(writes),
+            headers={"X-API-Key": second, "Content-Type": CONTENT_TYPE},
+        )
+
+    with service(tmp_path, None, api_keys=keys) as client:
+        make_namespace(client)
+        assert upload(client, [make_write("t", tokens=8)]).status_code == 200
+        predicted = make_write("t", tokens=8, source="predicted")
+        refused = as_second([predicted])
+        assert refused.status_code == 403, refused.text
+        assert refused.json()["error"]["code"] == "forbidden"
+        assert [i.source for i in read(client, ["t"]).items] == ["engine"]  # nothing stored
+        assert upload(client, [predicted]).status_code == 200  # its own writer may
+        assert [i.source for i in read(client, ["t"]).items] == ["predicted"]
+        trainer = make_write("t", tokens=8, source="trainer")
+        assert upload(client, [trainer], role="admin").status_code == 200  # the annotate right
+        both = [make_write("u", tokens=8), make_write("u", tokens=8, source="predicted")]
+        assert as_second(both).status_code == 200  # annotating in the same upload
+        retried = as_second([make_write("u", tokens=8, source="predicted")])
+        assert retried.status_code == 200
+        assert retried.json()["results"][0]["created"] is False
+        assert upload(client, [make_write("u", tokens=8, source="trainer")]).status_code == 403
+
+    # a catalog made before writers were recorded: the column is added, empty, and its
+    # trajectories are nobody's: only a key with the annotate right annotates them
+    with sqlite3.connect(tmp_path / "catalog.db") as db:
+        db.execute("ALTER TABLE trajectories DROP COLUMN writer")
+    with service(tmp_path, None, api_keys=keys) as client:
+        trainer = make_write("u", tokens=8, source="trainer")
+        assert upload(client, [trainer]).status_code == 403
+        assert upload(client, [trainer], role="admin").status_code == 200
+        assert upload(client, [make_write("v", tokens=8)]).status_code == 200
+        assert upload(client, [make_write("v", tokens=8, source="trainer")]).status_code == 200
+        described = client.get("/v1/namespaces/ns", headers=auth("admin")).json()
+        assert described["trajectories"] == 3
+
+
+def test_swagger_ui_does_not_keep_an_authorized_key(tmp_path: Path) -> None:
+    with service(tmp_path, None) as client:
+        page = client.get("/docs").text
+        assert '"persistAuthorization": false' in page
+        assert '"persistAuthorization": true' not in page

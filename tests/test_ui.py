@@ -366,9 +366,13 @@ def test_the_page_takes_the_api_keys(served: tuple[ServerProcess, dict]) -> None
         assert good.status_code == 303
         assert good.headers["location"] == "/ui"
         cookie = good.headers["set-cookie"]
+        assert cookie.startswith("r3store_session=")
         assert "HttpOnly" in cookie
         assert "SameSite=strict" in cookie
         assert "Path=/ui" in cookie
+        assert "Secure" not in cookie  # plain http
+        session = good.cookies["r3store_session"]
+        assert KEYS["reader"] not in session  # a signed session, not the key
         back = http.post(
             "/ui/login", content=f"key={KEYS['reader']}&then=/ui/namespaces/ns", headers=form
         )
@@ -378,12 +382,17 @@ def test_the_page_takes_the_api_keys(served: tuple[ServerProcess, dict]) -> None
                 "/ui/login", data={"key": KEYS["reader"], "then": elsewhere}, headers=form
             )
             assert away.headers["location"] == "/ui"
-        page = http.get("/ui", headers={"Cookie": f"r3store_key={KEYS['reader']}"})
+        page = http.get("/ui", headers={"Cookie": f"r3store_session={session}"})
         assert page.status_code == 200
         assert "/ui/namespaces/ns" in page.text
-        stale = http.get("/ui", headers={"Cookie": "r3store_key=revoked-key"})
+        forged = session[:-4] + ("AAAA" if session[-4:] != "AAAA" else "BBBB")
+        stale = http.get("/ui", headers={"Cookie": f"r3store_session={forged}"})
         assert stale.status_code == 401
-        assert 'r3store_key=""' in stale.headers["set-cookie"]  # taken out of the cookie
+        assert "session ended" in stale.text
+        assert 'r3store_session=""' in stale.headers["set-cookie"]  # taken away
+        old = http.get("/ui", headers={"Cookie": f"r3store_key={KEYS['reader']}"})
+        assert old.status_code == 401  # the key itself in a cookie is not taken any more
+        assert 'r3store_key=""' in old.headers["set-cookie"]
         reader = {"X-API-Key": KEYS["reader"]}
         zipped = http.get("/ui/namespaces/ns", headers=reader)  # httpx takes gzip
         assert zipped.headers["content-encoding"] == "gzip"
@@ -396,8 +405,124 @@ def test_the_page_takes_the_api_keys(served: tuple[ServerProcess, dict]) -> None
         assert missing.status_code == 404
         assert "no namespace named nothing-here" in missing.text
         # the API never takes the cookie
-        api = http.get("/v1/namespaces", headers={"Cookie": f"r3store_key={KEYS['reader']}"})
+        api = http.get("/v1/namespaces", headers={"Cookie": f"r3store_session={session}"})
         assert api.status_code == 401
+
+
+def test_sign_in_and_out_only_from_the_servers_own_page(
+    served: tuple[ServerProcess, dict],
+) -> None:
+    """Login CSRF: a form post that the browser says came from another site changes no
+    cookie; the same from this server's page signs in (and out); over TLS (a proxy's
+    X-Forwarded-Proto) the cookie is Secure."""
+    server, _ = served
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    own = server.url
+    body = f"key={KEYS['other']}"
+    with httpx.Client(base_url=server.url) as http:
+        for sent in (
+            {"Origin": "https://attacker.example"},
+            {"Origin": "null"},
+            {"Origin": own.replace("127.0.0.1", "localhost")},
+            {"Sec-Fetch-Site": "cross-site"},
+            {"Sec-Fetch-Site": "same-site"},
+            {"Referer": "https://attacker.example/page.html"},
+        ):
+            for path in ("/ui/login", "/ui/logout"):
+                refused = http.post(path, content=body, headers={**form, **sent})
+                assert refused.status_code == 403, (path, sent, refused.text)
+                assert "set-cookie" not in refused.headers, (path, sent)
+                assert "another site" in refused.text
+        for sent in (
+            {"Origin": own},
+            {"Sec-Fetch-Site": "same-origin"},
+            {"Referer": f"{own}/ui"},
+            {"Origin": "https://r3store.example", "X-Forwarded-Host": "r3store.example"},
+        ):
+            signed = http.post("/ui/login", content=body, headers={**form, **sent})
+            assert signed.status_code == 303, (sent, signed.text)
+            assert signed.headers["set-cookie"].startswith("r3store_session="), sent
+        session = signed.cookies["r3store_session"]
+        out = http.post(
+            "/ui/logout",
+            headers={"Origin": own, "Cookie": f"r3store_session={session}"},
+        )
+        assert out.status_code == 303
+        assert out.headers["location"] == "/ui"
+        assert 'r3store_session=""' in out.headers["set-cookie"]
+        tls = http.post("/ui/login", content=body, headers={**form, "X-Forwarded-Proto": "https"})
+        assert tls.status_code == 303
+        assert "Secure" in tls.headers["set-cookie"]
+
+
+def test_another_site_cannot_sign_a_browser_in_with_its_key(
+    served: tuple[ServerProcess, dict], tmp_path: Path
+) -> None:
+    """In chromium: signed in with one key, the browser opens another site's page that
+    posts the status page's login form with that site's key; the browser's session stays
+    its own. Signing out from the page ends it."""
+    import http.server
+    import threading
+
+    from r3store.testing.service import free_port
+
+    server, _ = served
+    target = f"{server.url}/ui/login"
+    attack = (
+        f"<!doctype html><form method=post action='{target}'>"
+        f"<input name=key value='{KEYS['other']}'></form>"
+        "<script>document.forms[0].submit()</script>"
+    ).encode()
+
+    class Attacker(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(attack)))
+            self.end_headers()
+            self.wfile.write(attack)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    site = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Attacker)
+    threading.Thread(target=site.serve_forever, daemon=True).start()
+    browser = Browser(tmp_path / "profile")
+
+    def session() -> list[dict]:
+        found = browser.call("Network.getCookies", urls=[f"{server.url}/ui"])["cookies"]
+        return [c for c in found if c["name"].startswith("r3store")]
+
+    try:
+        browser.open(f"{server.url}/ui", {})
+        browser.evaluate(
+            f"""document.querySelector('input[name=key]').value = {KEYS["reader"]!r};
+                document.querySelector('form').submit()"""
+        )
+        browser.wait_for("document.querySelector('table.namespaces') !== null")
+        [mine] = session()
+        assert mine["name"] == "r3store_session"
+        assert mine["httpOnly"]
+        assert KEYS["reader"] not in mine["value"]
+        # localhost and 127.0.0.1 are two sites to the browser
+        browser.open(f"http://localhost:{site.server_address[1]}/", {})
+        browser.wait_for("location.pathname === '/ui/login' && document.readyState === 'complete'")
+        assert "another site" in browser.evaluate("document.body.innerText")
+        assert session() == [mine]  # unchanged: not the attacker's key's
+        browser.open(f"{server.url}/ui", {})
+        names = browser.evaluate(
+            "[...document.querySelectorAll('table.namespaces td.name a')].map(a => a.textContent)"
+        )
+        assert names == ["ns", "other"]  # still the reader's view, not the scoped key's
+        browser.evaluate("document.querySelector('form.out').submit()")
+        browser.wait_for(
+            "location.pathname === '/ui' && document.querySelector('input[name=key]') !== null"
+        )
+        assert session() == []
+    finally:
+        browser.close()
+        site.shutdown()
+        site.server_close()
 
 
 def test_names_are_escaped() -> None:

@@ -317,8 +317,12 @@ class Client:
             self._specs[name] = self.namespace(name).spec.to_spec()
         return self._specs[name]
 
-    def set_policy_version(self, name: str, version: int) -> NamespacePublic:
-        body = PolicyVersionSet(policy_version=version).model_dump()
+    def set_policy_version(self, name: str, version: int, force: bool = False) -> NamespacePublic:
+        """Move the namespace's policy version forward (a `trainer` key), at most the
+        server's step per call; `force` (an admin key): set it as given, even back."""
+        body = PolicyVersionSet(policy_version=version, force=force).model_dump(
+            exclude_defaults=True
+        )
         response = self.request("PUT", f"/v1/namespaces/{name}/policy-version", json=body)
         return NamespacePublic.model_validate(response.json())
 

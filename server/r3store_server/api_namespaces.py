@@ -13,7 +13,14 @@ from r3store.models import (
     PolicyVersionSet,
 )
 from r3store.policy import NamespaceSettings
-from r3store_server.deps import DeadlineDep, EngineDep, KeyRingDep, PrincipalDep, allowed
+from r3store_server.deps import (
+    DeadlineDep,
+    EngineDep,
+    KeyRingDep,
+    PrincipalDep,
+    SettingsDep,
+    allowed,
+)
 from r3store_server.errors import ERROR_RESPONSES
 
 router = APIRouter(prefix="/v1/namespaces", tags=["namespaces"], responses=ERROR_RESPONSES)
@@ -97,9 +104,22 @@ async def update_settings(
 async def set_policy_version(
     body: PolicyVersionSet,
     engine: EngineDep,
+    settings: SettingsDep,
+    keys: KeyRingDep,
+    who: PrincipalDep,
     deadline: DeadlineDep,
     namespace: str = NamespacePath,
 ) -> NamespacePublic:
-    """The trainer's current policy version; it only moves forward. Reader or admin."""
-    info = await deadline.run(engine.set_policy_version, namespace, body.policy_version)
+    """The trainer's current policy version: forward only, at most
+    `R3STORE_MAX_POLICY_STEP` per call. Trainer or admin; `force` (set it as given, back
+    or any distance forward: a repair) takes an admin key."""
+    if body.force:
+        keys.authorize(who, "manage", namespace)
+    info = await deadline.run(
+        engine.set_policy_version,
+        namespace,
+        body.policy_version,
+        settings.max_policy_step,
+        body.force,
+    )
     return NamespacePublic.of(info)

@@ -33,6 +33,7 @@ from r3store_server.deps import (
     DeadlineDep,
     EngineDep,
     MetricsDep,
+    PrincipalDep,
     SettingsDep,
     allowed,
 )
@@ -112,6 +113,7 @@ async def upload(
     metrics: MetricsDep,
     budget: BudgetDep,
     deadline: DeadlineDep,
+    who: PrincipalDep,
     namespace: str = NamespacePath,
 ) -> PutResponse:
     """Store trajectories (or appended segments); answers after the durable commit.
@@ -135,7 +137,10 @@ async def upload(
     def store() -> PutResponse:
         writes = decode_writes(body, spec, settings.max_upload_rows, admit)
         token_layers = sum(w.num_tokens for w in writes) * spec.num_layers
-        encoded = engine.encode(namespace, writes, stop=deadline.cancelled.is_set)
+        others = who.may("annotate", namespace)  # another key's trajectories too
+        encoded = engine.encode(
+            namespace, writes, writer=who.name, annotate_any=others, stop=deadline.cancelled.is_set
+        )
         del writes  # nothing refers to the body any more: its memory goes before the commit
         with contextlib.suppress(BufferError):
             body.clear()

@@ -33,7 +33,10 @@ router = APIRouter(
 )
 NamespacePath = Path(pattern=NAME_PATTERN, description="the namespace")
 SourceQuery = Query(ENGINE, description="route source: engine, predicted or trainer")
-VersionQuery = Query(None, ge=0, le=MAX_POLICY_VERSION)
+# one Query object per parameter: FastAPI keys a shared one by the first name it was
+# given, so a second parameter made with it would read (and bound) the first's value
+MinVersion = Query(None, ge=0, le=MAX_POLICY_VERSION, description="the oldest version shown")
+MaxVersion = Query(None, ge=0, le=MAX_POLICY_VERSION, description="the newest version shown")
 SourceA = Query(ENGINE, description="one route source")
 SourceB = Query("trainer", description="the other route source")
 
@@ -48,8 +51,8 @@ async def expert_load(
     deadline: DeadlineDep,
     namespace: str = NamespacePath,
     source: Source = SourceQuery,
-    min_version: int | None = VersionQuery,
-    max_version: int | None = VersionQuery,
+    min_version: int | None = MinVersion,
+    max_version: int | None = MaxVersion,
 ) -> ExpertLoadModel:
     """Expert load per policy version: for each layer and expert, the token-layers of
     the routes ever stored (counted at ingest; retention does not take them back)."""

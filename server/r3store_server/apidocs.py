@@ -35,5 +35,6 @@ def install(app: FastAPI) -> None:
             swagger_js_url=f"{ASSETS}/swagger-ui-bundle.js",
             swagger_css_url=f"{ASSETS}/swagger-ui.css",
             swagger_favicon_url=f"{ASSETS}/favicon-32x32.png",
-            swagger_ui_parameters={"persistAuthorization": True},
+            # a key typed into "Authorize" lives in the page only: never in localStorage
+            swagger_ui_parameters={"persistAuthorization": False},
         )

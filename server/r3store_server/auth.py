@@ -1,8 +1,11 @@
 """API keys with roles, scoped to namespaces, kept only as SHA-256 digests.
 
-Roles: `writer` (rollout workers: upload), `reader` (trainers: read, sample, set the
-policy version), `admin` (everything, including namespaces and settings). A request
-sends its key as `Authorization: Bearer <key>` or `X-API-Key: <key>`.
+Roles: `writer` (rollout workers: upload, and annotate what they uploaded), `reader`
+(read and sample), `trainer` (a reader that also moves the policy version forward),
+`admin` (everything: namespaces, settings, forced policy versions, annotating any
+trajectory, `/metrics`). A request sends its key as `Authorization: Bearer <key>` or
+`X-API-Key: <key>`. Unknown keys are counted per client address (`FailedKeys`): past
+the limit, that address is answered 429 for the rest of the minute.
 """
 
 from __future__ import annotations
@@ -12,19 +15,27 @@ import hmac
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from r3store.catalog_types import ApiKeyRecord
-from r3store.errors import Forbidden, R3StoreError, Unauthorized
+from r3store.errors import Forbidden, R3StoreError, TooManyFailures, Unauthorized
 from r3store_server.settings import ApiKeyConfig, Role, Settings
 
 log = logging.getLogger("r3store.server")
 
+# The rights: `describe` (list and describe namespaces), `write` (upload; routes of
+# another source only for trajectories the same key wrote), `read` (batch reads, plans,
+# sampling, statistics, the status page), `policy` (move the policy version forward, a
+# bounded step at a time), `manage` (create, delete and configure namespaces; set the
+# policy version with `force`), `annotate` (routes of another source for any
+# trajectory), `operate` (`/metrics`). docs/api.md's role table says the same.
 ROLES: dict[Role, set[str]] = {
     "writer": {"write", "describe"},
-    "reader": {"read", "describe", "policy"},
-    "admin": {"write", "read", "describe", "policy", "manage", "operate"},
+    "reader": {"read", "describe"},
+    "trainer": {"read", "describe", "policy"},
+    "admin": {"write", "read", "describe", "policy", "manage", "annotate", "operate"},
 }
 
 
@@ -53,6 +64,49 @@ class _Stored:
     principal: Principal
 
 
+class FailedKeys:
+    """Unknown keys per client address in the current minute: at `limit` the address is
+    refused (429, `TooManyFailures`) until its minute ends. At most `addresses` are
+    remembered (the longest quiet forgotten first), so memory stays bounded."""
+
+    def __init__(self, limit: int, window: float = 60.0, addresses: int = 4096) -> None:
+        self.limit = limit
+        self.window = window
+        self.addresses = addresses
+        self._seen: OrderedDict[str, tuple[float, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        """Addresses remembered now."""
+        return len(self._seen)
+
+    def check(self, client: str | None) -> None:
+        """Raise `TooManyFailures` while `client` is over the limit."""
+        if client is None or self.limit <= 0:
+            return
+        now = time.monotonic()
+        with self._lock:
+            began, count = self._seen.get(client, (now, 0))
+            if count >= self.limit and now - began < self.window:
+                wait = self.window - (now - began)
+                raise TooManyFailures(
+                    f"too many unknown API keys from {client}; try again in {wait:.0f} s",
+                    retry_after=wait,
+                )
+
+    def failed(self, client: str | None) -> None:
+        if client is None or self.limit <= 0:
+            return
+        now = time.monotonic()
+        with self._lock:
+            began, count = self._seen.pop(client, (now, 0))
+            if now - began >= self.window:
+                began, count = now, 0
+            self._seen[client] = (began, count + 1)
+            while len(self._seen) > self.addresses:
+                self._seen.popitem(last=False)
+
+
 class KeyRing:
     """The configured keys, and those made with `r3store keys create` (read from the
     catalog, at most `refresh` seconds old, so revocations apply within that time).
@@ -60,9 +114,15 @@ class KeyRing:
     key in the catalog turns authentication on, live, and it stays on until a restart."""
 
     def __init__(
-        self, keys: list[ApiKeyConfig], enabled: bool, auto: bool = False, refresh: float = 5.0
+        self,
+        keys: list[ApiKeyConfig],
+        enabled: bool,
+        auto: bool = False,
+        refresh: float = 5.0,
+        failures: int = 0,
     ) -> None:
         self.enabled = enabled
+        self.failures = FailedKeys(failures)
         self.auto = auto
         self.refresh = refresh
         self._catalog: Callable[[], list[ApiKeyRecord]] | None = None
@@ -117,7 +177,9 @@ class KeyRing:
                 "refusing to run without API keys: auth may be off only for the embedded "
                 "store on a loopback address (set R3STORE_API_KEYS or R3STORE_API_KEYS_FILE)"
             )
-        return cls(keys, enabled, auto=settings.auth == "auto")
+        return cls(
+            keys, enabled, auto=settings.auth == "auto", failures=settings.auth_failure_limit
+        )
 
     def _turned_on(self) -> bool:
         """In `auto` with auth off: whether a key has since been created in the catalog."""
@@ -126,17 +188,26 @@ class KeyRing:
             log.warning("authentication is ON: an API key was created in the catalog")
         return self.enabled
 
-    def authenticate(self, presented: str | None) -> Principal:
+    def authenticate(self, presented: str | None, client: str | None = None) -> Principal:
+        """The principal of the key `presented` (from the address `client`): 401 without
+        one or for an unknown one, 429 while `client` sent too many unknown keys."""
         if not self.enabled and not self._turned_on():
             return ANONYMOUS
         if not presented:
             raise Unauthorized("an API key is required (Authorization: Bearer <key>)")
-        wanted = digest(presented)
+        return self.authenticate_digest(digest(presented), client)
+
+    def authenticate_digest(self, wanted: bytes, client: str | None = None) -> Principal:
+        """As `authenticate`, for a key known by its SHA-256 (the status page's session)."""
+        if not self.enabled and not self._turned_on():
+            return ANONYMOUS
+        self.failures.check(client)
         found = None
         for stored in [*self._keys, *self._catalog_keys()]:  # every key: no early exit
             if hmac.compare_digest(stored.digest, wanted):
                 found = stored.principal
         if found is None:
+            self.failures.failed(client)
             raise Unauthorized("unknown API key")
         return found
 

@@ -12,7 +12,7 @@ new, empty embedded store unless asked (`--init`).
     r3store stats [run1]
     r3store stats run1 --experts  # expert load, agreement between sources, drift
     r3store maintain            # retention, compaction and collection, now
-    r3store keys create trainer --role reader --namespace run1   # shows the key once
+    r3store keys create trainer --role trainer --namespace run1   # shows the key once
     r3store keys revoke trainer
     r3store rebuild --yes       # the catalog again, from the object store alone
 
@@ -567,9 +567,10 @@ def parser() -> argparse.ArgumentParser:
     make.add_argument("name", help="who the key is for")
     make.add_argument(
         "--role",
-        choices=["writer", "reader", "admin"],
+        choices=["writer", "reader", "trainer", "admin"],
         required=True,
-        help="writer: upload; reader: read and sample; admin: everything",
+        help="writer: upload; reader: read and sample; trainer: a reader that also sets "
+        "the policy version; admin: everything",
     )
     make.add_argument(
         "--namespace", action="append", help="a namespace it may use (repeatable); default: all"

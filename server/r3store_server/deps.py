@@ -62,7 +62,13 @@ def get_principal(
     bearer: Annotated[HTTPAuthorizationCredentials | None, Security(BEARER)],
 ) -> Principal:
     presented = key if key is not None else bearer.credentials if bearer else None
-    return get_keyring(request).authenticate(presented)
+    return get_keyring(request).authenticate(presented, client_address(request))
+
+
+def client_address(request: Request) -> str | None:
+    """The client's address (uvicorn takes it from X-Forwarded-For when the peer is a
+    trusted proxy), for counting its unknown keys."""
+    return request.client.host if request.client is not None else None
 
 
 EngineDep = Annotated[Engine, Depends(get_engine)]

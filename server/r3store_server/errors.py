@@ -21,6 +21,7 @@ STATUS: list[tuple[type[errors.R3StoreError], int]] = [
     (errors.UnsupportedMediaType, 415),
     (errors.Unauthorized, 401),
     (errors.Forbidden, 403),
+    (errors.TooManyFailures, 429),
     (errors.InvalidInput, 400),
     (errors.NotFound, 404),
     (errors.StalePolicy, 409),
@@ -48,7 +49,7 @@ def install(app: FastAPI) -> None:
         status = status_of(exc)
         request.state.error_code = exc.code
         headers = {}
-        if isinstance(exc, errors.Backpressure | errors.StoreError):
+        if isinstance(exc, errors.Backpressure | errors.StoreError | errors.TooManyFailures):
             headers["Retry-After"] = str(max(1, round(exc.retry_after)))
         if status == 401:
             headers["WWW-Authenticate"] = "Bearer"
@@ -89,6 +90,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (404, "no such namespace"),
         (409, "conflict: other content under the same id, an existing name, or stale routes"),
         (422, "the request does not match its schema"),
+        (429, "too many unknown keys from this address, or busy: retry after Retry-After"),
         (503, "the object store or catalog is unavailable"),
     )
 }

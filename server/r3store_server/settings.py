@@ -37,7 +37,7 @@ from r3store.errors import InvalidConfig
 from r3store.policy import MAX_POLICY_VERSION
 from r3store.rest import REST_LEVEL
 
-Role = Literal["writer", "reader", "admin"]
+Role = Literal["writer", "reader", "trainer", "admin"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 PREFIX = "R3STORE_"
 UPLOAD_COST = 3  # bytes an upload holds per body byte: the body, its routes, their encoding
@@ -128,6 +128,25 @@ class Settings(BaseSettings):
     )
     api_keys_file: FilePath | None = Field(
         None, description="a JSON file holding a list like R3STORE_API_KEYS"
+    )
+    auth_failure_limit: int = Field(
+        20,
+        ge=0,
+        description="unknown API keys one client address may send per minute; then 429 "
+        "for the rest of the minute; 0: no limit",
+    )
+    max_policy_step: int = Field(
+        1000,
+        ge=1,
+        le=2**63 - 1,
+        description="how far one call may move a namespace's policy version forward; "
+        "further, or back, takes an admin key and force",
+    )
+    ui_secret: SecretStr | None = Field(
+        None,
+        min_length=32,
+        description="the key that signs the status page's sessions (replicas share it); "
+        "none: one made at start, so a restart signs everyone out",
     )
     maintenance_interval: float = Field(
         60.0, ge=0, description="seconds between retention and compaction passes; 0: off"

@@ -39,7 +39,12 @@ th{background:#f0f0f0}td.name,th.name{text-align:left}
 figure{margin:0;background:#fff;border:1px solid #ddd;padding:6px}
 figcaption{font-size:12px;color:#444}.scroll{overflow-x:auto;max-width:100%}
 p.note{max-width:60em}code{background:#eee;padding:0 3px;white-space:nowrap}
+form.out{float:right}
 """
+# ends the login form's session (the browser forgets its cookie)
+SIGN_OUT = (
+    "<form class=out method=post action='/ui/logout'><button type=submit>Sign out</button></form>"
+)
 
 
 @dataclass(frozen=True)
@@ -128,7 +133,7 @@ def overview(rows: Sequence[NamespaceRow], activity: Activity | None, version: s
         "namespaces",
     )
     body = (
-        f"<h1>r3store</h1><div class=muted>version {_e(version)} · "
+        f"{SIGN_OUT}<h1>r3store</h1><div class=muted>version {_e(version)} · "
         f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}</div><h2>Namespaces</h2>"
         + (table if rows else "<p>No namespace yet.</p>")
         + _activity(activity)
@@ -438,7 +443,7 @@ def namespace_page(detail: NamespaceDetail, last: int) -> str:
         for source, held in shown.items()
     )
     body = (
-        f"<p><a href='/ui'>all namespaces</a></p><h1>{_e(info.name)}</h1>{facts}"
+        f"{SIGN_OUT}<p><a href='/ui'>all namespaces</a></p><h1>{_e(info.name)}</h1>{facts}"
         "<h2>Agreement between route sources</h2>"
         + agreement
         + "<h2>Router drift</h2>"
@@ -463,8 +468,8 @@ def login_page(message: str, then: str = "/ui") -> str:
         "<p class=note>The status page takes any API key with the read right. An operator "
         "makes one on the server's machine with <code>r3store keys create NAME --role "
         "reader</code> (add <code>--namespace NS</code> to limit it to one namespace); the "
-        "command shows the key once. The browser keeps it in a cookie for this page only, "
-        "for 8 hours.</p>"
+        "command shows the key once. The browser keeps a session signed by the server (not "
+        "the key) in a cookie for this page only, for 8 hours or until you sign out.</p>"
     )
     return _page("r3store · sign in", body)
 
