@@ -95,7 +95,13 @@ def upload_memory(uploads: int = 8, body_bytes: int = 200 * MB) -> list[Figure]:
     with tempfile.TemporaryDirectory(prefix="r3store-upmem-") as directory:
         process, url = start_server(
             Path(directory),
-            {"R3STORE_API_KEYS": KEYS, "R3STORE_MAINTENANCE_INTERVAL": "0"},
+            {
+                "R3STORE_API_KEYS": KEYS,
+                "R3STORE_MAINTENANCE_INTERVAL": "0",
+                # one key sends all 8: the budget is theirs, and the body may be 200 MB
+                "R3STORE_MAX_BODY_BYTES": str(256 << 20),
+                "R3STORE_UPLOAD_MEMORY_PER_KEY": str(768 << 20),
+            },
         )
         try:
             client = Client(url, KEY, retry=Retry(attempts=200, backoff=0.2, max_backoff=1.0))

@@ -16,6 +16,8 @@
     │   └── ObjectExists         a create-only put whose key already exists
     ├── StalePolicy              routes older than the namespace's staleness window
     ├── Backpressure             the write buffer is full; retry later
+    ├── RequestTimeout           a request's headers or body did not arrive in time
+    ├── HeadersTooLarge          a request's headers over the service's limit
     ├── StoreError               the object store failed (after retries)
     ├── CorruptShard             a shard that cannot be read as the format says
     └── InvalidConfig            settings that cannot be used (nothing starts)
@@ -104,6 +106,16 @@ class Backpressure(R3StoreError):
     def __init__(self, message: str, retry_after: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class RequestTimeout(R3StoreError):
+    """A client sent its request's headers or body too slowly (not a store's slowness)."""
+
+    code = "request_timeout"
+
+
+class HeadersTooLarge(R3StoreError):
+    code = "headers_too_large"
 
 
 class StoreError(R3StoreError):

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from r3store.errors import InvalidInput
+
 
 class Strategy(StrEnum):
     FIFO = "fifo"  # oldest committed first
@@ -28,12 +30,13 @@ def choose(
     whole_groups: bool = False,
     rng: random.Random | None = None,
 ) -> list[str]:
-    """Up to `n` trajectory ids from `candidates`.
+    """Up to `n` trajectory ids from `candidates`, never more.
 
     With `whole_groups`, groups are chosen (by their oldest member for FIFO) and taken
-    whole, so a prompt group is never split: groups are added while they fit in `n`,
-    and the first one is taken even when it is larger. Trajectories without a group
-    count as groups of one.
+    whole, so a prompt group is never split: groups are added while they fit in `n`.
+    A group larger than `n` is never taken (it would have to be split, or the answer
+    be larger than asked); when every group is, `InvalidInput` says how large the
+    smallest one is. Trajectories without a group count as groups of one.
     """
     if n <= 0 or not candidates:
         return []
@@ -48,12 +51,19 @@ def choose(
         groups[c.group_id if c.group_id is not None else f"\0{c.trajectory_id}"].append(
             c.trajectory_id
         )
-    keys = list(groups)  # oldest first: dicts keep insertion order
+    keys = [key for key, members in groups.items() if len(members) <= n]  # oldest first
+    if not keys:
+        smallest = min(len(members) for members in groups.values())
+        raise InvalidInput(
+            f"every prompt group to sample holds more than n={n} trajectories (the smallest "
+            f"{smallest}), and with whole_groups an answer holds whole groups and at most "
+            "n trajectories: ask for a larger n, or sample without whole_groups"
+        )
     if strategy is Strategy.UNIFORM:
         rng.shuffle(keys)
     chosen: list[str] = []
     for key in keys:
-        if chosen and len(chosen) + len(groups[key]) > n:
+        if len(chosen) + len(groups[key]) > n:
             break
         chosen.extend(groups[key])
         if len(chosen) >= n:

@@ -139,6 +139,8 @@ def test_memory_budget_admits_uploads_or_answers_429(tmp_path: Path) -> None:
         env={
             "R3STORE_MAX_BODY_BYTES": str(limit),
             "R3STORE_UPLOAD_MEMORY_BYTES": str(3 * limit),
+            "R3STORE_UPLOAD_MEMORY_PER_KEY": str(3 * limit),  # one key may hold it all
+            "R3STORE_BODY_TIMEOUT": "60",  # the slow body below takes its time
         },
     )
     body = encode_writes([make_write("big", tokens=9000)])  # 576 KB of int32 routes

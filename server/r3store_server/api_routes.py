@@ -7,6 +7,7 @@ acknowledgements.
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -58,17 +59,23 @@ UPLOAD_BODY: dict[str, Any] = {
 }
 
 
-def is_upload(path: str) -> bool:
-    """Whether `path` is the upload endpoint (its body has its own, larger limit)."""
-    return path.startswith(router.prefix + "/") and path.endswith("/trajectories")
+UPLOAD_PATH = re.compile(
+    re.escape(router.prefix) + "/" + NAME_PATTERN.strip("^$") + "/trajectories", re.ASCII
+)
+
+
+def is_upload(method: str, path: str) -> bool:
+    """Whether this is the upload route, exactly (its body has its own, larger limit;
+    every other body the small one of `limits.BodyGuard`)."""
+    return method == "POST" and UPLOAD_PATH.fullmatch(path) is not None
 
 
 async def read_body(
-    request: Request, limit: int, budget: MemoryBudget, wait: float
+    request: Request, limit: int, budget: MemoryBudget, wait: float, key: str = ""
 ) -> tuple[bytearray, Reservation]:
-    """The request body and its memory reservation: refused past `limit` bytes (413),
-    or when the upload budget has no room for it within `wait` seconds (429), before
-    it is read."""
+    """The request body and its memory reservation (held for `key`): refused past
+    `limit` bytes (413), or when the upload budget (or `key`'s share of it) has no room
+    for it within `wait` seconds (429), before it is read."""
     media = request.headers.get("content-type", "").split(";")[0].strip()
     if media != CONTENT_TYPE:
         raise UnsupportedMediaType(f"send the trajectories as {CONTENT_TYPE}, not {media!r}")
@@ -76,7 +83,7 @@ async def read_body(
     declared = int(header) if header is not None and header.isdigit() else None
     if declared is not None and declared > limit:
         raise PayloadTooLarge(f"the body has {declared} bytes; the limit is {limit}")
-    reservation = await budget.admit(UPLOAD_COST * (declared or 0), wait)
+    reservation = await budget.admit(UPLOAD_COST * (declared or 0), wait, key)
     try:
         body = bytearray(declared or 0)
         size = 0
@@ -126,7 +133,7 @@ async def upload(
     """
     spec = await deadline.run(engine.spec, namespace)
     body, reservation = await deadline.wait(
-        read_body(request, settings.max_body_bytes, budget, settings.request_timeout / 2),
+        read_body(request, settings.max_body_bytes, budget, settings.request_timeout / 2, who.name),
         "reading the body",
     )
     metrics.bytes_in.inc(len(body))

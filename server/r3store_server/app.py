@@ -29,7 +29,7 @@ from r3store_server import (
 )
 from r3store_server.auth import KeyRing
 from r3store_server.backends import build_engine, server_lock
-from r3store_server.limits import JSON_BODY_BYTES, JsonBodyLimit, MemoryBudget
+from r3store_server.limits import JSON_BODY_BYTES, BodyGuard, MemoryBudget
 from r3store_server.metrics import Metrics
 from r3store_server.observe import observe
 from r3store_server.settings import Settings
@@ -168,9 +168,18 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.keyring = keyring
     app.state.metrics = Metrics()
-    app.state.budget = MemoryBudget(settings.upload_memory_bytes)
+    app.state.budget = MemoryBudget(
+        settings.upload_memory_bytes, per_key=settings.upload_memory_key_bytes
+    )
     errors.install(app)
-    app.add_middleware(JsonBodyLimit, is_upload=api_routes.is_upload, limit=JSON_BODY_BYTES)
+    app.add_middleware(
+        BodyGuard,
+        keyring=keyring,
+        is_upload=api_routes.is_upload,
+        limit=JSON_BODY_BYTES,
+        grace=settings.body_timeout,
+        rate=settings.body_min_rate,
+    )
     app.middleware("http")(observe)
     routers = (operations, api_namespaces, api_routes, api_stats, ui)
     for router in (module.router for module in routers):

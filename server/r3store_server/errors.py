@@ -27,6 +27,8 @@ STATUS: list[tuple[type[errors.R3StoreError], int]] = [
     (errors.StalePolicy, 409),
     (errors.Conflict, 409),
     (errors.Backpressure, 429),
+    (errors.RequestTimeout, 408),
+    (errors.HeadersTooLarge, 431),
     (errors.StoreError, 503),
     (errors.CorruptShard, 500),
 ]

@@ -6,9 +6,16 @@ of validating and encoding it (`UPLOAD_COST` times the body, measured in
 client's sending pauses); then the answer is 429 `backpressure` with Retry-After. The
 reservation lasts until the work on the upload ends, even when the client was answered
 earlier; releasing a large one trims the heap, so the memory goes back to the system.
+One API key's uploads hold at most `per_key` bytes of it at once, so a writer that
+declares large bodies and sends them slowly (or never) cannot starve the others.
 
-`JsonBodyLimit` caps every other body (the JSON of the control plane) at
-`JSON_BODY_BYTES`, declared or streamed.
+`BodyGuard` checks the key of a request with a body before any of it is read (401,
+connection closed), then bounds every body by route: the upload route (matched
+exactly) reads its own, every other body (the JSON of the control plane, or a path
+that does not exist) is capped at `JSON_BODY_BYTES`, declared or streamed. Every body
+must keep arriving (`BodyClock`: a grace period plus a minimum rate), else 408
+`request_timeout`. An answer sent before its request's body was read closes the
+connection, so the rest of the body is not read either.
 
 `Deadline` bounds a request: reading its body and the engine work it runs in a worker
 thread. Past the deadline the client gets 503 `store_error` with Retry-After while the
@@ -30,8 +37,17 @@ import pyarrow
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from r3store.errors import Backpressure, PayloadTooLarge, StoreError
+from r3store.errors import (
+    Backpressure,
+    PayloadTooLarge,
+    R3StoreError,
+    RequestTimeout,
+    StoreError,
+    Unauthorized,
+)
+from r3store_server.auth import KeyRing
 from r3store_server.errors import body as error_body
+from r3store_server.errors import status_of
 
 T = TypeVar("T")
 JSON_BODY_BYTES = 4 << 20
@@ -43,15 +59,16 @@ class Reservation:
     """Bytes held from a `MemoryBudget`. Work that uses them `claim`s them first; they
     go back once, by `release` (work done) or `abandon` (work never started)."""
 
-    def __init__(self, budget: MemoryBudget, nbytes: int) -> None:
+    def __init__(self, budget: MemoryBudget, nbytes: int, key: str = "") -> None:
         self._budget = budget
         self.nbytes = nbytes
+        self.key = key
         self._lock = threading.Lock()
         self._state = "held"  # -> "claimed" -> "released", or -> "released"
 
     def grow(self, nbytes: int) -> None:
         """Hold `nbytes` more (a body of unknown length, as it arrives)."""
-        self._budget.take(nbytes)
+        self._budget.take(nbytes, self.key)
         self.nbytes += nbytes
 
     def claim(self) -> bool:
@@ -67,7 +84,7 @@ class Reservation:
             if self._state == "released":
                 return
             self._state = "released"
-        self._budget.give(self.nbytes)
+        self._budget.give(self.nbytes, self.key)
         if self.nbytes >= TRIM_BYTES:
             trim_heap()
 
@@ -77,7 +94,7 @@ class Reservation:
             if self._state != "held":
                 return
             self._state = "released"
-        self._budget.give(self.nbytes)
+        self._budget.give(self.nbytes, self.key)
 
 
 @functools.cache
@@ -99,20 +116,33 @@ def trim_heap() -> None:
 
 
 class MemoryBudget:
-    """`MemoryBudget(768 << 20)`: at most that many bytes reserved at once."""
+    """`MemoryBudget(768 << 20, per_key=384 << 20)`: at most `limit` bytes reserved at
+    once, and at most `per_key` of them by one key (all of them when not given)."""
 
-    def __init__(self, limit: int, retry_after: float = 1.0) -> None:
+    def __init__(self, limit: int, per_key: int | None = None, retry_after: float = 1.0) -> None:
         self.limit = limit
+        self.per_key = limit if per_key is None else per_key
         self.retry_after = retry_after
         self._used = 0
+        self._held: dict[str, int] = {}
         self._lock = threading.Lock()
 
     @property
     def used(self) -> int:
         return self._used
 
-    def take(self, nbytes: int) -> None:
+    def held(self, key: str) -> int:
+        return self._held.get(key, 0)
+
+    def take(self, nbytes: int, key: str = "") -> None:
         with self._lock:
+            held = self._held.get(key, 0)
+            if held + nbytes > self.per_key:
+                raise Backpressure(
+                    f"uploads of key {key!r} in flight hold {held} of the {self.per_key} "
+                    f"bytes one key may hold; this one needs {nbytes} more: retry later",
+                    retry_after=self.retry_after,
+                )
             if self._used + nbytes > self.limit:
                 raise Backpressure(
                     f"uploads in flight hold {self._used} of {self.limit} bytes; this one "
@@ -120,22 +150,28 @@ class MemoryBudget:
                     retry_after=self.retry_after,
                 )
             self._used += nbytes
+            self._held[key] = held + nbytes
 
-    def give(self, nbytes: int) -> None:
+    def give(self, nbytes: int, key: str = "") -> None:
         with self._lock:
             self._used -= nbytes
+            left = self._held.get(key, 0) - nbytes
+            if left > 0:
+                self._held[key] = left
+            else:
+                self._held.pop(key, None)
 
-    def reserve(self, nbytes: int) -> Reservation:
-        self.take(nbytes)
-        return Reservation(self, nbytes)
+    def reserve(self, nbytes: int, key: str = "") -> Reservation:
+        self.take(nbytes, key)
+        return Reservation(self, nbytes, key)
 
-    async def admit(self, nbytes: int, wait: float) -> Reservation:
-        """Reserve `nbytes`, waiting up to `wait` seconds for room (a waiting upload's
-        body stays in the network, unread); then `Backpressure`."""
+    async def admit(self, nbytes: int, wait: float, key: str = "") -> Reservation:
+        """Reserve `nbytes` for `key`, waiting up to `wait` seconds for room (a waiting
+        upload's body stays in the network, unread); then `Backpressure`."""
         end = anyio.current_time() + wait
         while True:
             try:
-                return self.reserve(nbytes)
+                return self.reserve(nbytes, key)
             except Backpressure:
                 if anyio.current_time() >= end:
                     raise
@@ -202,34 +238,144 @@ class Deadline:
                 reservation.abandon()
 
 
-class JsonBodyLimit:
-    """ASGI middleware: requests other than uploads (`is_upload(path)`) may carry at
-    most `limit` bytes; past it, 413 `payload_too_large` (uploads check their own)."""
+class BodyClock:
+    """The time a body may take to arrive: `grace` seconds, plus one second for every
+    `rate` bytes received so far (counted from the first read). A body that falls
+    further behind (sent slowly, or never) raises `RequestTimeout`."""
 
-    def __init__(self, app: ASGIApp, is_upload: Callable[[str], bool], limit: int) -> None:
+    def __init__(self, grace: float, rate: float) -> None:
+        self.grace = grace
+        self.rate = rate
+        self.received = 0
+        self._start: float | None = None
+
+    async def receive(self, receive: Receive) -> Message:
+        if self._start is None:
+            self._start = anyio.current_time()
+        try:
+            with anyio.fail_at(self._start + self.grace + self.received / self.rate):
+                message = await receive()
+        except TimeoutError:
+            raise RequestTimeout(
+                f"the body did not arrive in time ({self.received} bytes in "
+                f"{anyio.current_time() - self._start:.1f} s): a body may take "
+                f"{self.grace:g} s plus one second per {self.rate:g} bytes"
+            ) from None
+        self.received += len(message.get("body", b""))
+        return message
+
+
+OPEN_PATHS = ("/healthz", "/readyz", "/openapi.json", "/docs", "/ui")  # /ui: its own login
+
+
+def is_open(path: str) -> bool:
+    """Whether `path` is answered without an API key in a header (docs/api.md)."""
+    return any(path == p or path.startswith(p + "/") for p in OPEN_PATHS)
+
+
+def presented_key(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The key a request sends, read as `deps.get_principal` reads it: `X-API-Key`, else
+    `Authorization: Bearer <key>`."""
+    key = bearer = None
+    for name, value in headers:
+        if name == b"x-api-key" and key is None:
+            key = value.decode("latin-1")
+        elif name == b"authorization" and bearer is None:
+            bearer = value.decode("latin-1")
+    if key:
+        return key
+    scheme, _, token = (bearer or "").partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
+
+
+class BodyGuard:
+    """ASGI middleware bounding request bodies (the module's docstring): `keyring`
+    authenticates a request with a body before it is read (paths that need a key);
+    `is_upload(method, path)` names the upload route, which reads (and limits) its own
+    body; every other body may carry `limit` bytes; every body keeps to a `BodyClock`
+    of `grace` seconds and `rate` bytes per second."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        keyring: KeyRing,
+        is_upload: Callable[[str, str], bool],
+        limit: int,
+        grace: float,
+        rate: float,
+    ) -> None:
         self.app = app
+        self.keyring = keyring
         self.is_upload = is_upload
         self.limit = limit
+        self.grace = grace
+        self.rate = rate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or self.is_upload(scope["path"]):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.limit:
-            await self._refuse(f"the body has {int(declared)} bytes", scope, receive, send)
+        declared, chunked = None, False
+        for name, value in scope["headers"]:
+            if name == b"content-length" and declared is None:
+                declared = int(value) if value.isdigit() else None
+            elif name == b"transfer-encoding":
+                chunked = True
+        if not chunked and not declared:  # no body: nothing to bound
+            await self.app(scope, receive, send)
             return
-        chunks, size, more = [], 0, True
-        while more:  # small by now: read it whole, then hand it on
-            message = await receive()
-            if message["type"] != "http.request":
-                break
-            size += len(message.get("body", b""))
-            if size > self.limit:
-                await self._refuse("the body exceeds it", scope, receive, send)
+        read = False  # whether the whole body has been read
+
+        async def closing(message: Message) -> None:
+            """An answer sent before the body was read closes the connection: the
+            server would read (and drop) the rest of the body otherwise."""
+            if message["type"] == "http.response.start" and not read:
+                message = {**message, "headers": [*message.get("headers", []), CLOSE]}
+            await send(message)
+
+        if not is_open(scope["path"]):
+            client = scope.get("client")
+            try:
+                await anyio.to_thread.run_sync(
+                    self.keyring.authenticate,
+                    presented_key(scope["headers"]),
+                    client[0] if client else None,
+                )
+            except R3StoreError as exc:  # 401, or 429 for an address past its failed keys
+                await _refuse(status_of(exc), exc.code, str(exc), scope, closing, _headers(exc))
                 return
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
+        clock = BodyClock(self.grace, self.rate)
+
+        async def timed() -> Message:
+            nonlocal read
+            message = await clock.receive(receive)
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                read = True
+            return message
+
+        if self.is_upload(scope["method"], scope["path"]):
+            await self.app(scope, timed, closing)
+            return
+        if declared is not None and declared > self.limit:
+            why = f"the body has {declared} bytes; the limit is {self.limit} bytes"
+            await _refuse(413, PayloadTooLarge.code, why, scope, closing)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            while not read:  # small by now: read it whole, then hand it on
+                message = await timed()
+                if message["type"] != "http.request":
+                    break
+                size += len(message.get("body", b""))
+                if size > self.limit:
+                    why = f"the body exceeds the limit of {self.limit} bytes"
+                    await _refuse(413, PayloadTooLarge.code, why, scope, closing)
+                    return
+                chunks.append(message.get("body", b""))
+        except RequestTimeout as exc:
+            await _refuse(408, exc.code, str(exc), scope, closing)
+            return
         whole: Message | None = {"type": "http.request", "body": b"".join(chunks)}
 
         async def replay() -> Message:
@@ -239,9 +385,33 @@ class JsonBodyLimit:
             message, whole = whole, None
             return message
 
-        await self.app(scope, replay, send)
+        await self.app(scope, replay, closing)
 
-    async def _refuse(self, what: str, scope: Scope, receive: Receive, send: Send) -> None:
-        message = f"{what}; the limit is {self.limit} bytes"
-        answer = JSONResponse(error_body(PayloadTooLarge.code, message), status_code=413)
-        await answer(scope, receive, send)
+
+CLOSE = (b"connection", b"close")
+
+
+def _headers(exc: R3StoreError) -> dict[str, str]:
+    """The headers of a refusal: how to authenticate, when to retry."""
+    headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthorized) else {}
+    retry = getattr(exc, "retry_after", None)
+    if isinstance(retry, int | float):
+        headers["Retry-After"] = str(max(1, round(retry)))
+    return headers
+
+
+async def _refuse(
+    status: int,
+    code: str,
+    message: str,
+    scope: Scope,
+    send: Send,
+    headers: dict[str, str] | None = None,
+) -> None:
+    scope.setdefault("state", {})["error_code"] = code  # for the request's metrics
+    answer = JSONResponse(error_body(code, message), status_code=status, headers=headers)
+
+    async def nothing() -> Message:
+        return {"type": "http.disconnect"}
+
+    await answer(scope, nothing, send)

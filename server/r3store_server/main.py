@@ -77,6 +77,7 @@ def serve(settings: Settings, sock: socket.socket) -> None:
     import uvicorn
 
     from r3store_server.app import create_app
+    from r3store_server.connections import fit_open_files, protocol
     from r3store_server.logs import configure
 
     configure(settings.log_level, settings.log_json)
@@ -85,8 +86,17 @@ def serve(settings: Settings, sock: socket.socket) -> None:
     except ValueError as exc:
         print(f"r3store-server: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    connections = fit_open_files(settings.max_connections)
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_config=None, access_log=False
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        access_log=False,
+        http=protocol(settings, connections),  # header and connection limits
+        ws="none",
+        timeout_keep_alive=settings.keep_alive_timeout,
+        backlog=settings.backlog,
     )
     uvicorn.Server(config).run(sockets=[sock])
 

@@ -119,7 +119,7 @@ class Settings(BaseSettings):
     log_json: bool | None = Field(
         None, description="JSON log lines; none: JSON unless stderr is a terminal"
     )
-    max_body_bytes: int = Field(256 << 20, ge=1024, description="largest upload accepted")
+    max_body_bytes: int = Field(128 << 20, ge=1024, description="largest upload accepted")
     auth: Literal["auto", "on", "off"] = Field(
         "auto", description="auto: on when keys are configured; off only on localhost"
     )
@@ -188,6 +188,39 @@ class Settings(BaseSettings):
         description=f"memory for uploads in flight ({UPLOAD_COST}x each body); "
         "beyond it uploads answer 429",
     )
+    upload_memory_per_key: int | None = Field(
+        None,
+        ge=1 << 20,
+        description="the most of the upload memory one API key's uploads may hold at once "
+        "(so one writer cannot starve the others); none: half of R3STORE_UPLOAD_MEMORY_BYTES",
+    )
+    max_header_bytes: int = Field(
+        32 << 10,
+        ge=1024,
+        description="the most bytes of a request's line and headers; more: 431",
+    )
+    max_headers: int = Field(100, ge=8, description="the most headers of a request; more: 431")
+    header_timeout: float = Field(
+        10.0, gt=0, description="seconds a request's line and headers may take to arrive"
+    )
+    body_timeout: float = Field(
+        10.0,
+        gt=0,
+        description="seconds a request body may lag behind R3STORE_BODY_MIN_RATE; then 408",
+    )
+    body_min_rate: int = Field(
+        1 << 20, ge=1, description="bytes per second a request body must keep arriving at"
+    )
+    keep_alive_timeout: int = Field(
+        5, ge=1, description="seconds an idle connection stays open between requests"
+    )
+    max_connections: int = Field(
+        1024,
+        ge=16,
+        description="open connections; at the limit the longest idle one is closed for a "
+        "new one (none idle: the new one is answered 429)",
+    )
+    backlog: int = Field(2048, ge=1, description="connections waiting to be accepted")
     max_upload_rows: int = Field(
         10_000,
         ge=1,
@@ -245,7 +278,22 @@ class Settings(BaseSettings):
                 f"{UPLOAD_COST}x R3STORE_MAX_BODY_BYTES ({self.max_body_bytes}), or the "
                 "largest upload could never be admitted"
             )
+        share = self.upload_memory_key_bytes
+        if share > self.upload_memory_bytes or share < UPLOAD_COST * self.max_body_bytes:
+            given = "" if self.upload_memory_per_key is not None else ", by default half the budget"
+            raise ValueError(
+                f"R3STORE_UPLOAD_MEMORY_PER_KEY ({share}{given}) must be at least "
+                f"{UPLOAD_COST}x R3STORE_MAX_BODY_BYTES ({self.max_body_bytes}) and at most "
+                f"R3STORE_UPLOAD_MEMORY_BYTES ({self.upload_memory_bytes})"
+            )
         return self
+
+    @property
+    def upload_memory_key_bytes(self) -> int:
+        """The upload memory one key may hold: the setting, or half the budget."""
+        if self.upload_memory_per_key is not None:
+            return self.upload_memory_per_key
+        return self.upload_memory_bytes // 2
 
     @property
     def embedded(self) -> bool:

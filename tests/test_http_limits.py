@@ -1,0 +1,299 @@
+"""What one client may make a real server process do: bodies read only after the key is
+checked and bounded by route, headers bounded in size, count and time, slow bodies
+timed out, connections bounded, one key's share of the upload memory, and sample
+answers no larger than asked."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from helpers import make_write
+from http_helpers import KEYS, SPEC_JSON, ServerProcess
+from r3store.wire import CONTENT_TYPE, encode_writes
+
+STATS = "/v1/namespaces/ns/stats/experts/trajectories"
+
+
+def bearer(role: str) -> str:
+    return f"Authorization: Bearer {KEYS[role]}\r\n"
+
+
+@contextlib.contextmanager
+def running(tmp_path: Path, **env: str) -> Iterator[ServerProcess]:
+    server = ServerProcess(tmp_path, None, env={f"R3STORE_{k.upper()}": v for k, v in env.items()})
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            made = http.post(
+                "/v1/namespaces",
+                json={"name": "ns", "spec": SPEC_JSON},
+                headers={"Authorization": f"Bearer {KEYS['admin']}"},
+            )
+            assert made.status_code == 201, made.text
+        yield server
+    finally:
+        server.stop()
+
+
+def connect(server: ServerProcess, data: bytes = b"") -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    if data:
+        sock.sendall(data)
+    return sock
+
+
+def until_closed(sock: socket.socket, within: float) -> tuple[bytes, bool]:
+    """What the server sends within `within` seconds, and whether it closed the
+    connection by then."""
+    received = b""
+    end = time.monotonic() + within
+    try:
+        while (left := end - time.monotonic()) > 0:
+            sock.settimeout(left)
+            chunk = sock.recv(65536)
+            if not chunk:
+                return received, True
+            received += chunk
+    except TimeoutError:
+        return received, False
+    except ConnectionResetError:
+        return received, True
+    finally:
+        sock.close()
+    return received, False
+
+
+def head(method: str, path: str, *lines: str) -> bytes:
+    return f"{method} {path} HTTP/1.1\r\nHost: r3store\r\n{''.join(lines)}\r\n".encode()
+
+
+def open_files(server: ServerProcess) -> int:
+    return len(os.listdir(f"/proc/{server.process.pid}/fd"))
+
+
+# 1. bodies: the key first, then a limit by route
+
+
+def test_a_body_without_a_key_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    with running(tmp_path) as server:
+        gib = f"Content-Length: {1 << 30}\r\n"
+        for path in (STATS, "/v1/namespaces/ns/trajectories", "/v1/nowhere"):
+            sock = connect(server, head("POST", path, gib, "Content-Type: application/json\r\n"))
+            sock.sendall(b'{"ids": ["')
+            answer, closed = until_closed(sock, 5)
+            assert answer.startswith(b"HTTP/1.1 401 "), (path, answer[:300])
+            assert b'"code":"unauthorized"' in answer
+            assert b"www-authenticate: bearer" in answer.lower()
+            assert closed, path  # the rest of the body is not read either
+
+
+def test_every_body_but_an_upload_is_bounded_by_its_route(tmp_path: Path) -> None:
+    with running(tmp_path) as server:
+        declared = head("POST", STATS, bearer("reader"), f"Content-Length: {5 << 20}\r\n")
+        answer, closed = until_closed(connect(server, declared), 5)
+        assert answer.startswith(b"HTTP/1.1 413 "), answer[:300]
+        assert closed
+
+        sock = connect(
+            server, head("POST", STATS, bearer("reader"), "Transfer-Encoding: chunked\r\n")
+        )
+        chunk = b"%x\r\n%s\r\n" % (1 << 20, b" " * (1 << 20))
+        with contextlib.suppress(OSError):  # the server may close while this still sends
+            for _ in range(6):
+                sock.sendall(chunk)
+        answer, closed = until_closed(sock, 5)
+        assert answer.startswith(b"HTTP/1.1 413 "), answer[:300]
+        assert b"4194304" in answer
+
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            small = http.post(
+                STATS, json={"ids": ["a"]}, headers={"Authorization": f"Bearer {KEYS['reader']}"}
+            )
+            assert small.status_code == 200, small.text
+
+        # a client that goes on sending a body refused before it was read can send it all
+        # and read the answer (the server drops what still comes before it closes): no
+        # broken pipe, no reset
+        declared = head("POST", STATS, bearer("reader"), f"Content-Length: {32 << 20}\r\n")
+        sock = connect(server, declared)
+        time.sleep(0.2)  # answered by now
+        sock.sendall(b" " * (32 << 20))
+        answer, closed = until_closed(sock, 5)
+        assert answer.startswith(b"HTTP/1.1 413 "), answer[:300]
+        assert closed
+
+
+# 2. headers, slow clients, connections
+
+
+def test_headers_are_bounded_in_size_and_count(tmp_path: Path) -> None:
+    with running(tmp_path) as server:
+        started = time.monotonic()
+        big = head("GET", "/healthz")[:-2] + b"X-Big: " + b"a" * (40 << 10)  # headers go on
+        answer, closed = until_closed(connect(server, big), 5)
+        assert answer.startswith(b"HTTP/1.1 431 "), answer[:300]
+        assert b'"code":"headers_too_large"' in answer
+        assert closed
+        assert time.monotonic() - started < 3
+
+        many = head("GET", "/healthz", *(f"X-H{i}: v\r\n" for i in range(150)))
+        answer, closed = until_closed(connect(server, many), 5)
+        assert answer.startswith(b"HTTP/1.1 431 "), answer[:300]
+        assert b"at most 100 headers" in answer
+        assert closed
+        assert httpx.get(f"{server.url}/healthz").status_code == 200
+
+
+def test_headers_and_bodies_that_do_not_arrive_are_timed_out(tmp_path: Path) -> None:
+    with running(tmp_path, header_timeout="1", body_timeout="1", body_min_rate="1000") as server:
+        silent = connect(server)
+        partial = connect(server, head("GET", "/healthz")[:-2])  # the blank line never comes
+        json_body = connect(
+            server,
+            head(
+                "POST",
+                "/v1/namespaces/ns/routes/batch",
+                bearer("reader"),
+                "Content-Length: 100000\r\n",
+            ),
+        )
+        json_body.sendall(b'{"ids": [')
+        upload = connect(
+            server,
+            head(
+                "POST",
+                "/v1/namespaces/ns/trajectories",
+                bearer("writer"),
+                f"Content-Type: {CONTENT_TYPE}\r\n",
+                "Content-Length: 100000\r\n",
+            ),
+        )
+        started = time.monotonic()
+        assert until_closed(silent, 5) == (b"", True)
+        answer, closed = until_closed(partial, 5)
+        assert answer.startswith(b"HTTP/1.1 408 "), answer[:300]
+        assert closed
+        for sock in (json_body, upload):
+            answer, closed = until_closed(sock, 5)
+            assert answer.startswith(b"HTTP/1.1 408 "), answer[:300]
+            assert b'"code":"request_timeout"' in answer
+            assert closed
+        assert time.monotonic() - started < 5
+
+
+def test_connections_are_bounded(tmp_path: Path) -> None:
+    with running(tmp_path, max_connections="32", header_timeout="60") as server:
+        before = open_files(server)
+        idle = [connect(server, head("GET", "/healthz")[:-2]) for _ in range(80)]
+        started = time.monotonic()
+        assert httpx.get(f"{server.url}/healthz", timeout=5).status_code == 200
+        assert time.monotonic() - started < 1
+        time.sleep(0.5)
+        assert open_files(server) <= before + 33
+        closed = sum(until_closed(sock, 0.2)[1] for sock in idle)
+        assert closed >= 80 - 32
+
+        # every connection busy with a request (its body still to come): 429 for a new one
+        busy = [
+            connect(server, head("POST", STATS, bearer("reader"), "Content-Length: 100\r\n"))
+            for _ in range(32)
+        ]
+        time.sleep(0.5)
+        refused = httpx.get(f"{server.url}/healthz", timeout=5)
+        assert refused.status_code == 429
+        assert refused.json()["error"]["code"] == "backpressure"
+        for sock in busy:
+            sock.close()
+
+
+# 7. one writer cannot starve the others
+
+
+def test_one_key_holds_at_most_its_share_of_the_upload_memory(tmp_path: Path) -> None:
+    limits = {"max_body_bytes": str(1 << 20), "upload_memory_bytes": str(6 << 20)}
+    with running(tmp_path, **limits, request_timeout="4", body_timeout="30") as server:
+        upload = head(
+            "POST",
+            "/v1/namespaces/ns/trajectories",
+            bearer("writer"),
+            f"Content-Type: {CONTENT_TYPE}\r\n",
+            f"Content-Length: {1 << 20}\r\n",
+        )
+        holds = [connect(server, upload) for _ in range(2)]  # each would hold 3 MiB: all
+        time.sleep(0.5)
+        started = time.monotonic()
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            other = http.post(
+                "/v1/namespaces/ns/trajectories",
+                content=encode_writes([make_write("x")]),
+                headers={"Authorization": f"Bearer {KEYS['admin']}", "Content-Type": CONTENT_TYPE},
+            )
+        assert other.status_code == 200, other.text
+        assert time.monotonic() - started < 1.5
+        answers = [until_closed(sock, 10)[0] for sock in holds]
+        assert sorted(a[:12] for a in answers) == [b"HTTP/1.1 429", b"HTTP/1.1 503"], answers
+
+
+def test_an_upload_that_does_not_arrive_gives_its_memory_back(tmp_path: Path) -> None:
+    limits = {"max_body_bytes": str(1 << 20), "upload_memory_bytes": str(6 << 20)}
+    with running(tmp_path, **limits, body_timeout="1") as server:
+        upload = head(
+            "POST",
+            "/v1/namespaces/ns/trajectories",
+            bearer("writer"),
+            f"Content-Type: {CONTENT_TYPE}\r\n",
+            f"Content-Length: {1 << 20}\r\n",
+        )
+        answer, closed = until_closed(connect(server, upload + b"\xff" * 1000), 4)
+        assert answer.startswith(b"HTTP/1.1 408 "), answer[:300]
+        assert closed
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            r = http.post(
+                "/v1/namespaces/ns/trajectories",
+                content=encode_writes([make_write("y")]),
+                headers={"Authorization": f"Bearer {KEYS['writer']}", "Content-Type": CONTENT_TYPE},
+            )
+            assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("strategy", ["fifo", "uniform"])
+def test_a_sample_holds_whole_groups_and_at_most_n(tmp_path: Path, strategy: str) -> None:
+    with running(tmp_path) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        writer = {"Authorization": f"Bearer {KEYS['writer']}", "Content-Type": CONTENT_TYPE}
+        planted = [make_write(f"p{i}", tokens=2, group_id="planted") for i in range(300)]
+        assert (
+            http.post(
+                "/v1/namespaces/ns/trajectories", content=encode_writes(planted), headers=writer
+            ).status_code
+            == 200
+        )
+        groups = [make_write(f"g{g}-{i}", group_id=f"g{g}") for g in range(3) for i in range(2)]
+        assert (
+            http.post(
+                "/v1/namespaces/ns/trajectories", content=encode_writes(groups), headers=writer
+            ).status_code
+            == 200
+        )
+        reader = {"Authorization": f"Bearer {KEYS['reader']}"}
+        from r3store.wire import decode_batch
+
+        def sample(n: int) -> httpx.Response:
+            body = {"n": n, "whole_groups": True, "strategy": strategy, "seed": 1}
+            return http.post("/v1/namespaces/ns/routes/sample", json=body, headers=reader)
+
+        taken = decode_batch(sample(5).content, decode=False)[1].ids
+        assert len(taken) == 4, taken
+        assert all(tid.startswith("g") for tid in taken), taken
+        assert len({tid.split("-")[0] for tid in taken}) == 2
+        refused = sample(1)
+        assert refused.status_code == 400
+        assert refused.json()["error"]["code"] == "invalid_input"
+        assert "the smallest 2" in refused.json()["error"]["message"]
+        assert len(decode_batch(sample(300).content, decode=False)[1].ids) <= 300
