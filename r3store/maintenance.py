@@ -11,9 +11,11 @@ One pass (`Maintenance.run`), for every namespace:
    rebuild does not bring them back from shards not yet compacted.
 2. Compaction: a shard whose live route bytes fell below `compact_below` of the route
    bytes it was written with is rewritten with only its live rows (same content
-   digests); the catalog switches to the new shard in one transaction (a
-   `DELETE ... RETURNING` of the old rows, so two passes at once never duplicate or
-   revive a row) and the old shard is retired. A shard with no live row is retired.
+   digests) under a key planned in the catalog first; the catalog switches to the new
+   shard in one transaction (a `DELETE ... RETURNING` of the old rows: when any was
+   dropped or moved by another pass meanwhile, the switch is refused and the new object
+   deleted, so no committed shard holds a row retention dropped) and the old shard is
+   retired. A shard with no live row is retired.
 3. Rest: shards written more than `cold_seconds` ago are merged (up to
    `rest_shard_bytes` of routes each, oldest first; small shards already at rest join
    the next merge) and their rows encoded again at rest (`r3store.rest`: the namespace's

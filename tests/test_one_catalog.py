@@ -249,7 +249,9 @@ def test_a_missing_bucket_is_said_and_not_made(tmp_path: Path, seaweed: SeaweedF
     try:
         ready = _first_answer(server)
         assert ready.status_code == 503
-        assert "does not exist" in ready.json()["detail"]
+        assert "does not exist" not in ready.json()["detail"]  # no key: says less
+        keyed = httpx.get(f"{server.url}/readyz", headers={"X-API-Key": KEYS["reader"]})
+        assert "does not exist" in keyed.json()["detail"]
     finally:
         server.stop()
     probe = S3Store(dataclasses.replace(seaweed.config(), bucket=bucket))
@@ -399,3 +401,22 @@ def test_replicas_binding_one_new_store_at_once_agree(
         engine.close()
     assert len(set(found)) == 1, found
     assert isinstance(found[0], str)
+
+
+def test_a_start_that_cannot_succeed_once_the_database_is_back_stops_the_server(
+    tmp_path: Path, postgres_server: Postgres
+) -> None:
+    name = f"r3_{uuid.uuid4().hex[:12]}"
+    url = postgres_server.database(name)
+    (tmp_path / "objects").mkdir()
+    other = {"catalog": "0" * 32, "created_at": 0, "format": 1}
+    (tmp_path / "objects" / IDENTITY_KEY).write_text(json.dumps(other))  # another's store
+    postgres_server.allow_connections(name, False)
+    server = ServerProcess(tmp_path, None, catalog_url=url, wait=False)
+    try:
+        assert _first_answer(server).status_code == 503  # waiting for its database
+    finally:
+        postgres_server.allow_connections(name, True)
+    log = _exits(server, 90)
+    assert server.process.returncode == 3
+    assert f"belongs to catalog {'0' * 32}" in log

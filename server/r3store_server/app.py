@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -14,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 import r3store
 from r3store import models
 from r3store.engine import Engine
-from r3store.errors import InvalidConfig, StoreError
+from r3store.errors import StoreError
 from r3store.maintenance import Maintenance
 from r3store.policy import NamespaceSettings, Retention
 from r3store_server import (
@@ -28,7 +30,7 @@ from r3store_server import (
     ui,
 )
 from r3store_server.auth import KeyRing
-from r3store_server.backends import build_engine, server_lock
+from r3store_server.backends import open_engine, server_lock
 from r3store_server.limits import JSON_BODY_BYTES, BodyGuard, MemoryBudget
 from r3store_server.metrics import Metrics
 from r3store_server.observe import observe
@@ -54,31 +56,35 @@ async def _maintain(maintenance: Maintenance, interval: float) -> None:
             log.exception("maintenance pass failed")
 
 
-def _open_engine(settings: Settings) -> Engine:
-    """The engine the settings name, bound to its store (`Engine.bind`: refuses a store
-    that belongs to another catalog)."""
-    engine = build_engine(settings)
-    try:
-        engine.bind(create=True, where=f"the catalog {settings.catalog_description()}")
-    except BaseException:
-        engine.close()
-        raise
-    return engine
-
-
 async def _opened(app: FastAPI, settings: Settings) -> Engine:
     """Open the engine, retrying with a bounded back-off (1 s doubling to 30 s) while the
     catalog or the store is unavailable (a database restarting); `/readyz` says why
-    meanwhile. A setting that cannot work (`InvalidConfig`) is not retried."""
+    meanwhile. Any other error (a setting that cannot work) is not retried."""
     delay = 1.0
     while True:
         try:
-            return await run_in_threadpool(_open_engine, settings)
+            engine = await run_in_threadpool(open_engine, settings, True)
         except StoreError as exc:
             app.state.opening = f"starting: {exc}; retrying in {delay:.0f} s"
             log.warning("cannot open the store or the catalog (retrying in %.0f s): %s", delay, exc)
+        else:
+            app.state.owned = engine  # closed at shutdown, even if cancelled from here on
+            return engine
         await asyncio.sleep(delay)
         delay = min(delay * 2, 30.0)
+
+
+def _fatal(app: FastAPI, exc: BaseException) -> None:
+    """A start that cannot succeed, found after the server began to listen: said, and
+    the server stopped (`r3store-server` then exits with status 3)."""
+    app.state.opening = f"cannot start: {exc}"
+    app.state.fatal = str(exc)
+    log.error("cannot start: %s", exc)
+    stop = getattr(app.state, "stop", None)  # set by `r3store-server`'s uvicorn
+    if stop is not None:
+        stop()
+    else:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
@@ -110,24 +116,26 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         return maintenance
 
     async def run(app: FastAPI, opening: asyncio.Task[Engine] | None, eng: Engine | None) -> None:
-        """Wait for the engine if it is still opening, then run maintenance."""
+        """Wait for the engine if it is still opening (then attach it), and run
+        maintenance."""
         if eng is None:
             assert opening is not None
             try:
                 eng = await opening
-            except InvalidConfig as exc:
-                app.state.opening = f"cannot start: {exc}"
-                log.error("cannot start: %s", exc)
+                attach(app, eng)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - whatever it is, the start failed
+                _fatal(app, exc)
                 return
-            app.state.owned = eng
-        maintenance = attach(app, eng)
         if settings.maintenance_interval > 0:
-            await _maintain(maintenance, settings.maintenance_interval)
+            await _maintain(app.state.maintenance, settings.maintenance_interval)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.engine = None
         app.state.owned = None
+        app.state.fatal = None
         app.state.opening = "starting"
         with contextlib.ExitStack() as held:
             opening = None
@@ -135,21 +143,26 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             if eng is None:
                 held.enter_context(server_lock(settings))
                 try:  # the first try at once: a setting that cannot work stops the start
-                    eng = app.state.owned = await run_in_threadpool(_open_engine, settings)
+                    eng = app.state.owned = await run_in_threadpool(open_engine, settings, True)
                 except StoreError as exc:
                     log.warning("cannot open the store or the catalog yet: %s", exc)
                     app.state.opening = f"starting: {exc}"
                     opening = asyncio.create_task(_opened(app, settings))
+            if eng is not None:  # open at once: whatever attaching raises stops the start
+                try:
+                    attach(app, eng)
+                except BaseException:
+                    if app.state.owned is not None:
+                        await run_in_threadpool(app.state.owned.close)
+                    raise
             task = asyncio.create_task(run(app, opening, eng))
-            await asyncio.sleep(0)
             try:
                 yield
             finally:
-                for pending in (task, opening):
-                    if pending is not None:
-                        pending.cancel()
-                        with contextlib.suppress(asyncio.CancelledError):
-                            await pending
+                running = [t for t in (task, opening) if t is not None]
+                for pending in running:
+                    pending.cancel()
+                await asyncio.gather(*running, return_exceptions=True)  # said by `run`
                 await run_in_threadpool(app.state.metrics.close)  # before the engine closes
                 if app.state.owned is not None:
                     await run_in_threadpool(app.state.owned.close)

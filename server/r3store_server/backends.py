@@ -55,6 +55,23 @@ def build_engine(settings: Settings) -> Engine:
         raise
 
 
+def open_engine(settings: Settings, create: bool) -> Engine:
+    """The engine the settings name, bound to its store (`bound`)."""
+    return bound(build_engine(settings), settings, create)
+
+
+def bound(engine: Engine, settings: Settings, create: bool) -> Engine:
+    """`engine` once bound to its store (`Engine.bind`: a store that belongs to another
+    catalog, or a catalog older than its store, is refused; a new, empty pair is bound
+    only when `create`); closed when refused."""
+    try:
+        engine.bind(create=create, where=f"the catalog {settings.catalog_description()}")
+    except BaseException:
+        engine.close()
+        raise
+    return engine
+
+
 def sqlite_path(settings: Settings) -> Path | None:
     """The SQLite catalog's file, or None for another database."""
     url = make_url(settings.resolved_catalog_url())

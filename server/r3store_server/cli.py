@@ -50,7 +50,7 @@ from r3store.policy import (
 from r3store.rest import REST_LEVEL
 from r3store.spec import RouteSpec
 from r3store_server.auth import digest
-from r3store_server.backends import build_engine, sqlite_path
+from r3store_server.backends import bound, build_engine, sqlite_path
 from r3store_server.settings import Settings, load_settings, unknown_variables
 
 CLEAR = "none"
@@ -608,13 +608,7 @@ def open_engine(settings: Settings, init: bool, bind: bool = True) -> Engine:
         f"r3store: store {engine.store_description}, catalog {settings.catalog_description()}",
         file=sys.stderr,
     )
-    if bind:
-        try:
-            engine.bind(create=init, where=f"the catalog {settings.catalog_description()}")
-        except BaseException:
-            engine.close()
-            raise
-    return engine
+    return bound(engine, settings, init) if bind else engine
 
 
 def maintain(engine: Engine, args: argparse.Namespace) -> Any:

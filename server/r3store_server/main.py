@@ -98,7 +98,12 @@ def serve(settings: Settings, sock: socket.socket) -> None:
         timeout_keep_alive=settings.keep_alive_timeout,
         backlog=settings.backlog,
     )
-    uvicorn.Server(config).run(sockets=[sock])
+    server = uvicorn.Server(config)
+    app.state.stop = lambda: setattr(server, "should_exit", True)
+    server.run(sockets=[sock])
+    if getattr(app.state, "fatal", None):  # found after it began to listen (logged)
+        print(f"r3store-server: cannot start: {app.state.fatal}", file=sys.stderr)
+        raise SystemExit(3)
 
 
 if __name__ == "__main__":
