@@ -169,15 +169,15 @@ def charge_rows(rows: int, spec: RouteSpec, budget: MemoryBudget, reservation: R
     uploads in flight hold the room now."""
     per_row = put_row_bytes(spec)
     need = rows * per_row
-    most = budget.limit  # what one upload can ever hold
+    most = min(budget.limit, budget.per_key)  # what one upload can ever hold
     if reservation.nbytes + need > most:
         fit = max(0, (most - reservation.nbytes) // per_row)
         raise PayloadTooLarge(
             f"{rows} rows of a namespace of {spec.num_layers} layers and {spec.num_experts} "
             f"experts hold {need} bytes while they are stored ({per_row} a row), besides "
             f"the {reservation.nbytes} of the body: more than one upload may hold of the "
-            f"upload memory (R3STORE_UPLOAD_MEMORY_BYTES: {most} bytes); send at most "
-            f"{fit} rows per upload of this size"
+            f"upload memory (R3STORE_UPLOAD_MEMORY_BYTES, R3STORE_UPLOAD_MEMORY_PER_KEY: "
+            f"{most} bytes); send at most {fit} rows per upload of this size"
         )
     reservation.grow(need)
 
