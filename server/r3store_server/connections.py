@@ -31,7 +31,8 @@ import json
 import logging
 import resource
 from asyncio import TimerHandle, Transport
-from typing import Any
+from collections import OrderedDict
+from typing import Any, ClassVar
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
@@ -74,11 +75,13 @@ class GuardedHttpTools(HttpToolsProtocol):
     max_headers = 100
     header_timeout = 10.0
     max_connections = 1024
+    # the server's connections waiting for a request, longest waiting first (one order
+    # per class `protocol` makes): the next to close when a new one needs room
+    waiting_order: ClassVar[OrderedDict[GuardedHttpTools, None]] = OrderedDict()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._waiting = True  # for a request's line and headers (idle, or some came)
-        self._waiting_since = self.loop.time()
         self._began = False  # a request's first bytes came
         self._header_bytes = 0
         self._header_count = 0
@@ -96,13 +99,15 @@ class GuardedHttpTools(HttpToolsProtocol):
     def connection_made(self, transport: Transport) -> None:  # type: ignore[override]
         self._raw = transport
         super().connection_made(_Lingering(transport, self))  # type: ignore[arg-type]
-        self._waiting_since = self.loop.time()
         self._arm()
         if len(self.connections) > self.max_connections:
             self._make_room()
+        if not self.transport.is_closing():
+            self.waiting_order[self] = None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._body_pending = False  # nothing more comes: closing is closing
+        self.waiting_order.pop(self, None)
         self._disarm()
         if self._linger_timer is not None:
             self._linger_timer.cancel()
@@ -115,6 +120,7 @@ class GuardedHttpTools(HttpToolsProtocol):
         assert raw is not None
         self._lingering = True
         self.connections.discard(self)
+        self.waiting_order.pop(self, None)
         self._disarm()
         if not raw.can_write_eof():
             raw.close()
@@ -133,19 +139,20 @@ class GuardedHttpTools(HttpToolsProtocol):
         return self._waiting and not busy and not self.pipeline and not self.transport.is_closing()
 
     def _make_room(self) -> None:
-        idle = [
-            c
-            for c in self.connections
-            if c is not self and isinstance(c, GuardedHttpTools) and c._idle()
-        ]
-        if idle:
-            min(idle, key=lambda c: c._waiting_since)._close()
-            return
+        """Close the connection that has waited longest for a request, or refuse this
+        one when every other is busy with a request."""
+        order = self.waiting_order
+        while order:
+            oldest, _ = order.popitem(last=False)
+            if oldest is not self and oldest._idle():
+                oldest._close()
+                return
         message = f"the server holds its most connections ({self.max_connections}), all busy"
         self._answer(429, Backpressure.code, f"{message}: retry later", retry_after=True)
 
     def _close(self) -> None:
         self.connections.discard(self)  # counted out now: its close completes later
+        self.waiting_order.pop(self, None)
         self._disarm()
         self.transport.close()
 
@@ -235,6 +242,7 @@ class GuardedHttpTools(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        self.waiting_order.pop(self, None)
         self._waiting = False
         self._body_pending = True
         self._requests += 1
@@ -247,7 +255,11 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._body_pending = False
         self._waiting = True
         self._began = False
-        self._waiting_since = self.loop.time()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._idle():  # kept alive, waiting for the next request
+            self.waiting_order[self] = None
 
 
 def protocol(settings: Settings, connections: int) -> type[GuardedHttpTools]:
@@ -258,7 +270,7 @@ def protocol(settings: Settings, connections: int) -> type[GuardedHttpTools]:
         "header_timeout": settings.header_timeout,
         "max_connections": connections,
     }
-    return type("GuardedHttpTools", (GuardedHttpTools,), limits)
+    return type("GuardedHttpTools", (GuardedHttpTools,), {**limits, "waiting_order": OrderedDict()})
 
 
 def fit_open_files(connections: int) -> int:
