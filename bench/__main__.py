@@ -1,4 +1,4 @@
-"""Run the benchmarks: `python -m bench [--quick] [--only codec,rest,engine,...,hardening]`."""
+"""Run the benchmarks: `python -m bench [--quick] [--only codec,rest,...,hardening,abuse]`."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from bench import (
+    abuse_bench,
     catalog_bench,
     codec_bench,
     datapath_bench,
@@ -26,7 +27,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     parser.add_argument(
-        "--only", default="codec,rest,engine,http,datapath,catalog,memory,hardening"
+        "--only", default="codec,rest,engine,http,datapath,catalog,memory,hardening,abuse"
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -60,6 +61,11 @@ def main() -> None:
     if "hardening" in sections:
         print("hardening (fuzzing uploads, then upload memory) ...", flush=True)
         more, detail = hardening_bench.run(quick=args.quick)
+        figures += more
+        details.update(detail)
+    if "abuse" in sections:
+        print("abuse (a fresh server per attack, a bystander asking /healthz) ...", flush=True)
+        more, detail = abuse_bench.run(quick=args.quick)
         figures += more
         details.update(detail)
     print()
