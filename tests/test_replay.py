@@ -1,22 +1,40 @@
 """Router replay on tiny HF transformers MoE models built from configs (no downloads):
 every family replay knows replays its own routes to identical outputs, replays drifted
 routers onto exactly the given experts with gradient reaching the router, and any
-other router is refused."""
+other router is refused. Routes carry their token ids: a batch in another order or
+padded otherwise than its routes raises naming the trajectory (routes through a real
+r3store server); the spec's shape and model's gate are checked at attach."""
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import transformers
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from hf_tiny import COMMON, TINY
+from http_helpers import KEYS, ServerProcess
 from r3store.errors import InvalidRoutes
+from r3store.records import TrajectoryWrite
+from r3store.spec import RouteSpec
+from r3store_client import Client
 from r3store_client.hf_routers import FAMILIES
+from r3store_client.reader import TrainerReader
 from r3store_client.replay import RouterReplay
-from r3store_client.tensors import RouteTensors
+from r3store_client.tensors import (
+    CompactRoutes,
+    GateNotChecked,
+    Origin,
+    RouteTensors,
+    TokenMismatch,
+    TokensNotChecked,
+)
 
 KNOWN = [name for name, (_t, _m, router, _k) in TINY.items() if router in FAMILIES]
 UNKNOWN = [name for name, (_t, _m, router, _k) in TINY.items() if router not in FAMILIES]
@@ -48,11 +66,19 @@ def run(model: Any, tokens: torch.Tensor) -> torch.Tensor:
     return result
 
 
-def routes_of(ids: torch.Tensor) -> RouteTensors:
+TOKENS = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+
+
+def routes_of(ids: torch.Tensor, tokens: torch.Tensor | None = TOKENS) -> RouteTensors:
+    """Every token-layer recorded, the routes of `tokens` (None: no token ids)."""
+    names = tuple(f"h{b}" for b in range(ids.shape[0]))
     return RouteTensors(
         ids.to(torch.int32),
         torch.ones(ids.shape, dtype=torch.bool),
         torch.full((ids.shape[0],), ids.shape[1], dtype=torch.int32),
+        None,
+        None if tokens is None else tokens.to(torch.int32),
+        Origin(None, names),
     )
 
 
@@ -70,9 +96,6 @@ def drift(replayer: RouterReplay) -> None:
         for router in replayer.routers:
             for p in router.parameters():
                 p.add_(torch.randn_like(p))
-
-
-TOKENS = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
 
 
 @pytest.mark.parametrize("name", KNOWN)
@@ -141,7 +164,8 @@ def test_unrecorded_token_layers_fall_back_to_the_live_router() -> None:
     valid = torch.ones(ids.shape, dtype=torch.bool)
     valid[1, 4:] = False  # the engine recorded nothing here...
     mixed = torch.where(valid, ids, other)  # ...and these would be wrong if replayed
-    with torch.no_grad(), replayer.replay(RouteTensors(mixed, valid, torch.tensor([8, 8]))):
+    routes = RouteTensors(mixed, valid, torch.tensor([8, 8]), None, TOKENS.to(torch.int32))
+    with torch.no_grad(), replayer.replay(routes):
         out = run(model, TOKENS)
     assert torch.equal(first, out)
 
@@ -167,8 +191,9 @@ def test_routes_of_another_shape_are_refused() -> None:
     too_big[..., 0] = 9  # 4 experts
     with pytest.raises(InvalidRoutes, match="experts the model does not have"):
         replayer.replay(routes_of(too_big)).__enter__()
-    short = routes_of(torch.tensor([[[[0, 1], [1, 2]]] * 4]))  # 4 tokens for an input of 8
-    with pytest.raises(RuntimeError, match="not one"), torch.no_grad(), replayer.replay(short):
+    short = routes_of(torch.tensor([[[[0, 1], [1, 2]]] * 4]), None)  # 4 tokens, an input of 8
+    unchecked = RouterReplay(model, check_tokens=False)
+    with pytest.raises(RuntimeError, match="not one"), torch.no_grad(), unchecked.replay(short):
         run(model, TOKENS)
 
 
@@ -178,3 +203,187 @@ def test_unknown_routers_are_refused(name: str) -> None:
     with pytest.raises(ValueError, match="is not one replay knows the gate of") as caught:
         RouterReplay(model)
     assert "Qwen3MoeTopKRouter" in str(caught.value)  # the list of the known ones
+
+
+# ---- the token check, through a real server
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Client]:
+    server = ServerProcess(Path(tmp_path_factory.mktemp("server")), None)
+    try:
+        with Client(server.url, KEYS["admin"]) as made:
+            yield made
+    finally:
+        server.stop()
+
+
+def through_r3store(
+    client: Client,
+    namespace: str,
+    ids: torch.Tensor,
+    lengths: list[int],
+    tokens: torch.Tensor | None,
+) -> CompactRoutes:
+    """Recorded `[B, T, L, K]` routes stored (with the tokens' ids unless None) and
+    fetched back as a trainer does."""
+    _b, _t, layers, k = ids.shape
+    client.create_namespace(namespace, RouteSpec(layers, 4, k, ordered=True))  # 4 experts
+    writes = [
+        TrajectoryWrite(
+            f"{namespace}{b}",
+            n,
+            topk=ids[b, :n].numpy(),
+            token_ids=None if tokens is None else tokens[b, :n].numpy().astype(np.int32),
+        )
+        for b, n in enumerate(lengths)
+    ]
+    client.put(namespace, writes)
+    routes = TrainerReader(client, namespace).fetch([w.trajectory_id for w in writes])
+    assert isinstance(routes, CompactRoutes)
+    return routes
+
+
+def test_replay_checks_the_input_ids_against_the_stored_tokens(client: Client) -> None:
+    """A batch of the routes' tokens replays exactly; the same batch in another order,
+    left-padded where the routes are right-padded, or given another way raises at the
+    end of the block naming the trajectory and its first differing token."""
+    model = tiny("qwen3_moe")  # 4 experts, top-2
+    replayer = RouterReplay(model)
+    batch = TOKENS.clone()
+    batch[1, 6:] = 0  # sequence 1 has 6 tokens: right padding
+    with torch.no_grad(), replayer.record() as recorded:
+        first = run(model, batch)
+    routes = through_r3store(client, "hf", recorded.ids, [8, 6], batch)
+    assert routes.tokens is not None
+    assert routes.origin.trajectory_ids == ("hf0", "hf1")
+    with torch.no_grad(), replayer.replay(routes):
+        assert torch.equal(run(model, batch), first)
+
+    differs = int((batch[0] != batch[1]).nonzero()[0, 0])
+    with (
+        pytest.raises(
+            TokenMismatch,
+            match=rf"trajectory 'hf0' \(sequence 0 of the micro-batch\): token {differs} is "
+            rf"{int(batch[1, differs])} in the batch but {int(batch[0, differs])} in the "
+            r"routes stored in namespace 'hf'",
+        ),
+        torch.no_grad(),
+        replayer.replay(routes),
+    ):
+        run(model, batch.flip(0))
+    left = batch.clone()
+    left[1] = torch.cat([torch.zeros(2, dtype=torch.long), batch[1, :6]])
+    with (
+        pytest.raises(TokenMismatch, match=r"trajectory 'hf1' .*: token 0 is 0 in the batch"),
+        torch.no_grad(),
+        replayer.replay(routes),
+    ):
+        run(model, left)
+    with (  # the input ids given, the model called with embeddings
+        pytest.raises(TokenMismatch, match="'hf0'"),
+        torch.no_grad(),
+        replayer.replay(routes, input_ids=batch.flip(0)),
+    ):
+        model(inputs_embeds=model.get_input_embeddings()(batch.flip(0)))
+    with (
+        pytest.raises(InvalidRoutes, match=r"the input ids are \[2, 7\], the routes' stored"),
+        torch.no_grad(),
+        replayer.replay(routes),
+    ):
+        run(model, batch[:, :7])
+    unchecked = RouterReplay(model, check_tokens=False)  # the order rests on the caller
+    with torch.no_grad(), unchecked.replay(routes):
+        run(model, batch.flip(0))
+
+
+def test_what_replay_cannot_check_it_says_once(client: Client) -> None:
+    """Routes stored without token ids, and a model called without input ids: replayed
+    unchecked, and said once each (naming the namespace); nothing said when the check
+    is turned off."""
+    model = tiny("olmoe")
+    replayer = RouterReplay(model)
+    with torch.no_grad(), replayer.record() as recorded:
+        run(model, TOKENS)
+    bare = through_r3store(client, "hf-untokened", recorded.ids, [8, 8], None)
+    tokened = through_r3store(client, "hf-embeds", recorded.ids, [8, 8], TOKENS)
+    embeds = model.get_input_embeddings()(TOKENS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with torch.no_grad(), replayer.replay(bare):
+                run(model, TOKENS)
+            with torch.no_grad(), replayer.replay(tokened):
+                model(inputs_embeds=embeds)
+        quiet = RouterReplay(model, check_tokens=False)
+        with torch.no_grad(), quiet.replay(bare):
+            run(model, TOKENS)
+    said = [str(w.message) for w in caught if issubclass(w.category, TokensNotChecked)]
+    assert len(said) == 2
+    assert said[0].startswith("namespace 'hf-untokened': the routes were stored without token")
+    assert said[1].startswith("namespace 'hf-embeds': the model was called without input_ids")
+
+
+# ---- the spec and the gate, at attach
+
+GATES = {  # each family's tiny model, and a released model of its gate
+    "qwen2_moe": "Qwen/Qwen1.5-MoE-A2.7B",
+    "qwen3_moe": "Qwen/Qwen3-30B-A3B",
+    "qwen3_next": "Qwen/Qwen3-Next-80B-A3B-Instruct",
+    "olmoe": "allenai/OLMoE-1B-7B-0924",
+    "qwen3_vl_moe": "Qwen/Qwen3-VL-30B-A3B-Instruct",
+    "mixtral": "mistralai/Mixtral-8x7B-Instruct-v0.1",
+    "minimax": "MiniMaxAI/MiniMax-Text-01",
+    "deepseek_v3": "moonshotai/Kimi-K2-Instruct",
+    "glm4_moe": "zai-org/GLM-4.5-Air",
+    "glm4v_moe": "zai-org/GLM-4.5V",
+    "deepseek_v2": "deepseek-ai/DeepSeek-V2-Lite",
+    "minimax_m2": "MiniMaxAI/MiniMax-M2",
+    "lfm2_moe": "LiquidAI/LFM2-8B-A1B",
+    "jamba": "ai21labs/AI21-Jamba-Mini-1.5",
+    "gpt_oss": "openai/gpt-oss-20b",
+    "granitemoe": "ibm-granite/granite-3.1-3b-a800m-instruct",
+    "ernie4_5_moe": "baidu/ERNIE-4.5-21B-A3B-PT",
+    "hunyuan_v1_moe": "tencent/Hunyuan-A13B-Instruct",
+}
+
+
+def spec_of(replayer: RouterReplay, model: str = "") -> RouteSpec:
+    top_k = int(replayer.routers[0].top_k)
+    return RouteSpec(replayer.num_layers, replayer.experts[0], top_k, model=model)
+
+
+@pytest.mark.parametrize("name", sorted(GATES))
+def test_a_released_models_gate_is_its_familys(name: str) -> None:
+    model = tiny(name)
+    RouterReplay(model, spec_of(RouterReplay(model), GATES[name]))
+
+
+@pytest.mark.parametrize(
+    ("name", "released", "message"),
+    [
+        ("qwen3_moe", "deepseek-ai/DeepSeek-V3", "whose gate is sigmoid, renormalised, a bias"),
+        ("qwen2_moe", "Qwen/Qwen3-30B-A3B", "renormalised; its Qwen2MoeTopKRouter applies "),
+        ("lfm2_moe_nobias", "LiquidAI/LFM2-8B-A1B", "applies sigmoid, renormalised$"),
+    ],
+)
+def test_another_gate_than_the_specs_model_is_refused(
+    name: str, released: str, message: str
+) -> None:
+    model = tiny(name)
+    with pytest.raises(ValueError, match=message):
+        RouterReplay(model, spec_of(RouterReplay(model), released))
+
+
+def test_the_spec_is_checked_at_attach() -> None:
+    model = tiny("qwen3_moe")  # 2 MoE layers, 4 experts, top-2
+    RouterReplay(model, RouteSpec(2, 4, 2))
+    for spec, message in (
+        (RouteSpec(3, 4, 2), r"2 MoE layers \(routes: 3\)"),
+        (RouteSpec(2, 8, 2), r"4 experts \(routes: 8\)"),
+        (RouteSpec(2, 4, 3), r"top-k 2 \(routes: 3\)"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            RouterReplay(model, spec)
+    with pytest.warns(GateNotChecked, match="'acme/moe-7b' is not one whose gate replay knows"):
+        RouterReplay(model, RouteSpec(2, 4, 2, model="acme/moe-7b"))

@@ -5,8 +5,9 @@ Megatron-Core (`TransformerConfig(moe_enable_routing_replay=True)`) gives every
 `TopKRouter` a `RouterReplay` instance, kept in the process-wide list
 `RouterReplay.global_router_replay_instances` in build order; `set_replay_data` takes
 one `[tokens, top_k]` index tensor per instance, in the order that rank's router sees
-its tokens. Getting that order wrong trains on the wrong experts without an error, so
-it is computed here from the layout the trainer uses (docs/replay.md states the rules):
+its tokens (here each instance is given its own: `set_target_indices`). Getting that
+order wrong trains on the wrong experts without an error, so it is computed here from
+the layout the trainer uses (docs/replay.md states the rules):
 
 - `sbhd`: the router sees `[s, b]` flattened sequence-major (token `s * b + j`).
 - `thd` (packed sequences): `[t, 1]`; sequence `i` occupies `[cu_seqlens_padded[i],
@@ -24,17 +25,26 @@ Token-layers without a recorded route (padding, the last sampled token, a prompt
 engine did not route) are given to Megatron as `-1` rows, and replay falls back to the
 live router for exactly those rows; they are never replayed as expert 0.
 
+A wrong order or layout would still replay silently; so routes that carry the token
+ids stored with them are checked against the input ids the model is called with, put
+in the order this rank's routers see them by Megatron's own data flow (`router_tokens`),
+on the device; the outcome is read before backward and raises `TokenMismatch` naming
+the trajectory and its first differing token. Each `MegatronReplay` drives only its
+own model's `RouterReplay` instances, so several models replay side by side, and a
+pipeline stage without MoE layers replays nothing.
+
     replay = MegatronReplay(model, spec)              # checks the model against the spec
     layout = TokenLayout.sbhd(lengths, seq_len=4096, parallel=Parallel.of_this_rank())
     with replay.micro_batch(routes, layout) as step:  # clears, loads, REPLAY_FORWARD
-        loss = forward(model, batch)
-        step.backward(loss)                           # REPLAY_BACKWARD, then backward
+        loss = forward(model, batch)                  # the input ids checked
+        step.backward(loss)                           # checks read, REPLAY_BACKWARD
 """
 
 from __future__ import annotations
 
 import types
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +59,15 @@ except ImportError as exc:
 
 from r3store.errors import InvalidRoutes
 from r3store.spec import RouteSpec
-from r3store_client.tensors import CompactRoutes, RouteTensors, as_wide
+from r3store_client.replay import Gate, check_gate
+from r3store_client.tensors import (
+    CompactRoutes,
+    Origin,
+    RouteTensors,
+    TokenCheck,
+    as_wide,
+    warn_untokened,
+)
 
 
 def _megatron() -> Any:
@@ -133,6 +151,8 @@ class TokenLayout:
     sequence: torch.Tensor
     token: torch.Tensor
     lengths: tuple[int, ...]
+    parallel: Parallel = Parallel()
+    kind: str = "sbhd"
 
     @property
     def num_tokens(self) -> int:
@@ -163,7 +183,7 @@ class TokenLayout:
         starts = torch.tensor(first, dtype=torch.long)[b]
         ends = starts + torch.tensor(lengths, dtype=torch.long)[b]
         real = (s >= starts) & (s < ends)
-        return cls(torch.where(real, b, -1), torch.where(real, s - starts, -1), lengths)
+        return cls(torch.where(real, b, -1), torch.where(real, s - starts, -1), lengths, parallel)
 
     @classmethod
     def thd(
@@ -199,7 +219,7 @@ class TokenLayout:
         sequence = torch.cat(sequences) if sequences else torch.zeros(0, dtype=torch.long)
         token = torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long)
         local = _sp_slice(sequence.numel(), parallel, "the local packed length")
-        return cls(sequence[local], token[local], lengths)
+        return cls(sequence[local], token[local], lengths, parallel, "thd")
 
 
 def layer_indices(
@@ -209,10 +229,52 @@ def layer_indices(
     int64 expert ids of the tokens `layout` names, in its order; `-1` rows where no
     route was recorded (or for padding). A token-layer with fewer than K experts cannot
     be replayed by Megatron's top-k and is refused."""
-    routes = as_wide(routes)  # compact routes: widened on their own device
+    return _replay_data(as_wide(routes), layout, layers)[0]
+
+
+def _replay_data(
+    routes: RouteTensors, layout: TokenLayout, layers: Sequence[int], tokens: bool = False
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """`layer_indices`, on the routes' device, with (if `tokens`) the stored token of
+    each router row (-1: padding, or none stored) from the same gather; the host reads
+    one small tensor (partial rows, and the layers with rows for the live router)."""
     if routes.ids.dim() != 4:
         raise InvalidRoutes("Megatron replay takes padded routes [B, T, L, K]")
+    _line_up(routes, layout)
     length = routes.ids.shape[1]
+    device = routes.ids.device
+    sequence = layout.sequence.to(device, non_blocking=True)
+    real = sequence >= 0
+    seq = sequence.clamp(min=0)
+    tok = layout.token.to(device, non_blocking=True).clamp(min=0, max=max(length - 1, 0))
+    ids = routes.ids[seq, tok]  # [N, L, K]
+    valid = routes.valid[seq, tok] & real[:, None, None]
+    full = valid.all(dim=-1)  # [N, L]
+    partial = valid.any(dim=-1) & ~full
+    flags = torch.cat([partial.any()[None], (~full).any(dim=0)]).tolist()
+    if flags[0]:
+        n, layer = (int(x) for x in partial.nonzero()[0])
+        raise InvalidRoutes(
+            f"sequence {int(layout.sequence[n])}, token {int(layout.token[n])}, layer "
+            f"{layer} has fewer than top_k experts: Megatron's top-k cannot replay it"
+        )
+    out = []
+    for layer in layers:
+        chosen = ids[:, layer, :].to(torch.int64)
+        data = torch.where(full[:, layer, None], chosen, torch.full_like(chosen, -1))
+        data._r3_live = flags[1 + layer]  # type: ignore[attr-defined]  # rows for the live router
+        out.append(data)
+    want = None
+    if tokens and routes.tokens is not None:
+        if routes.tokens.dim() != 2:
+            raise InvalidRoutes("the token check takes padded routes' tokens [B, T]")
+        stored = routes.tokens.to(device, non_blocking=True)
+        want = torch.where(real, stored[seq, tok.clamp(max=max(stored.shape[1] - 1, 0))], -1)
+    return out, want
+
+
+def _line_up(routes: RouteTensors | CompactRoutes, layout: TokenLayout) -> None:
+    """Refuse routes of another sequence count or lengths than the layout's."""
     have = tuple(int(n) for n in routes.lengths.tolist())
     if len(have) != len(layout.lengths):
         raise InvalidRoutes(
@@ -225,24 +287,12 @@ def layer_indices(
                 f"routes do not line up with the batch: sequence {i} has {theirs} tokens "
                 f"in the batch but {ours} in the routes"
             )
-    real = layout.sequence >= 0
-    seq = layout.sequence.clamp(min=0)
-    tok = layout.token.clamp(min=0, max=max(length - 1, 0))
-    ids = routes.ids[seq, tok]  # [N, L, K]
-    valid = routes.valid[seq, tok] & real[:, None, None]
-    full = valid.all(dim=-1)  # [N, L]
-    partial = valid.any(dim=-1) & ~full
-    if bool(partial.any()):
-        n, layer = (int(x) for x in partial.nonzero()[0])
-        raise InvalidRoutes(
-            f"sequence {int(layout.sequence[n])}, token {int(layout.token[n])}, layer "
-            f"{layer} has fewer than top_k experts: Megatron's top-k cannot replay it"
-        )
-    out = []
-    for layer in layers:
-        chosen = ids[:, layer, :].to(torch.int64)
-        out.append(torch.where(full[:, layer, None], chosen, torch.full_like(chosen, -1)))
-    return out
+
+
+def _with_live(data: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`data` carrying `like`'s note of whether it has rows for the live router."""
+    data._r3_live = getattr(like, "_r3_live", None)  # type: ignore[attr-defined]
+    return data
 
 
 def _replay_topk(
@@ -255,7 +305,8 @@ def _replay_topk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`RouterReplay.get_replay_topk` with a fallback: `-1` rows take the live router's
     top-k; the others are replayed exactly as Megatron does (scores gathered at the
-    replayed experts)."""
+    replayed experts). Whether a layer has such rows was noted when it was loaded
+    (`layer_indices`), so the host never waits on the device here, once per layer."""
     action = self.router_replay_action
     replaying = action in (self._r3_actions.REPLAY_FORWARD, self._r3_actions.REPLAY_BACKWARD)
     if not replaying:
@@ -269,6 +320,7 @@ def _replay_topk(
         indices = self.replay_backward_list.pop(0)
     if indices is None:
         raise RuntimeError("router replay is on but no routes were loaded for this layer")
+    live_rows = getattr(indices, "_r3_live", None)  # known when loaded: no read per layer
     indices = indices.to(scores.device)
     if indices.shape != (scores.shape[0], topk):
         raise InvalidRoutes(
@@ -276,22 +328,165 @@ def _replay_topk(
             f"are {list(indices.shape)}"
         )
     live = (indices < 0).any(dim=-1, keepdim=True)
-    if bool(live.any()):
+    if live_rows if live_rows is not None else bool(live.any()):
         _probs, chosen = default_compute_topk(scores, topk, num_groups, group_topk)
         indices = torch.where(live, chosen, indices)
     return scores.gather(1, indices), indices
+
+
+def router_tokens(input_ids: torch.Tensor, parallel: Parallel = Parallel()) -> torch.Tensor:
+    """The token ids this rank's routers see, in their order, from the input ids its
+    model is called with (`[b, s]`, context-parallel local; packed: `[1, t]` or `[t]`):
+    the embedding's `[s, b]` flattened sequence-major, then, with sequence parallelism,
+    this tensor-parallel rank's contiguous slice. This follows Megatron's own data
+    flow, not the layout the trainer declares, so a layout that is not the batch's
+    gives other tokens than the routes'."""
+    if input_ids.dim() == 2:
+        flat = input_ids.t().reshape(-1)
+    elif input_ids.dim() == 1:
+        flat = input_ids
+    else:
+        raise InvalidRoutes(f"input ids of shape {list(input_ids.shape)}: expected [b, s] or [t]")
+    return flat[_sp_slice(flat.numel(), parallel, "the input's token count")]
+
+
+def _seen_by_routers(input_ids: torch.Tensor, parallel: Parallel) -> torch.Tensor:
+    """`router_tokens` as a view where it can be (no copy): `[s, b]`, this rank's rows
+    of it under sequence parallelism; router row `n` is its element `n` row-major."""
+    if input_ids.dim() == 2:
+        seen = input_ids.t()
+        if parallel.sequence_parallel and parallel.tp_size > 1:
+            if seen.shape[0] % parallel.tp_size:
+                return router_tokens(input_ids, parallel)  # whatever it holds, flat
+            seen = seen[_sp_slice(seen.shape[0], parallel, "the input's sequence length")]
+        return seen
+    return router_tokens(input_ids, parallel)
+
+
+@dataclass(frozen=True)
+class _Expected:
+    """The stored token of each of this rank's router rows (-1: padding, or none
+    stored), made once per micro-batch."""
+
+    want: torch.Tensor
+    origin: Origin
+    layout: TokenLayout
+
+    def compare(self, input_ids: torch.Tensor) -> TokenCheck:
+        got = _seen_by_routers(input_ids, self.layout.parallel)
+        if got.numel() != self.want.numel():
+            raise InvalidRoutes(
+                f"the model's input ids {list(input_ids.shape)} give this rank's routers "
+                f"{got.numel()} tokens; the {self.layout.kind} layout {self.want.numel()}: "
+                "the layout is not the batch's"
+            )
+        want = self.want.view(got.shape)
+        if got.device != want.device:  # compared where the model runs: no copy back
+            want = want.to(got.device, non_blocking=True)
+        return TokenCheck(
+            want,
+            got,
+            self.origin,
+            f"the {self.layout.kind} layout is not the batch's (thd or sbhd, first= for "
+            "left padding, cu_seqlens_padded, tensor/context/sequence parallelism)",
+            self._locate,
+        )
+
+    def _locate(self, rows: Any) -> tuple[Any, Any]:
+        return self.layout.sequence.numpy()[rows], self.layout.token.numpy()[rows]
+
+
+def _expected(tokens: torch.Tensor | None, layout: TokenLayout, origin: Origin) -> _Expected | None:
+    """The stored token of each router row of `layout`, from the routes' `tokens`
+    `[B, T]`, on their device."""
+    if tokens is None:
+        return None
+    if tokens.dim() != 2:
+        raise InvalidRoutes("the token check takes padded routes' tokens [B, T]")
+    sequence = layout.sequence.to(tokens.device, non_blocking=True)
+    index = sequence * tokens.shape[1] + layout.token.to(tokens.device, non_blocking=True)
+    want = torch.where(sequence >= 0, tokens.reshape(-1)[index.clamp(min=0)], -1)
+    return _Expected(want, origin, layout)
+
+
+def check_tokens(
+    routes: RouteTensors | CompactRoutes, layout: TokenLayout, input_ids: torch.Tensor
+) -> TokenCheck | None:
+    """The token check `MegatronReplay` makes, on its own: `input_ids` as this rank's
+    model is called with them, against the routes' stored tokens in the layout's
+    order. `verify()` on the result raises `TokenMismatch`; None when the routes carry
+    no token ids."""
+    _line_up(routes, layout)
+    expected = _expected(routes.tokens, layout, routes.origin)
+    return None if expected is None else expected.compare(input_ids)
+
+
+def megatron_gate(config: Any) -> Gate:
+    """The gate a Megatron router of `config` applies (`topk_routing_with_score_function`):
+    softmax before top-k (`moe_router_pre_softmax`) keeps the k probabilities as they
+    are, softmax after it normalises them; sigmoid scores are normalised for top-k > 1;
+    `moe_router_enable_expert_bias` adds a bias that only chooses."""
+    score = config.moe_router_score_function
+    if score == "softmax":
+        normalised = not config.moe_router_pre_softmax or config.moe_router_topk == 1
+    else:
+        normalised = config.moe_router_topk > 1
+    return Gate(score, normalised, bool(config.moe_router_enable_expert_bias))
+
+
+def _config_of(chunks: Sequence[nn.Module]) -> Any:
+    """The transformer config of a model without routers (a stage of dense layers)."""
+    for chunk in chunks:
+        for module in chunk.modules():
+            config = getattr(module, "config", None)
+            if config is not None and hasattr(config, "moe_router_topk"):
+                return config
+    return None
+
+
+def _owner(instance: Any) -> MegatronReplay | None:
+    ref = getattr(instance, "_r3_owner", None)
+    owner: MegatronReplay | None = None if ref is None else ref()
+    return owner
+
+
+def _input_ids_hook(ref: Callable[[], MegatronReplay | None]) -> Callable[..., None]:
+    """A chunk's forward pre-hook: its input ids to the token check of the replay
+    behind `ref` (weak: the hook keeps nothing alive)."""
+
+    def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        replay = ref()
+        if replay is None or replay._expected is None:
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(ids, torch.Tensor) and not ids.is_floating_point() and ids.dim() <= 2:
+            replay._pending.append(replay._expected.compare(ids))
+
+    return hook
 
 
 class MegatronReplay:
     """Megatron-Core's `RouterReplay` driven with r3store's routes, for one model.
 
     `model` is a module or the list of virtual-pipeline chunks this rank holds.
-    Attaching checks the routers against `spec` (top-k, experts, MoE layer count;
-    configurations under which Megatron would skip or alter replay are refused) and
-    makes the process-wide instance list exactly this model's routers, so instances of
-    a temporary model built earlier can neither leak nor shift the layer order.
+    Attaching checks the routers against `spec` (top-k, experts, MoE layer count, the
+    gate against the spec's `model` when set; configurations under which Megatron would
+    skip or alter replay are refused). Each `MegatronReplay` drives its own model's
+    `RouterReplay` instances only, never through the process-wide list, so several
+    models (an actor and a reference model, say) replay side by side; the list is kept
+    to the instances of attached models, so those of a temporary model built for weight
+    extraction neither leak nor shift anything. A stage without MoE layers (dense
+    layers only) attaches and does nothing.
+
     `layers[i]` is the r3store layer of this rank's i-th router (default: from the
     routers' global layer numbers and the config's MoE layer pattern).
+
+    `check_tokens` (default on): routes that carry their stored token ids are checked
+    against the input ids each chunk's forward is called with (or `tokens=` given to
+    `micro_batch`/`queue`), in the order this rank's routers see them; the outcome is
+    read before backward and at the end of the micro-batch, and a mismatch raises
+    `TokenMismatch` naming the trajectory and the first differing token. Routes without
+    token ids are replayed unchecked, said once per namespace (`TokensNotChecked`).
     """
 
     def __init__(
@@ -299,16 +494,17 @@ class MegatronReplay:
         model: nn.Module | Sequence[nn.Module],
         spec: RouteSpec,
         layers: Sequence[int] | None = None,
+        *,
+        check_tokens: bool = True,
     ) -> None:
         self._m = _megatron()
-        chunks = [model] if isinstance(model, nn.Module) else list(model)
+        self.chunks = [model] if isinstance(model, nn.Module) else list(model)
         routers = [
-            m for chunk in chunks for m in chunk.modules() if isinstance(m, self._m.TopKRouter)
+            m for chunk in self.chunks for m in chunk.modules() if isinstance(m, self._m.TopKRouter)
         ]
-        if not routers:
-            raise ValueError("the model has no Megatron TopKRouter (no MoE layer on this rank?)")
-        config = routers[0].config
-        self._check(config, spec)
+        config = routers[0].config if routers else _config_of(self.chunks)
+        if config is not None:
+            self._check(config, spec)
         missing = [r.layer_number for r in routers if r.router_replay is None]
         if missing:
             raise ValueError(
@@ -316,21 +512,38 @@ class MegatronReplay:
                 "TransformerConfig(moe_enable_routing_replay=True)"
             )
         self.spec = spec
+        self.check_tokens = check_tokens
         self.routers = routers
-        self.layers = list(layers) if layers is not None else self._layer_map(config, spec, routers)
+        if layers is not None:
+            self.layers = list(layers)
+        else:
+            self.layers = self._layer_map(config, spec, routers) if routers else []
         if len(self.layers) != len(routers):
             raise ValueError(f"{len(self.layers)} layers given for {len(routers)} routers")
         bad = [layer for layer in self.layers if not 0 <= layer < spec.num_layers]
         if bad:
             raise ValueError(f"layers {bad} are outside the routes' {spec.num_layers} layers")
         self.instances = [r.router_replay for r in routers]
-        registry = self._m.RouterReplay.global_router_replay_instances
-        registry[:] = list(self.instances)  # this model's, in build order; nothing else
+        self._expected: _Expected | None = None
+        self._pending: list[TokenCheck] = []
+        self._attached = True
         for instance in self.instances:
             instance.__dict__.pop("get_replay_topk", None)  # attached before: start afresh
             instance._r3_original = instance.get_replay_topk
             instance._r3_actions = self._m.Action
             instance.get_replay_topk = types.MethodType(_replay_topk, instance)
+            instance._r3_owner = weakref.ref(self)
+        mine = {id(i) for i in self.instances}
+        registry = self._m.RouterReplay.global_router_replay_instances
+        registry[:] = [
+            i for i in registry if id(i) not in mine and _owner(i) is not None
+        ] + self.instances  # attached models' instances; a temporary model's are dropped
+        hook = _input_ids_hook(weakref.ref(self))
+        self._hooks = (
+            [chunk.register_forward_pre_hook(hook, with_kwargs=True) for chunk in self.chunks]
+            if self.instances
+            else []
+        )
 
     @staticmethod
     def _check(config: Any, spec: RouteSpec) -> None:
@@ -354,6 +567,7 @@ class MegatronReplay:
             )
         if problems:
             raise ValueError("the model does not match the routes: " + "; ".join(problems))
+        check_gate(spec.model, megatron_gate(config), "the Megatron config's router")
 
     @staticmethod
     def _layer_map(config: Any, spec: RouteSpec, routers: list[Any]) -> list[int]:
@@ -379,14 +593,36 @@ class MegatronReplay:
             f"MoE layers of {config.num_layers}: give `layers` explicitly"
         )
 
-    def detach(self) -> None:
-        """Give the routers back their own top-k and leave the instance list empty."""
+    def _mine(self) -> None:
+        """Refuse to drive routers this replay no longer owns."""
+        if not self._attached:
+            raise RuntimeError("this MegatronReplay was detached")
+        if any(_owner(i) is not self for i in self.instances):
+            raise RuntimeError(
+                "another MegatronReplay was attached to this model's routers since: drive "
+                "them through that one"
+            )
+
+    def _act(self, action: Any) -> None:
         for instance in self.instances:
-            instance.__dict__.pop("get_replay_topk", None)  # Megatron's own method again
-            instance.clear_indices()
-            instance.clear_router_replay_action()
+            instance.set_router_replay_action(action)
+
+    def detach(self) -> None:
+        """Give the routers back their own top-k and take them out of the instance list."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        mine = {id(i) for i in self.instances if _owner(i) is self}  # not attached again
+        for instance in self.instances:
+            if id(instance) in mine:
+                instance.__dict__.pop("get_replay_topk", None)  # Megatron's own method again
+                instance._r3_owner = None
+                instance.clear_indices()
+                instance.clear_router_replay_action()
         registry = self._m.RouterReplay.global_router_replay_instances
-        registry[:] = [r for r in registry if r not in self.instances]
+        registry[:] = [r for r in registry if id(r) not in mine]
+        self._attached = False
+        self._expected, self._pending = None, []
 
     def indices(
         self, routes: RouteTensors | CompactRoutes, layout: TokenLayout
@@ -395,59 +631,104 @@ class MegatronReplay:
         return layer_indices(routes, layout, self.layers)
 
     def load(
-        self, routes: RouteTensors | CompactRoutes, layout: TokenLayout, device: Any = None
+        self,
+        routes: RouteTensors | CompactRoutes,
+        layout: TokenLayout,
+        device: Any = None,
+        tokens: torch.Tensor | None = None,
     ) -> None:
         """Clear what earlier micro-batches left, load this one's routes, and replay
         them in the forward pass (`REPLAY_FORWARD`)."""
         self.new_step()
-        self.queue(routes, layout, device)
+        self.queue(routes, layout, device, tokens)
 
     def new_step(self) -> None:
-        """Forget every queued micro-batch (start of a training step)."""
-        self._m.RouterReplay.clear_global_indices()
+        """Forget every queued micro-batch (start of a training step), after reading the
+        token checks of those not read yet."""
+        self.verify()
+        for instance in self.instances:
+            instance.clear_indices()
 
     def queue(
-        self, routes: RouteTensors | CompactRoutes, layout: TokenLayout, device: Any = None
+        self,
+        routes: RouteTensors | CompactRoutes,
+        layout: TokenLayout,
+        device: Any = None,
+        tokens: torch.Tensor | None = None,
     ) -> None:
         """Load a micro-batch's routes without forgetting earlier ones, for pipeline
         schedules that run several forwards before their backwards: the forward replays
-        the latest, recomputation during backward takes them in the order queued."""
+        the latest, recomputation during backward takes them in the order queued.
+        `tokens`: this rank's model input ids, checked now (else each chunk's forward
+        hands its own to the check)."""
+        self._mine()
+        if not self.instances:
+            return  # a stage without MoE layers: nothing to replay
         if device is not None and isinstance(routes, CompactRoutes):
             routes = routes.to(device)  # a byte a slot across; widened there
-        data = self.indices(routes, layout)
+        wide = as_wide(routes)
+        if self.check_tokens:
+            warn_untokened(wide.tokens, wide.origin)
+        data, want = _replay_data(wide, layout, self.layers, tokens=self.check_tokens)
         if device is not None:
-            data = [d.to(device, non_blocking=True) for d in data]
-        self._m.RouterReplay.set_replay_data(data)
-        self._m.RouterReplay.set_global_router_replay_action(self._m.Action.REPLAY_FORWARD)
+            data = [_with_live(d.to(device, non_blocking=True), d) for d in data]
+            want = None if want is None else want.to(device, non_blocking=True)
+        expected = None if want is None else _Expected(want, wide.origin, layout)
+        for instance, indices in zip(self.instances, data, strict=True):
+            instance.set_target_indices(indices)
+        self._act(self._m.Action.REPLAY_FORWARD)
+        self._expected = expected
+        if expected is not None and tokens is not None:
+            self._pending.append(expected.compare(tokens))
+
+    def verify(self) -> None:
+        """Raise `TokenMismatch` if a micro-batch loaded since the last call was given
+        other tokens than its routes' (`before_backward` and the end of `micro_batch`
+        call it; on a GPU it waits only for the comparisons, queued long before)."""
+        pending, self._pending = self._pending, []
+        for check in pending:
+            check.verify()
 
     def before_backward(self) -> None:
-        """Recomputation during backward replays the same routes (`REPLAY_BACKWARD`)."""
-        self._m.RouterReplay.set_global_router_replay_action(self._m.Action.REPLAY_BACKWARD)
+        """Recomputation during backward replays the same routes (`REPLAY_BACKWARD`),
+        once the token checks of the forwards have passed."""
+        self.verify()
+        self._act(self._m.Action.REPLAY_BACKWARD)
 
     def finish(self) -> None:
-        self._m.RouterReplay.clear_global_indices()
-        self._m.RouterReplay.clear_global_router_replay_action()
+        """Forget the routes and checks of this step; the routers route live again."""
+        self._expected, self._pending = None, []
+        for instance in self.instances:
+            instance.clear_indices()
+            instance.clear_router_replay_action()
 
     @contextmanager
     def micro_batch(
-        self, routes: RouteTensors | CompactRoutes, layout: TokenLayout, device: Any = None
+        self,
+        routes: RouteTensors | CompactRoutes,
+        layout: TokenLayout,
+        device: Any = None,
+        tokens: torch.Tensor | None = None,
     ) -> Iterator[MicroBatch]:
-        self.load(routes, layout, device)
+        self.load(routes, layout, device, tokens)
         try:
             yield MicroBatch(self)
+            self.verify()
         finally:
             self.finish()
 
     @contextmanager
     def record(self) -> Iterator[list[torch.Tensor]]:
         """Let the live routers choose and record their top-k (`RECORD`); the list is
-        filled with one `[N, K]` tensor per router when the block ends."""
+        filled with one `[N, K]` tensor per router of this model when the block ends."""
+        self._mine()
         recorded: list[torch.Tensor] = []
-        self._m.RouterReplay.clear_global_indices()
-        self._m.RouterReplay.set_global_router_replay_action(self._m.Action.RECORD)
+        self.verify()
+        self.finish()
+        self._act(self._m.Action.RECORD)
         try:
             yield recorded
-            recorded.extend(self._m.RouterReplay.get_recorded_data())
+            recorded.extend(i.get_recorded_indices() for i in self.instances)
         finally:
             self.finish()
 

@@ -12,6 +12,8 @@ A micro-batch arrives as `CompactRoutes`: the server's stored streams, decoded o
 client's threads straight into buffers of 1 byte a slot (uint8 ids up to 256 experts)
 plus counts; moved to the device as they are, widened there by the replay paths
 (`compact=False`: int32 ids and a validity mask on the host, as `padded` makes them).
+Each micro-batch carries the token ids stored with its routes and the trajectory ids,
+for the replay paths' token check.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ class TrainerReader:
             self.major,
             pin=self.pin and self.compact,
             executor=self.client.decoders,
+            namespace=self.namespace,
         )
         if self.compact:
             return routes

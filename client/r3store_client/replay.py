@@ -10,9 +10,9 @@ replaces only its final top-k over all experts with the replayed experts (the va
 gathered from the very tensor the router ranks). It hooks only the router classes it
 knows (`r3store_client.hf_routers.FAMILIES`) and refuses any other model.
 
-    replayer = RouterReplay(model)
+    replayer = RouterReplay(model, spec)   # spec: optional, checked against the model
     with replayer.replay(routes):          # RouteTensors [B, T, L, K] matching the input
-        out = model(input_ids)
+        out = model(input_ids)             # input_ids checked against the stored tokens
     replayer.agreement                     # per layer: live top-k == replayed set
     with replayer.record() as recorded:    # capture the live routes instead
         model(input_ids)
@@ -22,14 +22,22 @@ Routers see the batch flattened row-major: token `b * T + t`. Token-layers with 
 recorded route fall back to the live router. A token-layer with fewer than K experts
 cannot be replayed by a top-k router and is refused. Replay is exact in `eval()`;
 in training, routers with jitter (Mixtral, MiniMax) perturb their own logits first.
+
+Routes that carry the token ids stored with them are checked against each forward's
+`input_ids` on the device; the block raises `TokenMismatch` at its end, naming the
+trajectory and the first differing token (`check_tokens=False` turns it off). `Gate`
+and `MODEL_GATES`: the gates of routers and of released models, compared at attach
+when the spec names its model (`RouterReplay(model, spec)`; Megatron's too).
 """
 
 from __future__ import annotations
 
 import functools
+import re
 import threading
+import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,8 +50,125 @@ except ImportError as exc:
     raise missing("torch", __name__, "torch") from exc
 
 from r3store.errors import InvalidRoutes
-from r3store_client.hf_routers import FAMILIES, Family, supported
-from r3store_client.tensors import CompactRoutes, RouteTensors, as_wide
+from r3store.spec import RouteSpec
+from r3store_client.hf_routers import FAMILIES, SIGMOID_BIAS_GROUPS, Family, supported
+from r3store_client.tensors import (
+    CompactRoutes,
+    GateNotChecked,
+    RouteTensors,
+    TokenCheck,
+    as_wide,
+    warn_once,
+    warn_untokened,
+)
+
+# ---- gates: what turns a router's logits into the weights of its chosen experts
+
+
+@dataclass(frozen=True)
+class Gate:
+    """A router's gate in the terms that change a replayed forward: the score function
+    (`softmax` or `sigmoid`), whether the chosen experts' weights are renormalised to
+    sum to one (softmax over only the top-k logits is the same), and whether a bias
+    that only chooses experts (DeepSeek-V3's `e_score_correction_bias`) is added."""
+
+    score: str
+    normalised: bool
+    selection_bias: bool
+
+    def __str__(self) -> str:
+        norm = "renormalised" if self.normalised else "not renormalised"
+        bias = ", a bias that only chooses" if self.selection_bias else ""
+        return f"{self.score}, {norm}{bias}"
+
+
+SOFTMAX_NORMALISED = Gate("softmax", True, False)
+SOFTMAX_PLAIN = Gate("softmax", False, False)
+SIGMOID_BIASED = Gate("sigmoid", True, True)
+
+# The gates of the released MoE models, by a pattern of their names (lower case, `_`
+# and spaces as `-`), the first that matches: what a namespace's spec `model` names is
+# checked against the gate the trainer's model applies. Names matching none are not
+# checked (a warning says so).
+MODEL_GATES: tuple[tuple[str, Gate], ...] = (
+    (r"deepseek-(v3|r1|prover-v2)|kimi-k2|moonlight|glm-4\.[5-7]", SIGMOID_BIASED),
+    (r"deepseek-(coder-)?v2", SOFTMAX_PLAIN),  # group-limited, times a scaling factor
+    (r"minimax-m2", SIGMOID_BIASED),
+    (r"lfm2", SIGMOID_BIASED),
+    (r"ernie-4\.5", Gate("softmax", True, True)),
+    (r"qwen1\.5-moe|qwen2-moe|qwen2-57b", SOFTMAX_PLAIN),
+    (r"qwen3", SOFTMAX_NORMALISED),
+    (r"mixtral|gpt-oss|minimax|granite|hunyuan", SOFTMAX_NORMALISED),
+    (r"olmoe|jamba", SOFTMAX_PLAIN),
+)
+
+
+def model_gate(name: str) -> Gate | None:
+    """The gate of the model `name` (a hub id or any name holding one), if known."""
+    key = re.sub(r"[\s_]+", "-", name.strip().lower())
+    for pattern, gate in MODEL_GATES:
+        if re.search(pattern, key):
+            return gate
+    return None
+
+
+def check_gate(model: str, gate: Gate, where: str) -> None:
+    """Refuse a trainer model whose gate is not the one of the model the routes were
+    recorded with (the spec's `model`, when set); warn (`GateNotChecked`) when that
+    name is not one whose gate is known."""
+    if not model:
+        return
+    want = model_gate(model)
+    if want is None:
+        warnings.warn(
+            f"the routes' model {model!r} is not one whose gate replay knows: the gate of "
+            f"{where} ({gate}) is not checked against it",
+            GateNotChecked,
+            stacklevel=3,
+        )
+        return
+    if want != gate:
+        raise ValueError(
+            f"the model does not match the routes: the routes are of {model!r}, whose gate "
+            f"is {want}; {where} applies {gate}"
+        )
+
+
+_ALWAYS_NORMALISED = {
+    "Qwen3VLMoeTextTopKRouter",
+    "MixtralTopKRouter",
+    "MiniMaxTopKRouter",
+    "GptOssTopKRouter",
+    "GraniteMoeTopKRouter",
+    "GraniteMoeSharedTopKRouter",
+    "GraniteMoeHybridTopKRouter",
+    "HunYuanMoEV1Gate",
+}
+
+
+def hf_gate(router: nn.Module, config: Any) -> Gate:
+    """The gate of an HF router replay knows (`FAMILIES`), with its model's settings."""
+    name = type(router).__name__
+
+    def flag(attr: str, default: bool) -> bool:
+        value = getattr(router, attr, None)
+        if value is None and config is not None:
+            value = getattr(config, attr, None)
+        return default if value is None else bool(value)
+
+    if name in _ALWAYS_NORMALISED:
+        return SOFTMAX_NORMALISED
+    if name == "Ernie4_5_MoeTopKRouter":
+        return Gate("softmax", True, True)
+    if name in ("DeepseekV2TopkRouter", "JambaTopKRouter"):
+        return SOFTMAX_PLAIN
+    if name == "MiniMaxM2TopKRouter":
+        return SIGMOID_BIASED
+    if name == "Lfm2MoeTopKRouter":
+        return Gate("sigmoid", flag("norm_topk_prob", False), flag("use_expert_bias", False))
+    if FAMILIES[name].gate == SIGMOID_BIAS_GROUPS:
+        return Gate("sigmoid", flag("norm_topk_prob", False), True)
+    return Gate("softmax", flag("norm_topk_prob", False), False)  # the Qwen / OLMoE kind
 
 
 def router_family(module: nn.Module) -> Family | None:
@@ -148,6 +273,30 @@ def _topk_substituted(substitution: _Substitution) -> Iterator[_Substitution]:
                 torch.Tensor.topk = _ORIGINAL_TENSOR_TOPK  # type: ignore[method-assign]
 
 
+@contextmanager
+def _input_ids_to(model: nn.Module, compare: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """The model's forward hands its `input_ids` (keyword or first argument) to
+    `compare` first, inside the block: a wrapper of the forward it has (an override
+    such as accelerate's included), restored after; cheaper than a forward hook."""
+    previous = model.__dict__.get("forward")
+    original = model.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2 and not ids.is_floating_point():
+            compare(ids)
+        return original(*args, **kwargs)
+
+    model.forward = forward
+    try:
+        yield
+    finally:
+        if previous is None:
+            model.__dict__.pop("forward", None)
+        else:
+            model.forward = previous
+
+
 @dataclass
 class Recorded:
     """Live routes captured per layer, assembled as `[B, T, L, K]` int32."""
@@ -162,8 +311,22 @@ class Recorded:
 
 
 class RouterReplay:
-    def __init__(self, model: nn.Module) -> None:
+    """Replay of r3store's routes in an HF transformers model's known routers.
+
+    `spec` (the namespace's, optional): checked at once against the model (MoE layer
+    count, experts, top-k, and its gate against the spec's `model` when set).
+    `check_tokens` (default on): when the routes carry the token ids stored with them,
+    every replayed forward checks its `input_ids` against them on the device and the
+    block raises `TokenMismatch` at its end naming the trajectory and the first token
+    that differs; routes stored without token ids are replayed unchecked, said once
+    per namespace (`TokensNotChecked`). `check_tokens=False` turns both off.
+    """
+
+    def __init__(
+        self, model: nn.Module, spec: RouteSpec | None = None, *, check_tokens: bool = True
+    ) -> None:
         self.model = model
+        self.check_tokens = check_tokens
         unknown = sorted(
             {
                 type(m).__name__
@@ -185,11 +348,37 @@ class RouterReplay:
                 "routers: replay cannot reach them"
             )
         self.experts = [_experts(r, router_family(r)) for r in self.routers]  # type: ignore[arg-type]
+        config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "get_text_config"):
+            config = config.get_text_config()
+        self.gates = [hf_gate(r, config) for r in self.routers]
+        if spec is not None:
+            self._check(spec)
         self.agreement: list[float] = []
         self._routes: RouteTensors | None = None
         self._recorded: Recorded | None = None
         self._agree: list[tuple[int, int]] = []
         self._calls: list[int] = []
+        self._pending: list[TokenCheck] = []
+        self._compared = 0
+        self._want: torch.Tensor | None = None
+
+    def _check(self, spec: RouteSpec) -> None:
+        problems = []
+        if self.num_layers != spec.num_layers:
+            problems.append(f"{self.num_layers} MoE layers (routes: {spec.num_layers})")
+        experts = sorted(set(self.experts))
+        if experts != [spec.num_experts]:
+            problems.append(f"{'/'.join(map(str, experts))} experts (routes: {spec.num_experts})")
+        top_k = sorted({int(getattr(r, "top_k", spec.top_k)) for r in self.routers})
+        if top_k != [spec.top_k]:
+            problems.append(f"top-k {'/'.join(map(str, top_k))} (routes: {spec.top_k})")
+        if problems:
+            raise ValueError("the model does not match the routes: " + "; ".join(problems))
+        for gate in dict.fromkeys(self.gates):
+            pairs = zip(self.routers, self.gates, strict=True)
+            names = sorted({type(r).__name__ for r, g in pairs if g == gate})
+            check_gate(spec.model, gate, f"its {', '.join(names)}")
 
     @property
     def num_layers(self) -> int:
@@ -210,9 +399,14 @@ class RouterReplay:
                 router.__dict__.pop("forward", None)
 
     @contextmanager
-    def replay(self, routes: RouteTensors | CompactRoutes) -> Iterator[RouterReplay]:
+    def replay(
+        self, routes: RouteTensors | CompactRoutes, input_ids: torch.Tensor | None = None
+    ) -> Iterator[RouterReplay]:
         """Make every MoE layer run the replayed experts for the forward passes inside
-        (compact routes are widened on their device first)."""
+        (compact routes are widened on their device first). With the token check on,
+        the `input_ids` each forward is called with (or `input_ids` given here) are
+        compared with the routes' stored token ids; a mismatch raises at the end of
+        the block (`TokenMismatch`), before any backward that follows it."""
         routes = as_wide(routes)
         if routes.ids.dim() != 4 or routes.ids.shape[2] != self.num_layers:
             raise InvalidRoutes(
@@ -234,21 +428,73 @@ class RouterReplay:
         ]
         if too_big:
             raise InvalidRoutes(f"routes of layers {too_big} name experts the model does not have")
+        checking = self.check_tokens and routes.tokens is not None
+        if self.check_tokens:
+            warn_untokened(routes.tokens, routes.origin)
         self._routes = routes
         self._agree = [(0, 0)] * self.num_layers
         self._calls = [0] * self.num_layers
+        self._pending, self._compared, self._want = [], 0, None
+        if checking and input_ids is not None:
+            self._compare(input_ids)
+        checked = _input_ids_to(self.model, self._compare) if checking else nullcontext()
         try:
-            with self._wrapped(self._replaying):
+            with checked, self._wrapped(self._replaying):
                 yield self
+            self.verify()
             never = [layer for layer, calls in enumerate(self._calls) if calls == 0]
             if never:
                 raise RuntimeError(
                     f"the routers of layers {never} were not called while replaying: something "
                     "(a hub kernel, a custom MoE block) routes around them"
                 )
+            if checking and not self._compared:
+                warn_once(
+                    "no-input-ids",
+                    routes.origin,
+                    "the model was called without input_ids while replaying, so its tokens "
+                    "were not checked against the routes' (pass input_ids= to replay())",
+                )
         finally:
             self._routes = None
+            self._pending = []
             self.agreement = [n / d if d else 1.0 for n, d in self._agree]
+
+    def verify(self) -> None:
+        """Raise `TokenMismatch` if a forward of the current block was given other tokens
+        than the routes' (the end of `replay` does it)."""
+        pending, self._pending = self._pending, []
+        for check in pending:
+            check.verify()
+
+    def _compare(self, input_ids: torch.Tensor) -> None:
+        """Queue the device-side comparison of `input_ids` `[B, T]` with the routes'
+        token ids: routers see the batch flattened row-major, so token `t` of row `b` is
+        routed with the routes of sequence `b`, token `t`."""
+        routes = self._routes
+        assert routes is not None
+        assert routes.tokens is not None
+        want = routes.tokens
+        if tuple(input_ids.shape) != tuple(want.shape):
+            raise InvalidRoutes(
+                f"the input ids are {list(input_ids.shape)}, the routes' stored tokens "
+                f"{list(want.shape)}: the routes must be [B, T, L, K] padded to the input's T"
+            )
+        if self._want is None or self._want.device != input_ids.device:
+            # once per block, where the model runs
+            self._want = want.reshape(-1).to(input_ids.device, non_blocking=True)
+        width = int(want.shape[1])
+        self._pending.append(
+            TokenCheck(
+                self._want,
+                input_ids.reshape(-1),
+                routes.origin,
+                "the batch is padded otherwise (the routes hold each sequence from "
+                "position 0: right padding)",
+                lambda rows: divmod(rows, width),
+            )
+        )
+        self._compared += 1
 
     def _replaying(self, layer: int, original: Callable[..., Any]) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:

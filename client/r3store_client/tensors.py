@@ -14,16 +14,24 @@
 
 Wide ids are int32: the smallest dtype torch indexes with (gather, index_select,
 scatter). Host tensors can be pinned (`pin=True`) for `.to(device, non_blocking=True)`.
+
+Routes read from r3store carry the token ids stored with them (`tokens`, -1 where none
+were stored) and their `Origin` (namespace, trajectory ids), so that the replay paths
+can check, on the device, that the batch they replay into holds the very tokens the
+routes were recorded for (`TokenCheck`) and name the trajectory when it does not.
 """
 
 from __future__ import annotations
 
+import threading
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import numpy as np
+import numpy.typing as npt
 
 from r3store_client.extras import missing
 
@@ -33,6 +41,7 @@ except ImportError as exc:
     raise missing("torch", __name__, "torch") from exc
 
 from r3store import codec
+from r3store.errors import InvalidRoutes
 from r3store.records import Batch, TrajectoryRead
 from r3store.routes import Routes
 from r3store.spec import RouteSpec
@@ -41,19 +50,45 @@ Layout = Literal["padded", "packed"]
 Major = Literal["layer", "token"]
 
 
+@dataclass(frozen=True)
+class Origin:
+    """Where a micro-batch's routes come from: their namespace, the trajectory of each
+    sequence (batch order), and the trajectories stored without token ids for some or
+    all of their tokens (those tokens cannot be checked)."""
+
+    namespace: str | None = None
+    trajectory_ids: tuple[str, ...] = ()
+    untokened: tuple[str, ...] = ()
+
+    def sequence(self, b: int) -> str:
+        """Sequence `b` of the micro-batch, named by its trajectory when known."""
+        if b < len(self.trajectory_ids):
+            return f"trajectory {self.trajectory_ids[b]!r} (sequence {b} of the micro-batch)"
+        return f"sequence {b} of the micro-batch"
+
+    @property
+    def where(self) -> str:
+        return f"namespace {self.namespace!r}" if self.namespace else "routes of no namespace"
+
+
 @dataclass
 class RouteTensors:
     """A micro-batch's routes. `ids`/`valid` are `[B, T, L, K]` (or `[N, L, K]` packed),
-    `lengths` `[B]` tokens per trajectory, `cu_seqlens` `[B + 1]` for packed layouts."""
+    `lengths` `[B]` tokens per trajectory, `cu_seqlens` `[B + 1]` for packed layouts;
+    `tokens` `[B, T]` (or `[N]`) int32, the token ids stored with the routes (-1 where
+    none were, and past each trajectory's end), None when none were stored."""
 
     ids: torch.Tensor
     valid: torch.Tensor
     lengths: torch.Tensor
     cu_seqlens: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
+    origin: Origin = field(default_factory=Origin)
 
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> RouteTensors:
         cu = None if self.cu_seqlens is None else fn(self.cu_seqlens)
-        return RouteTensors(fn(self.ids), fn(self.valid), fn(self.lengths), cu)
+        tokens = None if self.tokens is None else fn(self.tokens)
+        return RouteTensors(fn(self.ids), fn(self.valid), fn(self.lengths), cu, tokens, self.origin)
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> RouteTensors:
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -73,22 +108,29 @@ class RouteTensors:
 class CompactRoutes:
     """A micro-batch's routes as they travel: `ids` `[B, T, L, K]` (or `[N, L, K]`
     packed) in the narrowest dtype, `counts` `[B, T, L]` (or `[N, L]`) uint8 chosen
-    slots (0: no route, and padding). Move it, then `widen()` where it will be used."""
+    slots (0: no route, and padding), `tokens` as in `RouteTensors`. Move it, then
+    `widen()` where it will be used."""
 
     ids: torch.Tensor
     counts: torch.Tensor
     lengths: torch.Tensor
     cu_seqlens: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
+    origin: Origin = field(default_factory=Origin)
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> CompactRoutes:
         def move(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, non_blocking=non_blocking)
 
         cu = None if self.cu_seqlens is None else move(self.cu_seqlens)
-        return CompactRoutes(move(self.ids), move(self.counts), move(self.lengths), cu)
+        tokens = None if self.tokens is None else move(self.tokens)
+        return CompactRoutes(
+            move(self.ids), move(self.counts), move(self.lengths), cu, tokens, self.origin
+        )
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the routes (ids and counts; the token ids are 4 bytes a token more)."""
         return sum(t.numel() * t.element_size() for t in (self.ids, self.counts))
 
     def widen(self) -> RouteTensors:
@@ -107,7 +149,7 @@ class CompactRoutes:
                 spare = [e for e in range(2 * k + len(used)) if e not in used]
                 row[~row_ok] = torch.tensor(spare[: int((~row_ok).sum())], dtype=torch.int32)
             ids[where] = rows.to(ids.device)
-        return RouteTensors(ids, valid, self.lengths, self.cu_seqlens)
+        return RouteTensors(ids, valid, self.lengths, self.cu_seqlens, self.tokens, self.origin)
 
 
 def as_wide(routes: RouteTensors | CompactRoutes) -> RouteTensors:
@@ -133,10 +175,12 @@ def compact(
     pad_to: int | None = None,
     pin: bool = False,
     executor: Executor | None = None,
+    namespace: str | None = None,
 ) -> CompactRoutes:
     """The batch's routes as `CompactRoutes`: each trajectory's segments decoded (from
     their stored streams, or taken as decoded) straight into their place in buffers
-    allocated once, in parallel on `executor`."""
+    allocated once, in parallel on `executor`; with the token ids stored beside them
+    when any were, and their origin (`namespace`, the trajectories' ids)."""
     reads = _reads(batch)
     lengths = [r.num_tokens for r in reads]
     layers, k = spec.num_layers, spec.top_k
@@ -150,10 +194,16 @@ def compact(
     ids = _buffer((rows, *inner, k), compact_dtype(spec), pin)
     counts = _buffer((rows, *inner), torch.uint8, pin)
     ids_np, counts_np = ids.numpy(), counts.numpy()
+    tokens = None
+    if any(_has_tokens(read) for read in reads):
+        tokens = _buffer((rows, width), torch.int32, pin)
+        tokens.fill_(-1)
+    tokens_np = None if tokens is None else tokens.numpy()
+    complete = [True] * len(reads)
 
     def place(b: int) -> None:
         read, row = reads[b], (b if layout == "padded" else 0)
-        for begin, routes in _segment_routes(read, spec):
+        for begin, routes, stored in _segment_routes(read, spec):
             n = routes.layers.shape[1]
             at = slice(offsets[b] + begin, offsets[b] + begin + n)
             source, count = routes.layers, routes.layer_counts
@@ -163,6 +213,11 @@ def compact(
             else:
                 np.copyto(ids_np[row, at], source.transpose(1, 0, 2), casting="unsafe")
                 counts_np[row, at] = k if count is None else count.T
+            if stored is None or tokens_np is None:
+                complete[b] = False
+            else:
+                tokens_np[row, at] = stored
+                complete[b] = complete[b] and not bool((stored < 0).any())
 
     if executor is not None and len(reads) > 1:
         list(executor.map(place, range(len(reads))))
@@ -172,23 +227,43 @@ def compact(
     seen_ids = ids.permute(0, 2, 1, 3) if major == "layer" else ids
     seen_counts = counts.permute(0, 2, 1) if major == "layer" else counts
     sizes = torch.tensor(lengths, dtype=torch.int32)
+    origin = Origin(
+        namespace,
+        tuple(r.trajectory_id for r in reads),
+        tuple(r.trajectory_id for r, whole in zip(reads, complete, strict=True) if not whole),
+    )
     if layout == "packed":
         cu = torch.zeros(len(reads) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(sizes, 0)
-        return CompactRoutes(seen_ids[0], seen_counts[0], sizes, cu)
-    return CompactRoutes(seen_ids, seen_counts, sizes)
+        packed_tokens = None if tokens is None else tokens[0]
+        return CompactRoutes(seen_ids[0], seen_counts[0], sizes, cu, packed_tokens, origin)
+    return CompactRoutes(seen_ids, seen_counts, sizes, None, tokens, origin)
 
 
-def _segment_routes(read: TrajectoryRead, spec: RouteSpec) -> list[tuple[int, Routes]]:
-    """`(first token, routes)` of each segment: decoded here from stored streams, or the
-    routes the read already holds (all segments joined)."""
+def _has_tokens(read: TrajectoryRead) -> bool:
     if read.routes is not None:
-        return [(0, read.routes)]
+        return read.token_ids is not None
+    return any(s.encoded is not None and s.encoded.tokens is not None for s in read.segments)
+
+
+def _segment_routes(
+    read: TrajectoryRead, spec: RouteSpec
+) -> list[tuple[int, Routes, np.ndarray | None]]:
+    """`(first token, routes, token ids)` of each segment: decoded here from stored
+    streams, or what the read already holds (all segments joined)."""
+    if read.routes is not None:
+        return [(0, read.routes, read.token_ids)]
     out = []
     for segment in read.segments:
         if segment.encoded is None:
             raise ValueError(f"{read.trajectory_id}: a read with neither routes nor streams")
-        out.append((segment.start, codec.decode(segment.encoded, spec, segment.num_tokens)))
+        stored = segment.encoded
+        tokens = (
+            None
+            if stored.tokens is None
+            else codec.decode_tokens(stored.tokens, segment.num_tokens)
+        )
+        out.append((segment.start, codec.decode(stored, spec, segment.num_tokens), tokens))
     return out
 
 
@@ -234,3 +309,109 @@ def rank_slice(items: Sequence[str], rank: int, world_size: int) -> list[str]:
 
 def micro_batches(items: Sequence[str], size: int) -> list[list[str]]:
     return [list(items[i : i + size]) for i in range(0, len(items), size)]
+
+
+# ---- the token check: the batch's tokens against the ones stored with the routes
+
+
+class TokensNotChecked(UserWarning):
+    """Routes without stored token ids: replay cannot check they belong to the batch."""
+
+
+class GateNotChecked(UserWarning):
+    """The routes' model is not one whose gate replay knows: the gate is not checked."""
+
+
+class TokenMismatch(InvalidRoutes):
+    """The batch replayed into does not hold the tokens stored with the routes."""
+
+
+_warned: set[tuple[str, str | None]] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_once(
+    kind: str, origin: Origin, message: str, category: type[Warning] = TokensNotChecked
+) -> None:
+    """`message` as a warning of `category`, once per process for each kind of warning
+    and namespace."""
+    key = (kind, origin.namespace)
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(f"{origin.where}: {message}", category, stacklevel=4)
+
+
+def warn_untokened(tokens: torch.Tensor | None, origin: Origin) -> None:
+    """Say once per namespace that routes without token ids are replayed unchecked."""
+    if tokens is not None and not origin.untokened:
+        return
+    if tokens is None:
+        which = "the routes were stored without token ids"
+    else:
+        which = (
+            f"{len(origin.untokened)} of the micro-batch's trajectories (e.g. "
+            f"{origin.untokened[0]!r}) were stored without token ids for some tokens"
+        )
+    warn_once(
+        "untokened",
+        origin,
+        f"{which}, so replay cannot check that the batch holds the tokens they were "
+        "recorded for (the order and layout of the batch rest on the caller); store "
+        "token ids with the routes (TrajectoryWrite(..., token_ids=...)) or pass "
+        "check_tokens=False",
+    )
+
+
+Locate = Callable[[npt.NDArray[np.int64]], tuple[npt.NDArray[Any], npt.NDArray[Any]]]
+
+
+class TokenCheck:
+    """One comparison of the tokens a batch gives its routers (`got`) with the tokens
+    stored with the routes for the same rows (`want`, -1 where none is expected:
+    padding, no token id stored), both of one shape on one device (views welcome:
+    element `n` row-major is router row `n`). It is made where the tensors are, three
+    element-wise kernels and a reduction, and nothing waits for it: on a GPU its
+    one-byte outcome is copied to the host behind them. `verify()` reads the outcome
+    when the host needs it (before backward, at the end of a micro-batch), by then long
+    computed, and raises `TokenMismatch` naming the first sequence of the micro-batch
+    that differs (its trajectory) and its first differing token: `locate(rows)` gives
+    the sequence and position of router rows. `hint` says what to look at in the
+    message."""
+
+    def __init__(
+        self,
+        want: torch.Tensor,
+        got: torch.Tensor,
+        origin: Origin,
+        hint: str,
+        locate: Locate,
+    ) -> None:
+        self.origin, self.hint, self._locate = origin, hint, locate
+        self._want, self._got = want, got
+        self._event: Any = None
+        differs = ((got != want) & (want >= 0)).any()
+        if differs.device.type == "cuda":
+            host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            host.copy_(differs, non_blocking=True)
+            differs, self._event = host, torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._event.record()
+        self._differs = differs
+
+    def verify(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()  # the comparison only, not the work queued after it
+        if not bool(self._differs):
+            return
+        want = self._want.reshape(-1).cpu().numpy()  # a mismatch: the host may wait now
+        got = self._got.reshape(-1).cpu().numpy()
+        rows = np.flatnonzero((got != want) & (want >= 0))
+        sequences, positions = self._locate(rows)
+        first = int(np.lexsort((positions, sequences))[0])
+        row, sequence, position = int(rows[first]), int(sequences[first]), int(positions[first])
+        raise TokenMismatch(
+            f"{self.origin.sequence(sequence)}: token {position} is {int(got[row])} in the "
+            f"batch but {int(want[row])} in the routes stored in {self.origin.where}: the "
+            f"batch's sequences are not the routes' (in another order?) or {self.hint}"
+        )
