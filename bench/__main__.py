@@ -15,6 +15,7 @@ from bench import (
     hardening_bench,
     http_bench,
     memory_bench,
+    replay_bench,
     rest_bench,
 )
 from bench.figures import Figure, print_table, write_json
@@ -27,7 +28,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     parser.add_argument(
-        "--only", default="codec,rest,engine,http,datapath,catalog,memory,hardening,abuse"
+        "--only",
+        default="codec,rest,engine,http,datapath,catalog,memory,hardening,abuse,replay",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -68,6 +70,9 @@ def main() -> None:
         more, detail = abuse_bench.run(quick=args.quick)
         figures += more
         details.update(detail)
+    if "replay" in sections:
+        print("replay (the token check beside none, on the tests' models) ...", flush=True)
+        figures += replay_bench.run(quick=args.quick)
     print()
     print_table(figures)
     write_json(figures, args.out, time.perf_counter() - started, details)
