@@ -147,7 +147,8 @@ def main() -> None:
             ids = [f"sample-{i}" for i in range(args.samples)]
             with RolloutWriter(client, "mismatch") as writer:
                 for i, tid in enumerate(ids):
-                    writer.write(from_topk(tid, recorded.ids[i], args.length))
+                    tokens = inputs[i].numpy().astype("int32")  # replay checks them
+                    writer.write(from_topk(tid, recorded.ids[i], args.length, token_ids=tokens))
             # the trainer: fp32, fetches the routes, runs live and with replay
             routes = TrainerReader(client, "mismatch").fetch(ids)
             replayer = RouterReplay(trainer)
