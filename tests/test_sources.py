@@ -53,7 +53,7 @@ def test_agreement_load_drift_and_predicted_routes_through_the_service(
     seaweed: SeaweedFS, tmp_path: Path
 ) -> None:
     model = tiny("qwen3_moe")
-    replayer = RouterReplay(model)
+    replayer = RouterReplay(model, check_tokens=False)  # routes stored without token ids
     tokens = torch.randint(0, 128, (BATCH, TOKENS), generator=torch.Generator().manual_seed(3))
     with torch.no_grad(), replayer.record() as recorded:
         run(model, tokens)
