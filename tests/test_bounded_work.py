@@ -492,3 +492,20 @@ def test_settling_appends_costs_the_same_however_many_segments_are_held(
     assert len(fresh) == n
     assert all(r.created for r in results.values())
     assert Start.compared[0] <= n, "each segment was compared with every one held"
+
+
+def test_the_largest_body_leaves_room_for_its_rows_under_the_default_share() -> None:
+    from r3store.engine import put_row_bytes
+    from r3store.spec import RouteSpec
+    from r3store_server.api_routes import charge_rows
+    from r3store_server.limits import MemoryBudget
+    from r3store_server.settings import UPLOAD_COST, Settings
+
+    settings = Settings()
+    assert settings.upload_memory_key_bytes >= (UPLOAD_COST + 1) * settings.max_body_bytes
+    budget = MemoryBudget(settings.upload_memory_bytes, per_key=settings.upload_memory_key_bytes)
+    spec = RouteSpec(48, 128, 8)
+    held = budget.reserve(UPLOAD_COST * settings.max_body_bytes, key="writer")
+    rows = settings.max_body_bytes // put_row_bytes(spec)  # as many rows as a body's worth
+    charge_rows(rows, spec, budget, held)  # no 413 for the documented largest upload
+    assert held.nbytes == UPLOAD_COST * settings.max_body_bytes + rows * put_row_bytes(spec)

@@ -422,3 +422,34 @@ def test_token_ids_without_decoding_routes(client: Client, namespace: str) -> No
     assert turns.dtype == np.int32
     assert turns.tolist() == [*range(10), -1, -1, -1, -1, -1]
     assert got["bare"] is None
+
+
+def test_an_upload_the_server_timed_out_as_too_slow_is_sent_again(
+    server: ServerProcess, namespace: str
+) -> None:
+    import httpx
+
+    real = httpx.HTTPTransport()
+    answered: list[int] = []
+
+    class SlowOnce(httpx.BaseTransport):
+        """The first upload meets the 408 a stalled network gets (`R3STORE_BODY_TIMEOUT`);
+        every request goes to the real server."""
+
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            if request.url.path.endswith("/trajectories") and not answered:
+                answered.append(408)
+                body = b'{"error": {"code": "request_timeout", "message": "too slow"}}'
+                return httpx.Response(408, content=body, headers={"connection": "close"})
+            return real.handle_request(request)
+
+        def close(self) -> None:
+            real.close()
+
+    http = httpx.Client(base_url=server.url, transport=SlowOnce(), timeout=30)
+    with Client(server.url, KEYS["admin"], http=http, retry=Retry(attempts=3, backoff=0.05)) as c:
+        [result] = c.put(namespace, [make_write("slow-once")])
+        assert result.created
+        assert answered == [408]
+        assert c.get_batch(namespace, ["slow-once"]).missing == []
+    http.close()

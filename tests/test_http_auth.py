@@ -208,8 +208,10 @@ def test_unknown_keys_from_one_address_are_refused_for_a_while(tmp_path: Path) -
             assert refused.status_code == 429, refused.text
             assert refused.json()["error"]["code"] == "too_many_failures"
             assert 1 <= int(refused.headers["retry-after"]) <= 60
-            # while refused, even a good key from there: guessing is what is slowed down
-            assert get("/v1/namespaces", KEYS["admin"], "10.0.0.1").status_code == 429
+            # a known key from there is still let in: behind a proxy or NAT many clients
+            # share the address, and one stale key must not lock the others out
+            assert get("/v1/namespaces", KEYS["admin"], "10.0.0.1").status_code == 200
+            assert get("/v1/namespaces", bad, "10.0.0.1").status_code == 429
             page = get("/ui", bad, "10.0.0.1")
             assert page.status_code == 429
             assert "retry-after" in page.headers

@@ -63,7 +63,8 @@ from r3store.store.base import ByteRange
 from r3store.streams import fits
 from r3store.wire import CONTENT_TYPE, ReadFormat, decode_batch, encode_writes
 
-RETRY_STATUS = {429, 502, 503, 504}
+# 408: the server gave up on a body that arrived too slowly (a stalled network): sent again
+RETRY_STATUS = {408, 429, 502, 503, 504}
 
 
 class _Replan(Exception):

@@ -104,6 +104,11 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         log.info("catalog: %s", settings.catalog_description())
         if not keyring.enabled:
             log.warning("authentication is OFF (embedded store on a loopback address)")
+        elif settings.ui_secret is None and not settings.loopback_only():
+            log.warning(
+                "R3STORE_UI_SECRET is not set: status-page sessions end when this server "
+                "restarts and do not carry over to other replicas"
+            )
         maintenance = app.state.maintenance = eng.maintenance(
             grace_seconds=settings.maintenance_grace,
             orphan_seconds=settings.maintenance_orphan_age,

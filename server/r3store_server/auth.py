@@ -190,7 +190,9 @@ class KeyRing:
 
     def authenticate(self, presented: str | None, client: str | None = None) -> Principal:
         """The principal of the key `presented` (from the address `client`): 401 without
-        one or for an unknown one, 429 while `client` sent too many unknown keys."""
+        one or for an unknown one, 429 for an unknown one while `client` sent too many
+        unknown keys. A known key is always let in, whatever its address sent before
+        (behind a proxy or NAT many clients share one)."""
         if not self.enabled and not self._turned_on():
             return ANONYMOUS
         if not presented:
@@ -201,12 +203,12 @@ class KeyRing:
         """As `authenticate`, for a key known by its SHA-256 (the status page's session)."""
         if not self.enabled and not self._turned_on():
             return ANONYMOUS
-        self.failures.check(client)
         found = None
         for stored in [*self._keys, *self._catalog_keys()]:  # every key: no early exit
             if hmac.compare_digest(stored.digest, wanted):
                 found = stored.principal
         if found is None:
+            self.failures.check(client)  # 429 once the address sent too many
             self.failures.failed(client)
             raise Unauthorized("unknown API key")
         return found

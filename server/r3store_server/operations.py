@@ -13,8 +13,9 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+from starlette.concurrency import run_in_threadpool
 
-from r3store.errors import R3StoreError, TooManyFailures, Unauthorized
+from r3store.errors import R3StoreError
 from r3store.models import Health
 from r3store_server.auth import Principal
 from r3store_server.deps import (
@@ -51,7 +52,9 @@ async def readyz(
         engine = get_engine(request)
         await Deadline(settings.readiness_timeout).run(engine.ping, what="the readiness probe")
     except R3StoreError as exc:
-        detail = str(exc) if _with_key(request, keys) else _briefly(request, str(exc))
+        # off the event loop: the key ring may refresh its keys from a catalog in trouble
+        known = await run_in_threadpool(_with_key, request, keys)
+        detail = str(exc) if known else _briefly(request, str(exc))
         body = Health(status="unavailable", detail=detail)
         return JSONResponse(body.model_dump(), status_code=503)
     return Health(status="ready")
@@ -65,7 +68,7 @@ def _with_key(request: Request, keys: KeyRingDep) -> bool:
         presented = credentials.strip()
     try:
         keys.authenticate(presented or None, client_address(request))
-    except (Unauthorized, TooManyFailures):
+    except R3StoreError:  # unknown, refused, or the catalog could not say
         return False
     return True
 

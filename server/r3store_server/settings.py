@@ -192,7 +192,9 @@ class Settings(BaseSettings):
         None,
         ge=1 << 20,
         description="the most of the upload memory one API key's uploads may hold at once "
-        "(so one writer cannot starve the others); none: half of R3STORE_UPLOAD_MEMORY_BYTES",
+        "(so one writer cannot starve the others); none: half of R3STORE_UPLOAD_MEMORY_BYTES, "
+        f"or {UPLOAD_COST + 1}x R3STORE_MAX_BODY_BYTES if more (room for the largest body's "
+        "rows beside it), within the budget",
     )
     max_header_bytes: int = Field(
         32 << 10,
@@ -290,10 +292,13 @@ class Settings(BaseSettings):
 
     @property
     def upload_memory_key_bytes(self) -> int:
-        """The upload memory one key may hold: the setting, or half the budget."""
+        """The upload memory one key may hold: the setting, or half the budget, but room
+        for the largest body and as much again for its rows' decoding (`charge_rows`)
+        when the budget has it."""
         if self.upload_memory_per_key is not None:
             return self.upload_memory_per_key
-        return self.upload_memory_bytes // 2
+        roomy = (UPLOAD_COST + 1) * self.max_body_bytes
+        return min(self.upload_memory_bytes, max(self.upload_memory_bytes // 2, roomy))
 
     @property
     def embedded(self) -> bool:
