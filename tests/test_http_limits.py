@@ -130,6 +130,48 @@ def test_every_body_but_an_upload_is_bounded_by_its_route(tmp_path: Path) -> Non
         assert closed
 
 
+def test_a_path_open_without_a_key_takes_no_body_but_the_login_form(tmp_path: Path) -> None:
+    with running(tmp_path, body_timeout="30") as server:
+        big = f"Content-Length: {4 << 20}\r\n"
+        for method, path in [
+            ("POST", "/healthz"),
+            ("GET", "/readyz"),
+            ("POST", "/openapi.json"),
+            ("PUT", "/docs/oauth2-redirect"),
+            ("POST", "/ui/ns"),
+            ("POST", "/ui/login"),  # its form is small
+            ("POST", "/ui/logout"),
+        ]:
+            started = time.monotonic()
+            answer, closed = until_closed(connect(server, head(method, path, big)), 5)
+            assert answer.startswith(b"HTTP/1.1 413 "), (path, answer[:300])
+            assert b'"code":"payload_too_large"' in answer, path
+            assert closed, path  # refused before any of the body was read
+            assert time.monotonic() - started < 2, path
+
+        # streamed: refused at its first bytes, however few
+        sock = connect(server, head("POST", "/healthz", "Transfer-Encoding: chunked\r\n"))
+        sock.sendall(b"1\r\nx\r\n")
+        answer, closed = until_closed(sock, 5)
+        assert answer.startswith(b"HTTP/1.1 413 "), answer[:300]
+        assert closed
+        sock = connect(server, head("POST", "/ui/login", "Transfer-Encoding: chunked\r\n"))
+        with contextlib.suppress(OSError):
+            sock.sendall(b"%x\r\n%s\r\n" % (8192, b"k" * 8192))
+        answer, closed = until_closed(sock, 5)
+        assert answer.startswith(b"HTTP/1.1 413 "), answer[:300]
+
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            assert http.get("/healthz").status_code == 200
+            assert http.post("/healthz", content=b"").status_code != 413
+            origin = {"Origin": server.url}
+            form = {"key": KEYS["reader"], "then": "/ui"}
+            login = http.post("/ui/login", data=form, headers=origin)
+            assert login.status_code == 303, login.text
+            logout = http.post("/ui/logout", data={}, headers=origin)
+            assert logout.status_code == 303, logout.text
+
+
 # 2. headers, slow clients, connections
 
 
@@ -210,6 +252,24 @@ def test_connections_are_bounded(tmp_path: Path) -> None:
         assert refused.status_code == 429
         assert refused.json()["error"]["code"] == "backpressure"
         for sock in busy:
+            sock.close()
+
+
+def test_connections_answered_before_their_body_still_count(tmp_path: Path) -> None:
+    with running(tmp_path, max_connections="16") as server:
+        before = open_files(server)
+        refused = []
+        for _ in range(60):  # each answered 401 (or 429) at once, the body never sent
+            sock = connect(server, head("POST", STATS, f"Content-Length: {1 << 20}\r\n"))
+            sock.settimeout(5)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 4")
+            refused.append(sock)
+        held = open_files(server) - before
+        assert held <= 16, held  # lingering, and counted
+        started = time.monotonic()
+        assert httpx.get(f"{server.url}/healthz", timeout=5).status_code == 200
+        assert time.monotonic() - started < 1
+        for sock in refused:
             sock.close()
 
 

@@ -19,7 +19,11 @@ are in, counting the connections that send nothing among those that are busy).
 - a connection closed after an answer sent before its request's body was read (a 401,
   413 or 429 from `limits.BodyGuard`) lingers: the answer and the end of the stream go
   out, and what the client still sends is read and dropped, for up to `LINGER_SECONDS`
-  and `LINGER_BYTES`, so that the client reads the answer instead of a reset.
+  and `LINGER_BYTES`, so that the client reads the answer instead of a reset. A
+  lingering connection (or one closed while its answer is still being sent) still
+  counts among the `max_connections`, and is the first to close when a new one needs
+  room; at most `max_lingering` linger at once (one more ends the longest lingering),
+  and one whose answer is not read within `LINGER_SECONDS` is aborted.
 
 `protocol(settings, connections)` makes the class for `uvicorn.Config(http=...)`;
 `fit_open_files(connections)` raises the process's open-file limit to hold them.
@@ -58,6 +62,7 @@ class _Lingering:
             self._protocol._linger()
         elif not self._protocol._lingering:
             self._transport.close()
+            self._protocol._closing()
 
     def is_closing(self) -> bool:
         return self._protocol._lingering or self._transport.is_closing()
@@ -75,9 +80,13 @@ class GuardedHttpTools(HttpToolsProtocol):
     max_headers = 100
     header_timeout = 10.0
     max_connections = 1024
+    max_lingering = 256
     # the server's connections waiting for a request, longest waiting first (one order
     # per class `protocol` makes): the next to close when a new one needs room
     waiting_order: ClassVar[OrderedDict[GuardedHttpTools, None]] = OrderedDict()
+    # the server's connections closing (lingering, or sending their last answer) but
+    # still open, longest first: out of uvicorn's `connections`, counted all the same
+    closing_order: ClassVar[OrderedDict[GuardedHttpTools, None]] = OrderedDict()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -100,7 +109,7 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._raw = transport
         super().connection_made(_Lingering(transport, self))  # type: ignore[arg-type]
         self._arm()
-        if len(self.connections) > self.max_connections:
+        if len(self.connections) + len(self.closing_order) > self.max_connections:
             self._make_room()
         if not self.transport.is_closing():
             self.waiting_order[self] = None
@@ -108,6 +117,7 @@ class GuardedHttpTools(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._body_pending = False  # nothing more comes: closing is closing
         self.waiting_order.pop(self, None)
+        self.closing_order.pop(self, None)
         self._disarm()
         if self._linger_timer is not None:
             self._linger_timer.cancel()
@@ -124,10 +134,48 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._disarm()
         if not raw.can_write_eof():
             raw.close()
+            self._closing()
             return
         raw.write_eof()
         raw.resume_reading()
-        self._linger_timer = self.loop.call_later(LINGER_SECONDS, raw.close)
+        lingering = [c for c in self.closing_order if c._lingering]
+        for oldest in lingering[: max(0, len(lingering) + 1 - self.max_lingering)]:
+            oldest._abort()
+        self.closing_order[self] = None
+        self._linger_timer = self.loop.call_later(LINGER_SECONDS, self._end_linger)
+
+    def _end_linger(self) -> None:
+        """Close after lingering: at once if the answer is still not read."""
+        raw = self._raw
+        assert raw is not None
+        if raw.get_write_buffer_size():
+            self._abort()
+        else:
+            raw.close()
+
+    def _closing(self) -> None:
+        """Count a connection closed while its last bytes are still to be sent until it
+        is gone, aborting it if they are not sent within `LINGER_SECONDS`."""
+        raw = self._raw
+        if raw is None or not raw.get_write_buffer_size() or self in self.closing_order:
+            return  # closes at once
+        self.connections.discard(self)
+        self.waiting_order.pop(self, None)
+        self.closing_order[self] = None
+        if self._linger_timer is None:
+            self._linger_timer = self.loop.call_later(LINGER_SECONDS, self._abort)
+
+    def _abort(self) -> None:
+        """Close now, dropping what is still to be sent: counted out at once."""
+        self.closing_order.pop(self, None)
+        self.connections.discard(self)
+        self.waiting_order.pop(self, None)
+        self._disarm()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
+        if self._raw is not None:
+            self._raw.abort()
 
     def eof_received(self) -> None:
         if self._lingering and self._raw is not None:
@@ -139,13 +187,17 @@ class GuardedHttpTools(HttpToolsProtocol):
         return self._waiting and not busy and not self.pipeline and not self.transport.is_closing()
 
     def _make_room(self) -> None:
-        """Close the connection that has waited longest for a request, or refuse this
-        one when every other is busy with a request."""
+        """Close the connection closing longest (lingering, or sending a last answer),
+        else the one that has waited longest for a request, or refuse this one when
+        every other is busy with a request."""
+        if self.closing_order:  # the first to go: lingering, or sending a last answer
+            next(iter(self.closing_order))._abort()
+            return
         order = self.waiting_order
         while order:
             oldest, _ = order.popitem(last=False)
             if oldest is not self and oldest._idle():
-                oldest._close()
+                oldest._abort()  # nothing to send: an answer not read yet is dropped
                 return
         message = f"the server holds its most connections ({self.max_connections}), all busy"
         self._answer(429, Backpressure.code, f"{message}: retry later", retry_after=True)
@@ -269,8 +321,13 @@ def protocol(settings: Settings, connections: int) -> type[GuardedHttpTools]:
         "max_headers": settings.max_headers,
         "header_timeout": settings.header_timeout,
         "max_connections": connections,
+        "max_lingering": max(1, connections // 4),
     }
-    return type("GuardedHttpTools", (GuardedHttpTools,), {**limits, "waiting_order": OrderedDict()})
+    orders: dict[str, OrderedDict[GuardedHttpTools, None]] = {
+        "waiting_order": OrderedDict(),
+        "closing_order": OrderedDict(),
+    }
+    return type("GuardedHttpTools", (GuardedHttpTools,), {**limits, **orders})
 
 
 def fit_open_files(connections: int) -> int:

@@ -12,7 +12,9 @@ declares large bodies and sends them slowly (or never) cannot starve the others.
 `BodyGuard` checks the key of a request with a body before any of it is read (401,
 connection closed), then bounds every body by route: the upload route (matched
 exactly) reads its own, every other body (the JSON of the control plane, or a path
-that does not exist) is capped at `JSON_BODY_BYTES`, declared or streamed. Every body
+that does not exist) is capped at `JSON_BODY_BYTES`, declared or streamed. A path
+open without a key takes no body (413 before any is read), but for the forms of /ui's
+login and logout, of `OPEN_BODY_BYTES` at most. Every body
 must keep arriving (`BodyClock`: a grace period plus a minimum rate), else 408
 `request_timeout`. An answer sent before its request's body was read closes the
 connection, so the rest of the body is not read either.
@@ -266,6 +268,9 @@ class BodyClock:
 
 
 OPEN_PATHS = ("/healthz", "/readyz", "/openapi.json", "/docs", "/ui")  # /ui: its own login
+# the only bodies sent without a key: the /ui forms (a key and a page, `ui._LOGIN_BYTES`)
+OPEN_BODIES = frozenset({("POST", "/ui/login"), ("POST", "/ui/logout")})
+OPEN_BODY_BYTES = 4096
 
 
 def is_open(path: str) -> bool:
@@ -290,7 +295,8 @@ def presented_key(headers: list[tuple[bytes, bytes]]) -> str | None:
 
 class BodyGuard:
     """ASGI middleware bounding request bodies (the module's docstring): `keyring`
-    authenticates a request with a body before it is read (paths that need a key);
+    authenticates a request with a body before it is read (paths that need a key;
+    the open ones take no body, but for `OPEN_BODIES` of `OPEN_BODY_BYTES`);
     `is_upload(method, path)` names the upload route, which reads (and limits) its own
     body; every other body may carry `limit` bytes; every body keeps to a `BodyClock`
     of `grace` seconds and `rate` bytes per second."""
@@ -333,7 +339,10 @@ class BodyGuard:
                 message = {**message, "headers": [*message.get("headers", []), CLOSE]}
             await send(message)
 
-        if not is_open(scope["path"]):
+        limit = self.limit
+        if is_open(scope["path"]):  # no key to check: no body, but for the login form
+            limit = OPEN_BODY_BYTES if (scope["method"], scope["path"]) in OPEN_BODIES else 0
+        else:
             client = scope.get("client")
             try:
                 await anyio.to_thread.run_sync(
@@ -356,8 +365,8 @@ class BodyGuard:
         if self.is_upload(scope["method"], scope["path"]):
             await self.app(scope, timed, closing)
             return
-        if declared is not None and declared > self.limit:
-            why = f"the body has {declared} bytes; the limit is {self.limit} bytes"
+        if declared is not None and declared > limit:
+            why = f"the body has {declared} bytes; the limit is {limit} bytes"
             await _refuse(413, PayloadTooLarge.code, why, scope, closing)
             return
         chunks: list[bytes] = []
@@ -368,8 +377,8 @@ class BodyGuard:
                 if message["type"] != "http.request":
                     break
                 size += len(message.get("body", b""))
-                if size > self.limit:
-                    why = f"the body exceeds the limit of {self.limit} bytes"
+                if size > limit:
+                    why = f"the body exceeds the limit of {limit} bytes"
                     await _refuse(413, PayloadTooLarge.code, why, scope, closing)
                     return
                 chunks.append(message.get("body", b""))
