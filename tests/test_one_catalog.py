@@ -130,27 +130,42 @@ def test_a_second_catalog_on_the_same_bucket_deletes_nothing(
         server.stop()
 
 
-def test_a_catalog_restored_from_a_backup_deletes_nothing_newer(
-    tmp_path: Path, seaweed: SeaweedFS
-) -> None:
+def _bound_engine(tmp_path: Path, seaweed: SeaweedFS) -> tuple[Engine, str, str]:
+    """A new bound engine on a fresh prefix with a SQLite catalog, namespace `ns` made."""
     prefix = f"t-{uuid.uuid4().hex[:16]}"
     url = f"sqlite:///{tmp_path / 'catalog.db'}"
     engine = Engine(seaweed.new_store(prefix), Catalog(url))
     engine.bind(create=True)
     engine.create_namespace("ns", SPEC)
-    items = list(WRITES.values())
-    for write in items[:4]:
-        engine.put("ns", [write])
-    live, backup = sqlite3.connect(tmp_path / "catalog.db"), sqlite3.connect(tmp_path / "b.db")
-    live.backup(backup)
+    return engine, prefix, url
+
+
+def _backup(tmp_path: Path) -> None:
+    """The catalog copied as a backup tool would (SQLite's online backup)."""
+    live, copy = sqlite3.connect(tmp_path / "catalog.db"), sqlite3.connect(tmp_path / "b.db")
+    live.backup(copy)
     live.close()
-    backup.close()
-    for write in items[4:]:
-        engine.put("ns", [write])
-    engine.close()
+    copy.close()
+
+
+def _restore(tmp_path: Path) -> None:
     shutil.copy(tmp_path / "b.db", tmp_path / "catalog.db")
     for suffix in ("-wal", "-shm"):
         (tmp_path / f"catalog.db{suffix}").unlink(missing_ok=True)
+
+
+def test_a_catalog_restored_from_a_backup_deletes_nothing_newer(
+    tmp_path: Path, seaweed: SeaweedFS
+) -> None:
+    engine, prefix, url = _bound_engine(tmp_path, seaweed)
+    items = list(WRITES.values())
+    for write in items[:4]:
+        engine.put("ns", [write])
+    _backup(tmp_path)
+    for write in items[4:]:
+        engine.put("ns", [write])
+    engine.close()
+    _restore(tmp_path)
 
     restored = Engine(seaweed.new_store(prefix), Catalog(url))
     restored.bind(create=False)  # the same catalog, older
@@ -332,20 +347,13 @@ def test_presigned_urls_name_the_endpoint_trainers_reach() -> None:
 def test_a_backup_taken_while_an_upload_was_pending_is_refused_until_rebuilt(
     tmp_path: Path, seaweed: SeaweedFS
 ) -> None:
-    prefix = f"t-{uuid.uuid4().hex[:16]}"
-    url = f"sqlite:///{tmp_path / 'catalog.db'}"
-    engine = Engine(seaweed.new_store(prefix), Catalog(url))
-    engine.bind(create=True)
-    engine.create_namespace("ns", SPEC)
+    engine, prefix, url = _bound_engine(tmp_path, seaweed)
     catalog = engine._catalog
     real = catalog.commit_shard
 
     def backup_first(*args: object, **kwargs: object) -> None:
         # the backup sees the upload planned and its object stored, not its commit
-        live, copy = sqlite3.connect(tmp_path / "catalog.db"), sqlite3.connect(tmp_path / "b.db")
-        live.backup(copy)
-        live.close()
-        copy.close()
+        _backup(tmp_path)
         catalog.commit_shard = real  # type: ignore[method-assign]
         real(*args, **kwargs)  # type: ignore[arg-type]
 
@@ -353,9 +361,7 @@ def test_a_backup_taken_while_an_upload_was_pending_is_refused_until_rebuilt(
     engine.put("ns", [WRITES["t0"]])  # acknowledged
     engine.maintenance().run()  # a pass after the backup counts the generation up
     engine.close()
-    shutil.copy(tmp_path / "b.db", tmp_path / "catalog.db")
-    for suffix in ("-wal", "-shm"):
-        (tmp_path / f"catalog.db{suffix}").unlink(missing_ok=True)
+    _restore(tmp_path)
 
     restored = Engine(seaweed.new_store(prefix), Catalog(url))
     try:
