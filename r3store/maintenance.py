@@ -100,6 +100,7 @@ class MaintenanceReport:
     orphans_deleted: int = 0  # uploads this catalog planned and never committed
     tombstones_deleted: int = 0
     unknown_objects: int = 0  # objects this catalog did not make: left alone
+    catalog_behind: int = 0  # passes that deleted nothing: the catalog is behind its store
     shards_merged: int = 0  # shards rewritten at rest (merged into `shards_at_rest`)
     shards_at_rest: int = 0
     rest_bytes_saved: int = 0  # route bytes, before minus after
@@ -166,6 +167,7 @@ class Maintenance:
             "objects_deleted",
             "orphans_deleted",
             "unknown_objects",
+            "catalog_behind",
         ):
             setattr(self.totals, name, getattr(self.totals, name) + getattr(report, name))
         self.totals.live_bytes, self.totals.dead_bytes = report.live_bytes, report.dead_bytes
@@ -218,15 +220,23 @@ class Maintenance:
         for done, usage in enumerate(usages, start=1):
             if progress is not None:
                 progress(done, len(usages))
-            if usage.live_rows == 0:
+            todo = self._compaction(usage)
+            if todo == RETIRE:
                 if self.catalog.retire_empty(usage.key, now):
                     report.shards_retired += 1
-            elif usage.live_fraction < self.compact_below:
+            elif todo == COMPACT:
                 try:
                     self._rewrite(usage.key, usage.namespace, now)
                     report.shards_compacted += 1
                 except R3StoreError as exc:  # left as it was; the next pass tries again
                     log.warning("compaction of %s failed: %s", usage.key, exc)
+
+    def _compaction(self, usage: ShardUsage) -> str | None:
+        """What compaction does with a live shard: RETIRE (no row points at it), COMPACT
+        (its live bytes fell below `compact_below`), or nothing."""
+        if usage.live_rows == 0:
+            return RETIRE
+        return COMPACT if usage.live_fraction < self.compact_below else None
 
     def _rewrite(self, key: str, namespace: str, now: float) -> None:
         new_key = self._plan(namespace)
@@ -409,8 +419,12 @@ class Maintenance:
         if found is not None and held and found[1] == version:
             return self._dictionaries.get(namespace, found[0])
         trained = rest.train(rest.samples(spec, cold))
-        if trained is not None:
-            self.catalog.record_dictionary(namespace, trained.digest, version, self.clock())
+        # recorded before it is stored; one being deleted right now (the same bytes
+        # trained before) is not used
+        now = self.clock()
+        if trained is not None and self.catalog.record_dictionary(
+            namespace, trained.digest, version, now
+        ):
             with contextlib.suppress(ObjectExists):  # named by content: the same bytes
                 self.store.put_if_absent(dictionary_key(namespace, trained.digest), trained.data)
             self._dictionaries.add(namespace, trained)
@@ -422,12 +436,11 @@ class Maintenance:
         """Delete what `collectible` names, each deletion logged; objects this catalog
         did not make are left alone and reported (`unknown_objects`). A catalog older
         than its store (`binding.behind`) deletes nothing."""
-        stale = binding.behind(self.store, self.catalog)
-        if stale is not None:
-            log.error("maintenance deletes nothing: %s", stale)
-            report.unknown_objects += 1
-            return
         found = self.collectible()
+        if found.behind is not None:
+            log.error("maintenance deletes nothing: %s", found.behind)
+            report.catalog_behind += 1
+            return
         for deletion in found.deletions:
             if not self._claim(deletion):
                 continue  # a commit or another pass took it meanwhile
@@ -476,10 +489,12 @@ class Maintenance:
 
     def collectible(self) -> Collectible:
         """What collection would delete now, and why; changes nothing (`r3store maintain
-        --dry-run` shows it)."""
+        --dry-run` shows it). Nothing, and why, for a catalog older than its store."""
         now = self.clock()
         cutoff, orphaned = now - self.grace_seconds, now - self.orphan_seconds
-        found = Collectible()
+        found = Collectible(behind=binding.behind(self.store, self.catalog))
+        if found.behind is not None:
+            return found
         for key in self.catalog.retired_before(cutoff):
             found.deletions.append(Deletion(key, RETIRED, "retired for over the grace"))
         known = self.catalog.shard_keys()
@@ -512,7 +527,9 @@ class Maintenance:
             )
         recorded = self.catalog.dictionary_keys()
         found.unknown += [
-            info.key for info in self.store.list(DICTIONARY_PREFIX) if info.key not in recorded
+            info.key
+            for info in self.store.list(DICTIONARY_PREFIX)
+            if info.key not in recorded and info.key not in pending
         ]
         # a tombstone matters while an object that may hold its segments exists: a shard
         # it names, or a maintenance upload of its namespace not committed (which may
@@ -539,17 +556,20 @@ class Maintenance:
             if victims:
                 preview.retention[info.name] = victims
         for usage in self.catalog.shard_usage():
-            if usage.live_rows == 0:
+            todo = self._compaction(usage)
+            if todo == RETIRE:
                 preview.retire.append(usage.key)
-            elif usage.live_fraction < self.compact_below:
+            elif todo == COMPACT:
                 preview.compact.append(usage.key)
         preview.rest = [[u.key for u in batch] for batch in self._rest_batches()]
         found = self.collectible()
         preview.delete = [(d.key, d.why) for d in found.deletions]
         preview.unknown = found.unknown
+        preview.behind = found.behind
         return preview
 
 
+RETIRE, COMPACT = "retire", "compact"
 RETIRED, ORPHAN, DICTIONARY, TOMBSTONE = "retired", "orphan", "dictionary", "tombstone"
 DELETING = "deleting"
 
@@ -567,6 +587,7 @@ class Collectible:
     deletions: list[Deletion] = field(default_factory=list)
     unknown: list[str] = field(default_factory=list)  # objects this catalog did not make
     stale_plans: list[str] = field(default_factory=list)  # planned, never uploaded
+    behind: str | None = None  # why this catalog is older than its store: deletes nothing
 
 
 @dataclass
@@ -579,3 +600,4 @@ class MaintenancePreview:
     rest: list[list[str]] = field(default_factory=list)  # shards merged into one, each
     delete: list[tuple[str, str]] = field(default_factory=list)  # (key, why)
     unknown: list[str] = field(default_factory=list)  # left alone: not this catalog's
+    behind: str | None = None  # why nothing would be deleted (a catalog behind its store)

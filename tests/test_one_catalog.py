@@ -370,8 +370,14 @@ def test_a_backup_taken_while_an_upload_was_pending_is_refused_until_rebuilt(
         # a pass anyway (the library, unbound) deletes nothing: the planned upload,
         # committed after the backup, stays
         assert restored._catalog.pending_uploads() != []
-        report = restored.maintenance(orphan_seconds=0, grace_seconds=0).run()
+        sweep = restored.maintenance(orphan_seconds=0, grace_seconds=0)
+        preview = sweep.preview()
+        assert preview.delete == []
+        assert preview.behind is not None
+        assert "restored from a backup" in preview.behind
+        report = sweep.run()
         assert report.orphans_deleted == 0
+        assert report.catalog_behind == 1
         assert len(list(seaweed.new_store(prefix).list(SHARD_PREFIX))) == 1
         restored.rebuild()
         assert restored.bind(create=False)

@@ -633,6 +633,7 @@ def maintain(engine: Engine, args: argparse.Namespace) -> Any:
         "merge_at_rest": preview.rest,
         "delete": [{"key": key, "why": why} for key, why in preview.delete],
         "left_alone": preview.unknown,
+        "deletes_nothing_because": preview.behind,
     }
 
 
