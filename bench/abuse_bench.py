@@ -349,13 +349,12 @@ def version_bomb(server: Server) -> dict[str, Any]:
     return out
 
 
-def many_rows(server: Server) -> dict[str, Any]:
-    topk = np.broadcast_to(np.arange(8, dtype=np.uint8), (1, 48, 8))
-    body = encode_writes([TrajectoryWrite(f"r{i}", 2, topk=topk) for i in range(100_000)])
+def _timed_upload(server: Server, namespace: str, body: bytes) -> dict[str, Any]:
+    """One writer's upload of `body`: its size, the answer's status and how long it took."""
     with httpx.Client(base_url=server.url, timeout=120) as http:
         started = time.perf_counter()
         r = http.post(
-            "/v1/namespaces/large/trajectories",
+            f"/v1/namespaces/{namespace}/trajectories",
             content=body,
             headers={**_auth("writer"), "Content-Type": CONTENT_TYPE},
         )
@@ -364,6 +363,12 @@ def many_rows(server: Server) -> dict[str, Any]:
             "answer": r.status_code,
             "s": round(time.perf_counter() - started, 2),
         }
+
+
+def many_rows(server: Server) -> dict[str, Any]:
+    topk = np.broadcast_to(np.arange(8, dtype=np.uint8), (1, 48, 8))
+    body = encode_writes([TrajectoryWrite(f"r{i}", 2, topk=topk) for i in range(100_000)])
+    return _timed_upload(server, "large", body)
 
 
 def amplified_reads(server: Server) -> dict[str, Any]:
@@ -398,18 +403,7 @@ def wide_schema(server: Server) -> dict[str, Any]:
     with pa.ipc.new_stream(sink, table.schema) as stream:
         stream.write_table(table)
     body = sink.getvalue().to_pybytes()
-    with httpx.Client(base_url=server.url, timeout=120) as http:
-        started = time.perf_counter()
-        r = http.post(
-            "/v1/namespaces/ns/trajectories",
-            content=body,
-            headers={**_auth("writer"), "Content-Type": CONTENT_TYPE},
-        )
-        return {
-            "body MB": round(len(body) / 1e6, 1),
-            "answer": r.status_code,
-            "s": round(time.perf_counter() - started, 2),
-        }
+    return _timed_upload(server, "ns", body)
 
 
 def planted_group(server: Server) -> dict[str, Any]:

@@ -116,6 +116,22 @@ def _settle_down(engine: Engine) -> None:
         engine.maintenance(cold_seconds=0, grace_seconds=0, orphan_seconds=0).run()
 
 
+def _stay_dropped(
+    engine: Engine,
+    make_engine: MakeEngine,
+    store: ObjectStore,
+    dropped: list[TrajectoryWrite],
+    live: dict[str, TrajectoryWrite],
+) -> None:
+    """After passes settle: the live rows read back exactly, the dropped ones are gone,
+    from the catalog and from a rebuild of the store alike."""
+    _settle_down(engine)
+    gone = [w.trajectory_id for w in dropped]
+    for reading in (engine, _rebuilt(engine, make_engine, store)):
+        _exact(reading, "ns", live)
+        assert reading.get_batch("ns", gone).missing == gone
+
+
 def test_rows_retention_drops_while_a_rest_pass_copies_them_stay_dropped(
     store: ObjectStore, make_engine: MakeEngine
 ) -> None:
@@ -131,12 +147,7 @@ def test_rows_retention_drops_while_a_rest_pass_copies_them_stay_dropped(
     assert ran
     assert ran[0].trajectories_dropped == 8
     assert report.shards_at_rest == 0, "rows dropped meanwhile: the switch is refused"
-    _settle_down(engine)
-    _exact(engine, "ns", live)
-    rebuilt = _rebuilt(engine, make_engine, store)
-    _exact(rebuilt, "ns", live)
-    gone = [w.trajectory_id for w in dropped]
-    assert rebuilt.get_batch("ns", gone).missing == gone
+    _stay_dropped(engine, make_engine, store, dropped, live)
 
 
 def test_rows_a_rest_pass_moved_while_retention_drops_them_stay_dropped(
@@ -154,14 +165,8 @@ def test_rows_a_rest_pass_moved_while_retention_drops_them_stay_dropped(
     y.run()
     assert ran
     assert moved.shards_at_rest == 1
-    _settle_down(engine)  # the moved rows are dropped again, with a tombstone naming them
-    _exact(engine, "ns", live)
-    gone = [w.trajectory_id for w in dropped]
-    assert engine.get_batch("ns", gone).missing == gone
-    rebuilt = _rebuilt(engine, make_engine, store)
-    _exact(rebuilt, "ns", live)
-    gone = [w.trajectory_id for w in dropped]
-    assert rebuilt.get_batch("ns", gone).missing == gone
+    # the moved rows are dropped again, with a tombstone naming them
+    _stay_dropped(engine, make_engine, store, dropped, live)
 
 
 def test_an_orphan_collected_while_its_commit_is_under_way_is_not_committed(
