@@ -14,6 +14,7 @@
     │   └── ObjectNotFound       an object store key that does not exist
     ├── Conflict                 the same id with other content, or an existing name
     │   └── ObjectExists         a create-only put whose key already exists
+    ├── RefMismatch              a route ref whose content is no longer stored as named
     ├── StalePolicy              routes older than the namespace's staleness window
     ├── Backpressure             the write buffer is full; retry later
     ├── RequestTimeout           a request's headers or body did not arrive in time
@@ -92,6 +93,14 @@ class Conflict(R3StoreError):
 
 class ObjectExists(Conflict):
     code = "object_exists"
+
+
+class RefMismatch(R3StoreError):
+    """A route ref that no longer names what it did: its trajectory deleted (retention),
+    rewritten, cut into other segments, or the ref altered. Never resolved to other
+    routes; the message names the ref."""
+
+    code = "ref_mismatch"
 
 
 class StalePolicy(R3StoreError):

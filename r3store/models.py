@@ -13,6 +13,7 @@ from r3store.catalog_types import NamespaceInfo
 from r3store.errors import InvalidInput
 from r3store.plans import PlannedDictionary, PlannedObject, PlannedSegment, ReadPlan
 from r3store.policy import ENGINE, MAX_POLICY_VERSION, NamespaceSettings, Source
+from r3store.records import PutResult
 from r3store.sampling import Strategy
 from r3store.shard import RouteSpans, Span
 from r3store.spec import MAX_EXPERTS, MAX_LAYERS, MAX_TOP_K, RouteSpec
@@ -102,6 +103,34 @@ class PutItem(BaseModel):
     start: int
     created: bool = Field(description="false: already stored with the same content")
     source: Source = ENGINE
+    num_tokens: int = Field(0, description="the segment's tokens")
+    policy_version: int = Field(0, description="the segment's policy version (as stored)")
+    digest: str = Field(
+        "", description="the segment's content digest, 32 hex digits: what a route ref names"
+    )
+
+    @classmethod
+    def of(cls, result: PutResult) -> PutItem:
+        return cls(
+            trajectory_id=result.trajectory_id,
+            start=result.start,
+            created=result.created,
+            source=result.source,
+            num_tokens=result.num_tokens,
+            policy_version=result.policy_version,
+            digest=result.digest.hex(),
+        )
+
+    def result(self) -> PutResult:
+        return PutResult(
+            self.trajectory_id,
+            self.created,
+            self.start,
+            self.source,
+            self.num_tokens,
+            self.policy_version,
+            bytes.fromhex(self.digest),
+        )
 
 
 class PutResponse(BaseModel):

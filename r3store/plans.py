@@ -158,11 +158,11 @@ def read_of(
             for seg, s in zip(segments, encoded, strict=True)
         ]
     if not decode and all(codec.self_contained(s) for s in encoded):
-        reads = [SegmentRead(*seg, s) for seg, s in zip(segments, encoded, strict=True)]
+        reads = [SegmentRead(*seg, s, s.digest) for seg, s in zip(segments, encoded, strict=True)]
         return assemble(reads, identity, source=source)
 
     return assemble(
-        [SegmentRead(*seg, None) for seg in segments],
+        [SegmentRead(*seg, None, s.digest) for seg, s in zip(segments, encoded, strict=True)],
         identity,
         [
             codec.decode(s, spec, seg[1], dictionary(s.dictionary))

@@ -203,10 +203,17 @@ def settle(write_id: str, start: int, digest: bytes, stored: Sequence[Segment] |
 
 @dataclass(frozen=True)
 class PutResult:
+    """One acknowledged segment: `created` False when it was already stored with the
+    same content. `ref`, on the client, names it (`r3store.refs.RouteRef`)."""
+
     trajectory_id: str
     created: bool  # False: it was already stored with the same content
     start: int = 0
     source: Source = ENGINE
+    num_tokens: int = 0
+    policy_version: int = 0
+    digest: bytes = b""  # the segment's content digest (`codec.content_digest`)
+    ref: Any = None  # a `RouteRef`, filled in by the client
 
 
 @dataclass(frozen=True)
@@ -217,6 +224,7 @@ class SegmentRead:
     num_tokens: int
     policy_version: int
     encoded: EncodedRoutes | None = None
+    digest: bytes = b""  # the stored content digest, when the read carries it
 
 
 @dataclass(frozen=True)

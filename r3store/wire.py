@@ -377,6 +377,7 @@ def encode_batch(
             "route_order",
             "token_ids",
             "source",
+            "digest",
         )
     }
     seen: set[str] = set()
@@ -395,6 +396,7 @@ def encode_batch(
             cols["group_id"].append(item.group_id)
             cols["prompt_len"].append(item.prompt_len)
             cols["source"].append(item.source)
+            cols["digest"].append(segment.digest or stored.digest)
             if stop is not None and stop():
                 raise StoreError("the read was answered before its routes were encoded")
             if fmt is ReadFormat.ENCODED:
@@ -432,6 +434,7 @@ def encode_batch(
             "route_order": pa.array(cols["route_order"], pa.large_binary()),
             "token_ids": pa.array(cols["token_ids"], pa.large_binary()),
             "source": pa.array(cols["source"], pa.string()),
+            "digest": pa.array(cols["digest"], pa.binary()),
         }
     )
     meta = {
@@ -484,6 +487,7 @@ def _trajectory(
     segments, parts, tokens = [], [], []
     for row in rows:
         n = row["num_tokens"]
+        digest = row.get("digest") or b""
         stored = None
         if fmt is ReadFormat.ENCODED:
             if row["route_transform"] not in set(Transform):
@@ -493,10 +497,10 @@ def _trajectory(
                 row["route_counts"],
                 row["route_order"],
                 Transform(row["route_transform"]),
-                b"",
+                digest,
                 row["token_ids"],
             )
-        segments.append(SegmentRead(row["start"], n, row["policy_version"], stored))
+        segments.append(SegmentRead(row["start"], n, row["policy_version"], stored, digest))
         if not decode:
             continue
         blob = row["token_ids"]

@@ -115,8 +115,21 @@ def settle_rows(
         if created:
             segments.add(as_segment(row))
             fresh.append(row)
-        results[row_key(row)] = PutResult(row.trajectory_id, created, row.start, row.source)
+        results[row_key(row)] = result_of(row, created)
     return fresh, results
+
+
+def result_of(row: ShardRow, created: bool) -> PutResult:
+    """What a put answers for `row` (stored now, or `created` False: stored before)."""
+    return PutResult(
+        row.trajectory_id,
+        created,
+        row.start,
+        row.source,
+        row.num_tokens,
+        row.policy_version,
+        row.digest,
+    )
 
 
 def load_records(namespace: str, key: str, rows: Sequence[ShardRow]) -> list[LoadRecord]:

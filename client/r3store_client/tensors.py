@@ -28,7 +28,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -46,6 +46,7 @@ from r3store.records import Batch, TrajectoryRead
 from r3store.routes import Routes
 from r3store.spec import RouteSpec
 
+T = TypeVar("T")
 Layout = Literal["padded", "packed"]
 Major = Literal["layer", "token"]
 
@@ -297,7 +298,7 @@ def dense_masks(batch: Batch, spec: RouteSpec, pad_to: int | None = None) -> tor
     return out
 
 
-def rank_slice(items: Sequence[str], rank: int, world_size: int) -> list[str]:
+def rank_slice(items: Sequence[T], rank: int, world_size: int) -> list[T]:
     """This data-parallel rank's share of a global batch: contiguous and balanced
     (sizes differ by at most one), so no rank needs the others' routes."""
     if not 0 <= rank < world_size:
@@ -307,7 +308,7 @@ def rank_slice(items: Sequence[str], rank: int, world_size: int) -> list[str]:
     return list(items[start : start + per + (1 if rank < extra else 0)])
 
 
-def micro_batches(items: Sequence[str], size: int) -> list[list[str]]:
+def micro_batches(items: Sequence[T], size: int) -> list[list[T]]:
     return [list(items[i : i + size]) for i in range(0, len(items), size)]
 
 

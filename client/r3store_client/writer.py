@@ -2,17 +2,20 @@
 
     with RolloutWriter(client, "run1") as writer:
         for out in engine_outputs:
-            writer.write(from_sglang(out.id, out.meta_info, out.total_tokens, 48, 8))
+            acked = writer.write(from_sglang(out.id, out.meta_info, out.total_tokens, 48, 8))
+            refs.append(acked)  # a Future: its result is the route ref, once stored
     # leaving the block flushes; writer.report says what was sent and what was not
 
 Memory is bounded by `max_pending_bytes`: `write` then blocks (or raises `Backpressure`
 with `block=False`). A batch the server refuses as bad input is sent again trajectory by
-trajectory, so one bad trajectory does not sink the others; those refused are reported.
-While the server is unreachable the writer keeps its batch and retries with backoff;
-uploads are idempotent, so nothing is stored twice. The first failure of a run of them
-is logged as a WARNING (each retry after it at INFO), and so is the recovery, with how
-long uploads failed and how many attempts failed. Whatever is still unsent when
-`close(timeout)` gives up is reported, never dropped silently.
+trajectory, so one bad trajectory does not sink the others; those refused are reported
+(and their futures raise the refusal). While the server is unreachable the writer keeps
+its batch and retries with backoff; uploads are idempotent, so nothing is stored twice.
+The first failure of a run of them is logged as a WARNING (each retry after it at INFO),
+and so is the recovery, with how long uploads failed and how many attempts failed.
+Whatever is still unsent when `close(timeout)` gives up is reported, never dropped
+silently. How a batch is delivered (`Delivery`) is shared with `AsyncRolloutWriter`
+(`r3store_client.aio`); only the waiting differs.
 """
 
 from __future__ import annotations
@@ -21,12 +24,16 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
 from r3store.errors import Backpressure, InvalidInput, R3StoreError, StoreError
-from r3store.records import TrajectoryWrite
+from r3store.records import PutResult, TrajectoryWrite
+from r3store.refs import RouteRef
 from r3store_client.client import Client
 
 log = logging.getLogger("r3store.client")
@@ -39,9 +46,147 @@ class WriterReport:
     unsent: list[str] = field(default_factory=list)  # still queued when closed
 
 
-def _nbytes(write: TrajectoryWrite) -> int:
+def write_size(write: TrajectoryWrite) -> int:
+    """What a queued write counts against `max_pending_bytes`."""
     routes = write.topk if write.topk is not None else write.mask
     return int(np.asarray(routes).nbytes) + 256
+
+
+class Settled(Protocol):
+    """A future either writer hands out (`concurrent.futures` or `asyncio`)."""
+
+    def done(self) -> bool: ...
+    def set_result(self, result: RouteRef, /) -> None: ...
+    def set_exception(self, exception: BaseException, /) -> None: ...
+
+
+F = TypeVar("F", bound=Settled)
+
+
+@dataclass
+class Pending(Generic[F]):
+    write: TrajectoryWrite
+    size: int
+    future: F
+
+    def settle(self, result: RouteRef | BaseException) -> None:
+        if self.future.done():  # given up on by its caller
+            return
+        if isinstance(result, BaseException):
+            self.future.set_exception(result)
+        else:
+            self.future.set_result(result)
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """Upload these writes (answered with the put's results, or its error thrown in)."""
+
+    writes: list[TrajectoryWrite]
+
+
+@dataclass(frozen=True)
+class Pause:
+    """Wait before trying again (a wait that closing the writer cuts short)."""
+
+    seconds: float
+
+
+class Delivery:
+    """What both writers share: the report, the logging of failures and recoveries, and
+    how a batch is delivered (`deliver`)."""
+
+    def __init__(self, base_url: str, retry_backoff: float) -> None:
+        self.base_url = base_url
+        self.retry_backoff = retry_backoff
+        self.report = WriterReport()
+        self._failing_since: float | None = None  # when uploads started failing
+        self._failed_attempts = 0
+
+    def deliver(
+        self, batch: Sequence[Pending[Any]], give_up: Callable[[], bool]
+    ) -> Generator[Attempt | Pause, Any, list[Pending[Any]]]:
+        """Upload a batch; returns what could not be sent before `give_up()` (closing
+        past its deadline)."""
+        attempt = 0
+        while True:
+            try:
+                results: list[PutResult] = yield Attempt([p.write for p in batch])
+                self._recovered()
+                self.report.sent += len(batch)
+                for pending, result in zip(batch, results, strict=True):
+                    pending.settle(result.ref)
+                return []
+            except InvalidInput as exc:
+                self._answered(exc)
+                if len(batch) == 1:
+                    self._refuse(batch[0], exc)
+                    return []
+                leftovers = []
+                for item in batch:  # find the bad ones; the others go through
+                    leftovers += yield from self.deliver([item], give_up)
+                return leftovers
+            except (StoreError, Backpressure) as exc:  # unreachable or busy: keep trying
+                if give_up():
+                    return list(batch)
+                self._failed(exc)
+                yield Pause(min(10.0, self.retry_backoff * 2**attempt))
+                attempt += 1
+            except R3StoreError as exc:  # conflict, auth, stale: will not succeed by retrying
+                self._answered(exc)
+                for pending in batch:
+                    self._refuse(pending, exc)
+                return []
+
+    def unsent(self, left: Sequence[Pending[Any]]) -> None:
+        """Writes still queued when the writer closed: reported, their futures failed."""
+        self.report.unsent.extend(p.write.trajectory_id for p in left)
+        for pending in left:
+            pending.settle(StoreError("not sent before the writer closed"))
+        if self.report.unsent or self.report.failed:
+            log.warning(
+                "writer closed: %d unsent, %d refused",
+                len(self.report.unsent),
+                len(self.report.failed),
+            )
+
+    def _refuse(self, pending: Pending[Any], exc: R3StoreError) -> None:
+        reason = str(exc) if isinstance(exc, InvalidInput) else f"{type(exc).__name__}: {exc}"
+        self.report.failed[pending.write.trajectory_id] = reason
+        pending.settle(exc)
+
+    def _failed(self, exc: R3StoreError) -> None:
+        """One failed attempt: the first of a run is a WARNING, the others INFO."""
+        self._failed_attempts += 1
+        if self._failing_since is None:
+            self._failing_since = time.monotonic()
+            log.warning(
+                "uploads to %s failing (%s: %s); the writer keeps the trajectories queued "
+                "and keeps retrying",
+                self.base_url,
+                type(exc).__name__,
+                exc,
+            )
+        else:
+            log.info("upload failed again (attempt %d; %s); retrying", self._failed_attempts, exc)
+
+    def _answered(self, exc: R3StoreError) -> None:
+        """A refusal: the server answered it (it has a status), unless the client
+        refused the write itself before sending."""
+        if getattr(exc, "status", None) is not None:
+            self._recovered()
+
+    def _recovered(self) -> None:
+        """The server answered again after failed attempts: one WARNING saying so."""
+        if self._failing_since is None:
+            return
+        log.warning(
+            "uploads to %s recovered after %.1f s of failures (%d failed attempts)",
+            self.base_url,
+            time.monotonic() - self._failing_since,
+            self._failed_attempts,
+        )
+        self._failing_since, self._failed_attempts = None, 0
 
 
 class RolloutWriter:
@@ -62,24 +207,23 @@ class RolloutWriter:
         self.batch_bytes = batch_bytes
         self.max_pending_bytes = max_pending_bytes
         self.linger = linger
-        self.retry_backoff = retry_backoff
-        self.report = WriterReport()
-        self._queue: deque[tuple[TrajectoryWrite, int]] = deque()
+        self._delivery = Delivery(client.base_url, retry_backoff)
+        self.report = self._delivery.report
+        self._queue: deque[Pending[Future[RouteRef]]] = deque()
         self._pending_bytes = 0
         self._inflight = 0
         self._cond = threading.Condition()
         self._closing = False
         self._deadline: float | None = None
-        self._failing_since: float | None = None  # when uploads started failing
-        self._failed_attempts = 0
         self._thread = threading.Thread(target=self._run, name="r3store-writer", daemon=True)
         self._thread.start()
 
     def write(
         self, trajectory: TrajectoryWrite, block: bool = True, timeout: float | None = None
-    ) -> None:
-        """Queue one trajectory (or appended segment) for upload."""
-        size = _nbytes(trajectory)
+    ) -> Future[RouteRef]:
+        """Queue one trajectory (or appended segment) for upload. The future's result
+        is its route ref once the server acknowledged it; a refusal is its exception."""
+        size = write_size(trajectory)
         limit = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             if self._closing:
@@ -91,9 +235,11 @@ class RolloutWriter:
                 if left is not None and left <= 0:
                     raise Backpressure("the writer's queue stayed full")
                 self._cond.wait(left)
-            self._queue.append((trajectory, size))
+            pending = Pending(trajectory, size, Future[RouteRef]())
+            self._queue.append(pending)
             self._pending_bytes += size
             self._cond.notify_all()
+        return pending.future
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything queued is acknowledged or refused; False on timeout."""
@@ -116,14 +262,9 @@ class RolloutWriter:
             self._cond.notify_all()
         self._thread.join()
         with self._cond:
-            self.report.unsent.extend(w.trajectory_id for w, _ in self._queue)
+            left = list(self._queue)
             self._queue.clear()
-        if self.report.unsent or self.report.failed:
-            log.warning(
-                "writer closed: %d unsent, %d refused",
-                len(self.report.unsent),
-                len(self.report.failed),
-            )
+        self._delivery.unsent(left)
         return self.report
 
     def __enter__(self) -> RolloutWriter:
@@ -132,7 +273,7 @@ class RolloutWriter:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _take(self) -> list[tuple[TrajectoryWrite, int]] | None:
+    def _take(self) -> list[Pending[Future[RouteRef]]] | None:
         with self._cond:
             while not self._queue:
                 if self._closing:
@@ -140,14 +281,7 @@ class RolloutWriter:
                 self._cond.wait()
             if len(self._queue) < self.batch_size and not self._closing:
                 self._cond.wait(self.linger)  # let a batch gather
-            batch: list[tuple[TrajectoryWrite, int]] = []
-            size = 0
-            while self._queue and len(batch) < self.batch_size:
-                if batch and size + self._queue[0][1] > self.batch_bytes:
-                    break
-                item = self._queue.popleft()
-                batch.append(item)
-                size += item[1]
+            batch = take_batch(self._queue, self.batch_size, self.batch_bytes)
             self._inflight += len(batch)
             return batch
 
@@ -161,79 +295,47 @@ class RolloutWriter:
                 self._inflight -= len(batch)
                 for item in reversed(leftover):  # unsent (closing): back to the queue front
                     self._queue.appendleft(item)
-                self._pending_bytes -= sum(s for _, s in batch) - sum(s for _, s in leftover)
+                self._pending_bytes -= sum(p.size for p in batch) - sum(p.size for p in leftover)
                 self._cond.notify_all()
             if leftover:
                 return
 
-    def _send(self, batch: list[tuple[TrajectoryWrite, int]]) -> list[tuple[TrajectoryWrite, int]]:
-        """Upload a batch; returns what could not be sent before closing."""
-        attempt = 0
+    def _give_up(self) -> bool:
+        with self._cond:
+            return (
+                self._closing and self._deadline is not None and time.monotonic() >= self._deadline
+            )
+
+    def _send(self, batch: list[Pending[Any]]) -> list[Pending[Any]]:
+        """Deliver a batch, blocking; returns what could not be sent before closing."""
+        steps = self._delivery.deliver(batch, self._give_up)
+        outcome: Any = None
+        error: R3StoreError | None = None
         while True:
             try:
-                self.client.put(self.namespace, [w for w, _ in batch])
-                self._recovered()
-                with self._cond:
-                    self.report.sent += len(batch)
-                return []
-            except InvalidInput as exc:
-                self._answered(exc)
-                if len(batch) == 1:
-                    with self._cond:
-                        self.report.failed[batch[0][0].trajectory_id] = str(exc)
-                    return []
-                leftovers = []
-                for item in batch:  # find the bad ones; the others go through
-                    leftovers += self._send([item])
-                return leftovers
-            except (StoreError, Backpressure) as exc:  # unreachable or busy: keep trying
-                with self._cond:
-                    if (
-                        self._closing
-                        and self._deadline is not None
-                        and time.monotonic() >= self._deadline
-                    ):
-                        return batch
-                self._failed(exc)
+                step = steps.throw(error) if error is not None else steps.send(outcome)
+            except StopIteration as done:
+                left: list[Pending[Any]] = done.value
+                return left
+            outcome, error = None, None
+            if isinstance(step, Pause):
                 with self._cond:  # a sleep that close() can cut short
-                    self._cond.wait(min(10.0, self.retry_backoff * 2**attempt))
-                attempt += 1
-            except R3StoreError as exc:  # conflict, auth, stale: will not succeed by retrying
-                self._answered(exc)
-                with self._cond:
-                    for w, _ in batch:
-                        self.report.failed[w.trajectory_id] = f"{type(exc).__name__}: {exc}"
-                return []
+                    self._cond.wait(step.seconds)
+                continue
+            try:
+                outcome = self.client.put(self.namespace, step.writes)
+            except R3StoreError as exc:
+                error = exc
 
-    def _failed(self, exc: R3StoreError) -> None:
-        """One failed attempt: the first of a run is a WARNING, the others INFO."""
-        self._failed_attempts += 1
-        if self._failing_since is None:
-            self._failing_since = time.monotonic()
-            log.warning(
-                "uploads to %s failing (%s: %s); the writer keeps the trajectories queued "
-                "and keeps retrying",
-                self.client.base_url,
-                type(exc).__name__,
-                exc,
-            )
-        else:
-            log.info("upload failed again (attempt %d; %s); retrying", self._failed_attempts, exc)
 
-    def _answered(self, exc: R3StoreError) -> None:
-        """A refusal: the server answered it (it has a status), unless the client
-        refused the write itself before sending."""
-        if getattr(exc, "status", None) is not None:
-            self._recovered()
-
-    def _recovered(self) -> None:
-        """The server answered again after failed attempts: one WARNING saying so."""
-        if self._failing_since is None:
-            return
-        log.warning(
-            "uploads to %s recovered after %.1f s of failures (%d failed attempts)",
-            self.client.base_url,
-            time.monotonic() - self._failing_since,
-            self._failed_attempts,
-        )
-        self._failing_since, self._failed_attempts = None, 0
+def take_batch(queue: deque[Pending[F]], size: int, max_bytes: int) -> list[Pending[F]]:
+    """Up to `size` queued writes from the front, of at most `max_bytes` (one at least)."""
+    batch: list[Pending[F]] = []
+    total = 0
+    while queue and len(batch) < size:
+        if batch and total + queue[0].size > max_bytes:
+            break
+        item = queue.popleft()
+        batch.append(item)
+        total += item.size
+    return batch

@@ -157,7 +157,7 @@ async def upload(
         results = engine.commit(encoded)
         metrics.commit.observe(time.perf_counter() - started)
         metrics.token_layers_in.inc(token_layers)
-        return PutResponse(results=[PutItem(**r.__dict__) for r in results])
+        return PutResponse(results=[PutItem.of(r) for r in results])
 
     return await deadline.run(store, what="the upload", reservation=reservation)
 

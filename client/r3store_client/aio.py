@@ -1,0 +1,417 @@
+"""The asyncio client and rollout writer, for rollout loops that are coroutines.
+
+    async with AsyncClient(url, api_key=key) as client:
+        await client.ensure_namespace("run1", spec)
+        async with AsyncRolloutWriter(client, "run1") as writer:
+            ref = await writer.put(write)        # stored durably; batched with others
+
+Every call is the sync client's own (`r3store_client.calls`): the same requests,
+retries (idempotent calls only; 429/503 `Retry-After` honoured), validation, answer
+parsing and errors. Only the transport differs: requests go through
+`httpx.AsyncClient`, and the CPU work (checking and encoding uploads, decoding answers)
+and the object store's blocking ranged reads run on threads this client owns
+(`workers`), so the event loop keeps running the rollout's other coroutines while
+100 MB of routes are encoded and sent. A client belongs to the event loop it was first
+used in; make one per loop (per Ray actor).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import numpy as np
+import numpy.typing as npt
+
+from r3store.errors import Backpressure, R3StoreError
+from r3store.models import (
+    AgreementModel,
+    DriftModel,
+    ExpertLoadModel,
+    NamespacePublic,
+    TrajectoryLoadsModel,
+)
+from r3store.plans import ReadPlan
+from r3store.policy import NamespaceSettings, Source
+from r3store.records import Batch, PutResult, TrajectoryWrite
+from r3store.refs import RouteRef
+from r3store.sampling import Strategy
+from r3store.spec import RouteSpec
+from r3store.wire import ReadFormat
+from r3store_client.calls import Call, Calls, Retry, Send, Sleep, T
+from r3store_client.writer import (
+    Attempt,
+    Delivery,
+    Pause,
+    Pending,
+    WriterReport,
+    take_batch,
+    write_size,
+)
+
+__all__ = ["AsyncClient", "AsyncRolloutWriter"]
+
+
+class AsyncClient(Calls):
+    """`Client`'s calls as coroutines; see `r3store_client.client.Client` for each."""
+
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8330",
+        api_key: str | None = None,
+        *,
+        http: httpx.AsyncClient | None = None,
+        timeout: float | httpx.Timeout = 60.0,
+        retry: Retry | None = None,
+        encode: bool = True,
+        workers: int = 2,
+    ) -> None:
+        super().__init__(base_url, api_key, timeout, retry, encode)
+        self._http = http
+        self._own_http = http is None
+        self.workers = workers
+        self._cpu: ThreadPoolExecutor | None = None
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        with self._made:
+            if self._http is None:
+                self._http = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout)
+                self._own_http = True
+            return self._http
+
+    @property
+    def cpu(self) -> ThreadPoolExecutor:
+        """The threads that run this client's CPU work off the event loop."""
+        with self._made:
+            if self._cpu is None:
+                self._cpu = ThreadPoolExecutor(self.workers, thread_name_prefix="r3store-cpu")
+            return self._cpu
+
+    async def aclose(self) -> None:
+        if self._http is not None and self._own_http:
+            await self._http.aclose()
+        self._http = None
+        if self._cpu is not None:
+            self._cpu.shutdown(wait=False)
+            self._cpu = None
+        self._close_pools()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_own_http"] = True
+        return state
+
+    def _unpicklable(self) -> tuple[str, ...]:
+        return (*super()._unpicklable(), "_http", "_cpu")
+
+    async def _run(self, call: Call[T]) -> T:
+        """Run a call's steps: requests and sleeps awaited, CPU work on `cpu`."""
+        loop = asyncio.get_running_loop()
+        value: Any = None
+        error: Exception | None = None
+        try:
+            while True:
+                try:
+                    step = call.throw(error) if error is not None else call.send(value)
+                except StopIteration as done:
+                    return done.value  # type: ignore[no-any-return]
+                value, error = None, None
+                try:
+                    if isinstance(step, Send):
+                        value = await self.http.request(step.method, step.path, **step.kwargs)
+                    elif isinstance(step, Sleep):
+                        await asyncio.sleep(step.seconds)
+                    else:
+                        value = await loop.run_in_executor(self.cpu, step.fn, *step.args)
+                except Exception as exc:  # noqa: BLE001  (the call raises it, or retries)
+                    error = exc
+        finally:
+            call.close()
+
+    async def request(
+        self, method: str, path: str, *, idempotent: bool = True, **kwargs: Any
+    ) -> httpx.Response:
+        return await self._run(self._request(method, path, idempotent=idempotent, **kwargs))
+
+    # namespaces
+
+    async def create_namespace(
+        self, name: str, spec: RouteSpec, settings: NamespaceSettings | None = None
+    ) -> NamespacePublic:
+        return await self._run(self._create_namespace(name, spec, settings))
+
+    async def namespace(self, name: str) -> NamespacePublic:
+        return await self._run(self._namespace(name))
+
+    async def ensure_namespace(self, name: str, spec: RouteSpec) -> NamespacePublic:
+        return await self._run(self._ensure_namespace(name, spec))
+
+    async def spec(self, name: str) -> RouteSpec:
+        return await self._run(self._spec(name))
+
+    async def set_policy_version(
+        self, name: str, version: int, force: bool = False
+    ) -> NamespacePublic:
+        return await self._run(self._set_policy_version(name, version, force))
+
+    async def update_settings(self, name: str, settings: NamespaceSettings) -> NamespacePublic:
+        return await self._run(self._update_settings(name, settings))
+
+    # data
+
+    async def put(self, namespace: str, writes: Sequence[TrajectoryWrite]) -> list[PutResult]:
+        return await self._run(self._put(namespace, writes))
+
+    async def get_batch(
+        self,
+        namespace: str,
+        ids: Sequence[str],
+        include_stale: bool = False,
+        fmt: ReadFormat = ReadFormat.ENCODED,
+        decode: bool = True,
+        source: Source | None = None,
+    ) -> Batch:
+        return (await self.fetch(namespace, ids, include_stale, fmt, decode, source))[1]
+
+    async def fetch(
+        self,
+        namespace: str,
+        ids: Sequence[str],
+        include_stale: bool = False,
+        fmt: ReadFormat = ReadFormat.ENCODED,
+        decode: bool = True,
+        source: Source | None = None,
+    ) -> tuple[RouteSpec, Batch]:
+        return await self._run(self._fetch(namespace, ids, include_stale, fmt, decode, source))
+
+    async def token_ids(
+        self,
+        namespace: str,
+        ids: Sequence[str],
+        include_stale: bool = False,
+        source: Source | None = None,
+    ) -> dict[str, npt.NDArray[np.int32] | None]:
+        return await self._run(self._token_ids(namespace, ids, include_stale, source))
+
+    async def plan(
+        self,
+        namespace: str,
+        ids: Sequence[str],
+        include_stale: bool = False,
+        expires: int = 60,
+        source: Source | None = None,
+    ) -> ReadPlan:
+        return await self._run(self._plan(namespace, ids, include_stale, expires, source))
+
+    async def fetch_direct(
+        self,
+        namespace: str,
+        ids: Sequence[str],
+        include_stale: bool = False,
+        source: Source | None = None,
+    ) -> tuple[RouteSpec, Batch]:
+        return await self._run(self._fetch_direct(namespace, ids, include_stale, source))
+
+    async def resolve(
+        self, refs: Sequence[RouteRef], include_stale: bool = False, direct: bool = False
+    ) -> tuple[RouteSpec, Batch]:
+        return await self._run(self._resolve(refs, include_stale, direct))
+
+    async def sample(
+        self,
+        namespace: str,
+        n: int,
+        strategy: Strategy = Strategy.FIFO,
+        whole_groups: bool = False,
+        seed: int | None = None,
+    ) -> Batch:
+        return await self._run(self._sample(namespace, n, strategy, whole_groups, seed))
+
+    # statistics
+
+    async def expert_load(
+        self, namespace: str, source: Source = "engine", versions: tuple[int, int] | None = None
+    ) -> ExpertLoadModel:
+        return await self._run(self._expert_load(namespace, source, versions))
+
+    async def agreement(
+        self, namespace: str, a: Source = "engine", b: Source = "trainer"
+    ) -> AgreementModel:
+        return await self._run(self._agreement(namespace, a, b))
+
+    async def drift(self, namespace: str, source: Source = "engine") -> DriftModel:
+        return await self._run(self._drift(namespace, source))
+
+    async def trajectory_loads(
+        self,
+        namespace: str,
+        ids: Sequence[str],
+        include_stale: bool = False,
+        source: Source | None = None,
+    ) -> TrajectoryLoadsModel:
+        return await self._run(self._trajectory_loads(namespace, ids, include_stale, source))
+
+
+class AsyncRolloutWriter:
+    """`RolloutWriter` for coroutines: concurrent `put`s are sent together in batches
+    by one background task, memory bounded by `max_pending_bytes` (`submit` waits, or
+    raises `Backpressure` with `block=False`). Refusals, retries, logging and the report
+    are `RolloutWriter`'s (`writer.Delivery`)."""
+
+    def __init__(
+        self,
+        client: AsyncClient,
+        namespace: str,
+        *,
+        batch_size: int = 16,
+        batch_bytes: int = 32 << 20,
+        max_pending_bytes: int = 512 << 20,
+        linger: float = 0.05,
+        retry_backoff: float = 0.5,
+    ) -> None:
+        self.client = client
+        self.namespace = namespace
+        self.batch_size = batch_size
+        self.batch_bytes = batch_bytes
+        self.max_pending_bytes = max_pending_bytes
+        self.linger = linger
+        self._delivery = Delivery(client.base_url, retry_backoff)
+        self.report = self._delivery.report
+        self._queue: deque[Pending[asyncio.Future[RouteRef]]] = deque()
+        self._pending_bytes = 0
+        self._inflight = 0
+        self._changed = asyncio.Condition()
+        self._closing = False
+        self._deadline: float | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def submit(
+        self, trajectory: TrajectoryWrite, block: bool = True, timeout: float | None = None
+    ) -> asyncio.Future[RouteRef]:
+        """Queue one trajectory (or appended segment); waits only while the queue is
+        full. The future's result is its route ref once stored."""
+        size = write_size(trajectory)
+        async with self._changed:
+            if self._closing:
+                raise R3StoreError("the writer is closed")
+
+            def room() -> bool:
+                used = self._pending_bytes
+                return not used or used + size <= self.max_pending_bytes
+
+            if not room():
+                if not block:
+                    raise Backpressure("the writer's queue is full")
+                if not await self._until(room, timeout):
+                    raise Backpressure("the writer's queue stayed full")
+            if self._task is None:
+                self._task = asyncio.get_running_loop().create_task(self._run())
+            pending = Pending(trajectory, size, asyncio.get_running_loop().create_future())
+            self._queue.append(pending)
+            self._pending_bytes += size
+            self._changed.notify_all()
+        return pending.future
+
+    async def put(self, trajectory: TrajectoryWrite) -> RouteRef:
+        """Queue one trajectory and wait until it is stored: its route ref (a refusal
+        raises). Cancelling the wait leaves the write queued."""
+        return await asyncio.shield(await self.submit(trajectory))
+
+    async def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything queued is acknowledged or refused; False on timeout."""
+        async with self._changed:
+            self._changed.notify_all()
+            return await self._until(lambda: not self._queue and not self._inflight, timeout)
+
+    async def close(self, timeout: float | None = 60.0) -> WriterReport:
+        """Send what is queued (up to `timeout` seconds), stop, and return the report."""
+        await self.flush(timeout)
+        async with self._changed:
+            self._closing = True
+            self._deadline = time.monotonic()
+            self._changed.notify_all()
+        if self._task is not None:
+            await self._task
+        left = list(self._queue)
+        self._queue.clear()
+        self._delivery.unsent(left)
+        return self.report
+
+    async def __aenter__(self) -> AsyncRolloutWriter:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _take(self) -> list[Pending[asyncio.Future[RouteRef]]] | None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: bool(self._queue) or self._closing)
+            if not self._queue:
+                return None
+            if len(self._queue) < self.batch_size and not self._closing:
+                await self._until(  # let a batch gather
+                    lambda: len(self._queue) >= self.batch_size or self._closing, self.linger
+                )
+            batch = take_batch(self._queue, self.batch_size, self.batch_bytes)
+            self._inflight += len(batch)
+            return batch
+
+    async def _run(self) -> None:
+        while True:
+            batch = await self._take()
+            if batch is None:
+                return
+            leftover = await self._send(batch)
+            async with self._changed:
+                self._inflight -= len(batch)
+                for item in reversed(leftover):  # unsent (closing): back to the queue front
+                    self._queue.appendleft(item)
+                self._pending_bytes -= sum(p.size for p in batch) - sum(p.size for p in leftover)
+                self._changed.notify_all()
+            if leftover:
+                return
+
+    async def _until(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
+        """Wait (holding `_changed`) until `predicate()`; False when `timeout` passed."""
+        try:
+            await asyncio.wait_for(self._changed.wait_for(predicate), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def _give_up(self) -> bool:
+        return self._closing and self._deadline is not None and time.monotonic() >= self._deadline
+
+    async def _send(self, batch: list[Pending[Any]]) -> list[Pending[Any]]:
+        """Deliver a batch; returns what could not be sent before closing."""
+        steps = self._delivery.deliver(batch, self._give_up)
+        outcome: Any = None
+        error: R3StoreError | None = None
+        while True:
+            try:
+                step = steps.throw(error) if error is not None else steps.send(outcome)
+            except StopIteration as done:
+                left: list[Pending[Any]] = done.value
+                return left
+            outcome, error = None, None
+            if isinstance(step, Pause):
+                async with self._changed:  # a wait that close() cuts short
+                    await self._until(lambda: self._closing, step.seconds)
+                continue
+            assert isinstance(step, Attempt)
+            try:
+                outcome = await self.client.put(self.namespace, step.writes)
+            except R3StoreError as exc:
+                error = exc

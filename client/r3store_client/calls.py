@@ -1,0 +1,560 @@
+"""What every client call sends and how its answer is read, apart from the transport.
+
+Each call is a generator that yields steps (`Send` one HTTP request, `Sleep` before a
+retry, `Work` on the CPU) and is sent back each step's outcome, or has its error thrown
+in. `Client` runs the steps blocking; `AsyncClient` awaits the requests and sleeps and
+runs the CPU work (validating and encoding uploads, decoding answers, the object
+store's ranged reads) on threads it owns, so a rollout loop's other coroutines keep
+running. Retries, request building, validation and answer parsing are written once,
+here.
+
+Only retryable failures are retried (connection errors, 408, 429, 502, 503, 504), with
+exponential backoff and the server's Retry-After, and only for idempotent calls:
+uploads are (the server acknowledges stored content again), `sample` is not (it is sent
+again only if it never reached the server). Errors are the project's own exceptions
+(`r3store.errors`), chosen by the code the server sends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import threading
+from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import httpx
+import numpy as np
+import numpy.typing as npt
+import urllib3
+
+from r3store.codec import Dictionaries, decode_tokens, load_dictionary
+from r3store.errors import (
+    Conflict,
+    Forbidden,
+    InvalidRoutes,
+    NotFound,
+    R3StoreError,
+    StoreError,
+    error_class,
+)
+from r3store.models import (
+    AgreementModel,
+    DriftModel,
+    ExpertLoadModel,
+    NamespacePublic,
+    PolicyVersionSet,
+    PutItem,
+    ReadPlanModel,
+    TrajectoryLoadsModel,
+)
+from r3store.plans import Fetched, ReadPlan, reads_of
+from r3store.policy import NamespaceSettings, Source
+from r3store.records import Batch, PutResult, TrajectoryWrite
+from r3store.refs import RouteRef, by_source, resolve
+from r3store.sampling import Strategy
+from r3store.spec import RouteSpec
+from r3store.store.base import ByteRange
+from r3store.streams import fits
+from r3store.wire import CONTENT_TYPE, ReadFormat, decode_batch, encode_writes
+
+T = TypeVar("T")
+
+# 408: the server gave up on a body that arrived too slowly (a stalled network): sent again
+RETRY_STATUS = {408, 429, 502, 503, 504}
+NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
+@dataclass(frozen=True)
+class Send:
+    """One HTTP request to the server (answered with its `httpx.Response`)."""
+
+    method: str
+    path: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Sleep:
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Work:
+    """CPU work (or the object store's blocking reads): answered with `fn(*args)`."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...] = ()
+
+
+Step = Send | Sleep | Work
+Call = Generator[Step, Any, T]
+
+
+class _Replan(Exception):
+    """A planned read the object store refused (its URL expired, or its object moved)."""
+
+
+@dataclass(frozen=True)
+class Retry:
+    """`Retry(attempts=5, backoff=0.2, max_backoff=10.0)`: waits 0.2, 0.4, 0.8, ... s
+    (with jitter, at least the server's Retry-After) between attempts."""
+
+    attempts: int = 5
+    backoff: float = 0.2
+    max_backoff: float = 10.0
+
+    def delay(self, attempt: int, retry_after: float | None = None) -> float:
+        wait = min(self.max_backoff, self.backoff * 2.0**attempt) * (0.5 + random.random() / 2)
+        return float(max(wait, retry_after or 0.0))
+
+
+def with_status(error: R3StoreError, status: int) -> R3StoreError:
+    error.status = status  # type: ignore[attr-defined]
+    return error
+
+
+def raise_for(response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    try:
+        detail = response.json()["error"]
+        code, message = str(detail["code"]), str(detail["message"])
+    except (ValueError, KeyError, TypeError):
+        code, message = "http_error", f"HTTP {response.status_code}: {response.text[:200]}"
+    raise with_status(error_class(code)(message), response.status_code)
+
+
+def check_shape(write: TrajectoryWrite, spec: RouteSpec) -> None:
+    """Refuse routes whose array is not `[num_tokens - 1 or num_tokens, layers, width]`
+    (`InvalidRoutes` naming the expected and the given shape). Only the bytes travel, so
+    a transposed `[layers, num_tokens - 1, top_k]` array of the same size would be read
+    as other routes."""
+    if write.encoded is not None or (write.topk is None and write.mask is None):
+        return  # encoded streams are checked by decoding; none at all: `check` says so
+    n = write.num_tokens
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        return  # `check` names a bad token count
+    routes = write.topk if write.topk is not None else write.mask
+    kind, width, name = (
+        ("top-k ids", spec.top_k, "top_k")
+        if write.topk is not None
+        else ("masks", spec.mask_bytes, "ceil(num_experts / 8)")
+    )
+    given = tuple(int(d) for d in np.shape(routes))
+    if len(given) == 3 and given[0] in (n - 1, n) and given[1:] == (spec.num_layers, width):
+        return
+    raise InvalidRoutes(
+        f"{write.trajectory_id}: {kind} of shape {list(given)}; expected "
+        f"[{n - 1}, {spec.num_layers}, {width}] ([num_tokens - 1, layers, {name}]; "
+        f"{n} rows also accepted) for {n} tokens"
+    )
+
+
+def upload_body(writes: Sequence[TrajectoryWrite], spec: RouteSpec, encode: bool) -> bytes:
+    """An upload's body: each array's shape checked against the spec, and (`encode`)
+    the routes validated and encoded as the engine would; bad ones raise
+    `InvalidRoutes` before anything is sent."""
+    for w in writes:
+        check_shape(w, spec)
+    if encode:  # a segment too long to be checked by decoding goes as ids
+        writes = [w.encode(spec) if fits(spec, w.num_tokens) else w for w in writes]
+    return encode_writes(writes)
+
+
+def token_ids_of(batch: Batch) -> dict[str, npt.NDArray[np.int32] | None]:
+    out: dict[str, npt.NDArray[np.int32] | None] = {}
+    for item in batch.found:
+        parts = [
+            None
+            if s.encoded is None or s.encoded.tokens is None
+            else decode_tokens(s.encoded.tokens, s.num_tokens)
+            for s in item.segments
+        ]
+        out[item.trajectory_id] = (
+            None
+            if all(p is None for p in parts)
+            else np.concatenate(
+                [
+                    np.full(s.num_tokens, -1, np.int32) if p is None else p
+                    for s, p in zip(item.segments, parts, strict=True)
+                ]
+            )
+        )
+    return out
+
+
+def _differing(name: str, stored: RouteSpec, asked: RouteSpec) -> None:
+    differing = [
+        f"{f.name} {getattr(stored, f.name)!r} (asked: {getattr(asked, f.name)!r})"
+        for f in dataclasses.fields(RouteSpec)
+        if getattr(stored, f.name) != getattr(asked, f.name)
+    ]
+    if differing:
+        raise with_status(
+            Conflict(f"namespace {name!r} exists with another route spec: " + ", ".join(differing)),
+            409,
+        )
+
+
+class Calls:
+    """The client's state and its calls, for a transport to run (`Client`,
+    `AsyncClient`)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None,
+        timeout: float | httpx.Timeout,
+        retry: Retry | None,
+        encode: bool,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.timeout = timeout
+        self.retry = retry or Retry()
+        self.encode = encode
+        self._specs: dict[str, RouteSpec] = {}
+        self._decoders: ThreadPoolExecutor | None = None
+        self._store_http: urllib3.PoolManager | None = None
+        self._fetchers: ThreadPoolExecutor | None = None
+        self._made = threading.Lock()  # lazy connections and pools: one each, whoever asks
+        self._dictionaries: Dictionaries = {}  # by digest: they never change
+
+    # pools
+
+    @property
+    def decoders(self) -> ThreadPoolExecutor:
+        """Threads that decode read answers (zstd and numpy release the GIL)."""
+        with self._made:
+            if self._decoders is None:
+                self._decoders = ThreadPoolExecutor(
+                    min(8, os.cpu_count() or 1), thread_name_prefix="r3store-decode"
+                )
+            return self._decoders
+
+    def _direct(self) -> tuple[urllib3.PoolManager, ThreadPoolExecutor]:
+        """The object store's connections and the threads that fetch from it."""
+        with self._made:
+            if self._store_http is None:
+                seconds = self.timeout if isinstance(self.timeout, int | float) else 60.0
+                self._store_http = urllib3.PoolManager(
+                    maxsize=8, timeout=urllib3.Timeout(connect=10.0, read=seconds), retries=False
+                )
+            if self._fetchers is None:
+                self._fetchers = ThreadPoolExecutor(8, thread_name_prefix="r3store-fetch")
+            return self._store_http, self._fetchers
+
+    def _close_pools(self) -> None:
+        if self._store_http is not None:
+            self._store_http.clear()
+            self._store_http = None
+        for pool in (self._fetchers, self._decoders):
+            if pool is not None:
+                pool.shutdown(wait=False)
+        self._fetchers = self._decoders = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for name in self._unpicklable():
+            state[name] = None  # connections and threads do not cross processes
+        del state["_made"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._made = threading.Lock()
+
+    def _unpicklable(self) -> tuple[str, ...]:
+        return ("_decoders", "_store_http", "_fetchers")
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    # the request, retried
+
+    def _request(
+        self, method: str, path: str, *, idempotent: bool = True, **kwargs: Any
+    ) -> Call[httpx.Response]:
+        """Send a request, retrying what may succeed later; raise the server's error.
+
+        A request that is not `idempotent` (sampling counts each time it is answered)
+        is sent again only when it certainly never reached the server.
+        """
+        kwargs["headers"] = {**self._headers(), **kwargs.pop("headers", {})}
+        for attempt in range(self.retry.attempts):
+            last = attempt == self.retry.attempts - 1
+            try:
+                response: httpx.Response = yield Send(method, path, kwargs)
+            except httpx.TransportError as exc:
+                if last or not (idempotent or isinstance(exc, NEVER_SENT)):
+                    raise StoreError(f"r3store at {self.base_url} unreachable: {exc}") from exc
+                yield Sleep(self.retry.delay(attempt))
+                continue
+            if response.status_code in RETRY_STATUS and idempotent and not last:
+                after = response.headers.get("retry-after")
+                wait = float(after) if after and after.isdigit() else None
+                yield Sleep(self.retry.delay(attempt, wait))
+                continue
+            raise_for(response)
+            return response
+        raise R3StoreError("unreachable")  # the loop always returns or raises
+
+    def _json(self, method: str, path: str, **kwargs: Any) -> Call[Any]:
+        return (yield from self._request(method, path, **kwargs)).json()
+
+    # namespaces
+
+    def _create_namespace(
+        self, name: str, spec: RouteSpec, settings: NamespaceSettings | None = None
+    ) -> Call[NamespacePublic]:
+        body = {
+            "name": name,
+            "spec": spec.__dict__,
+            "settings": (settings or NamespaceSettings()).model_dump(mode="json"),
+        }
+        return NamespacePublic.model_validate(
+            (yield from self._json("POST", "/v1/namespaces", json=body))
+        )
+
+    def _namespace(self, name: str) -> Call[NamespacePublic]:
+        return NamespacePublic.model_validate(
+            (yield from self._json("GET", f"/v1/namespaces/{name}"))
+        )
+
+    def _ensure_namespace(self, name: str, spec: RouteSpec) -> Call[NamespacePublic]:
+        try:
+            info = yield from self._namespace(name)
+        except NotFound:
+            try:
+                return self._keep_spec(name, (yield from self._create_namespace(name, spec)))
+            except Forbidden as exc:
+                raise with_status(
+                    Forbidden(
+                        f"namespace {name!r} does not exist and this key may not create it: "
+                        f"creating a namespace needs an admin key (an operator can run "
+                        f"`r3store namespaces create {name} ...`); {exc}"
+                    ),
+                    403,
+                ) from None
+            except Conflict:  # made meanwhile by someone else: compare with theirs
+                info = yield from self._namespace(name)
+        _differing(name, info.spec.to_spec(), spec)
+        return self._keep_spec(name, info)
+
+    def _keep_spec(self, name: str, info: NamespacePublic) -> NamespacePublic:
+        self._specs[name] = info.spec.to_spec()
+        return info
+
+    def _spec(self, name: str) -> Call[RouteSpec]:
+        if name not in self._specs:
+            self._specs[name] = (yield from self._namespace(name)).spec.to_spec()
+        return self._specs[name]
+
+    def _set_policy_version(self, name: str, version: int, force: bool) -> Call[NamespacePublic]:
+        body = PolicyVersionSet(policy_version=version, force=force).model_dump(
+            exclude_defaults=True
+        )
+        path = f"/v1/namespaces/{name}/policy-version"
+        return NamespacePublic.model_validate((yield from self._json("PUT", path, json=body)))
+
+    def _update_settings(self, name: str, settings: NamespaceSettings) -> Call[NamespacePublic]:
+        body = settings.model_dump(mode="json")
+        path = f"/v1/namespaces/{name}/settings"
+        return NamespacePublic.model_validate((yield from self._json("PUT", path, json=body)))
+
+    # data
+
+    def _put(self, namespace: str, writes: Sequence[TrajectoryWrite]) -> Call[list[PutResult]]:
+        spec = yield from self._spec(namespace)
+        body = yield Work(upload_body, (list(writes), spec, self.encode))
+        answer = yield from self._json(
+            "POST",
+            f"/v1/namespaces/{namespace}/trajectories",
+            content=body,
+            headers={"Content-Type": CONTENT_TYPE},
+        )
+        results = [PutItem.model_validate(item).result() for item in answer["results"]]
+        return [dataclasses.replace(r, ref=RouteRef.of(namespace, r)) for r in results]
+
+    def _fetch(
+        self,
+        namespace: str,
+        ids: Sequence[str],
+        include_stale: bool = False,
+        fmt: ReadFormat = ReadFormat.ENCODED,
+        decode: bool = True,
+        source: Source | None = None,
+    ) -> Call[tuple[RouteSpec, Batch]]:
+        body = {
+            "ids": list(ids),
+            "include_stale": include_stale,
+            "format": str(fmt),
+            "source": source,
+        }
+        path = f"/v1/namespaces/{namespace}/routes/batch"
+        response = yield from self._request("POST", path, json=body)
+        answer: tuple[RouteSpec, Batch] = yield Work(
+            decode_batch, (response.content, decode, self.decoders)
+        )
+        return answer
+
+    def _token_ids(
+        self, namespace: str, ids: Sequence[str], include_stale: bool, source: Source | None
+    ) -> Call[dict[str, npt.NDArray[np.int32] | None]]:
+        _spec, batch = yield from self._fetch(
+            namespace, ids, include_stale, decode=False, source=source
+        )
+        out: dict[str, npt.NDArray[np.int32] | None] = yield Work(token_ids_of, (batch,))
+        return out
+
+    def _plan(
+        self,
+        namespace: str,
+        ids: Sequence[str],
+        include_stale: bool = False,
+        expires: int = 60,
+        source: Source | None = None,
+    ) -> Call[ReadPlan]:
+        body = {
+            "ids": list(ids),
+            "include_stale": include_stale,
+            "expires": expires,
+            "source": source,
+        }
+        path = f"/v1/namespaces/{namespace}/routes/plan"
+        return ReadPlanModel.model_validate(
+            (yield from self._json("POST", path, json=body))
+        ).to_plan()
+
+    def _fetch_direct(
+        self,
+        namespace: str,
+        ids: Sequence[str],
+        include_stale: bool = False,
+        source: Source | None = None,
+    ) -> Call[tuple[RouteSpec, Batch]]:
+        for attempt in range(2):
+            plan = yield from self._plan(namespace, ids, include_stale, source=source)
+            try:
+                batch: Batch = yield Work(self._read_planned, (plan,))
+                return plan.spec, batch
+            except _Replan:
+                if attempt:
+                    raise StoreError("the object store refused the planned reads twice") from None
+        raise R3StoreError("unreachable")
+
+    def _resolve(
+        self, refs: Sequence[RouteRef], include_stale: bool = False, direct: bool = False
+    ) -> Call[tuple[RouteSpec, Batch]]:
+        namespace, wanted = by_source(refs)
+        reads: dict[Source, Batch] = {}
+        for source, ids in wanted.items():
+            if direct:
+                spec, reads[source] = yield from self._fetch_direct(
+                    namespace, ids, include_stale, source
+                )
+            else:
+                spec, reads[source] = yield from self._fetch(
+                    namespace, ids, include_stale, decode=False, source=source
+                )
+        return spec, resolve(refs, reads)
+
+    def _sample(
+        self, namespace: str, n: int, strategy: Strategy, whole_groups: bool, seed: int | None
+    ) -> Call[Batch]:
+        body = {"n": n, "strategy": str(strategy), "whole_groups": whole_groups, "seed": seed}
+        path = f"/v1/namespaces/{namespace}/routes/sample"
+        response = yield from self._request("POST", path, json=body, idempotent=False)
+        answer: tuple[RouteSpec, Batch] = yield Work(
+            decode_batch, (response.content, True, self.decoders)
+        )
+        return answer[1]
+
+    # statistics
+
+    def _expert_load(
+        self, namespace: str, source: Source, versions: tuple[int, int] | None
+    ) -> Call[ExpertLoadModel]:
+        params: dict[str, Any] = {"source": source}
+        if versions is not None:
+            params["min_version"], params["max_version"] = versions
+        path = f"/v1/namespaces/{namespace}/stats/experts"
+        return ExpertLoadModel.model_validate((yield from self._json("GET", path, params=params)))
+
+    def _agreement(self, namespace: str, a: Source, b: Source) -> Call[AgreementModel]:
+        path = f"/v1/namespaces/{namespace}/stats/agreement"
+        answer = yield from self._json("GET", path, params={"a": a, "b": b})
+        return AgreementModel.model_validate(answer)
+
+    def _drift(self, namespace: str, source: Source) -> Call[DriftModel]:
+        path = f"/v1/namespaces/{namespace}/stats/drift"
+        return DriftModel.model_validate(
+            (yield from self._json("GET", path, params={"source": source}))
+        )
+
+    def _trajectory_loads(
+        self, namespace: str, ids: Sequence[str], include_stale: bool, source: Source | None
+    ) -> Call[TrajectoryLoadsModel]:
+        body = {"ids": list(ids), "include_stale": include_stale, "source": source}
+        path = f"/v1/namespaces/{namespace}/stats/experts/trajectories"
+        return TrajectoryLoadsModel.model_validate((yield from self._json("POST", path, json=body)))
+
+    # direct reads: the object store's ranged GETs (blocking: run as `Work`)
+
+    def _read_planned(self, plan: ReadPlan) -> Batch:
+        fetched = self._fetch_objects(plan)
+        return reads_of(plan, fetched, self._dictionaries_of(plan))
+
+    def _dictionaries_of(self, plan: ReadPlan) -> Dictionaries:
+        """The dictionaries a plan's streams need: fetched once, checked against their
+        digests, and kept (they never change)."""
+        store, _fetchers = self._direct()
+        out: Dictionaries = {}
+        for planned in plan.dictionaries:
+            known = self._dictionaries.get(planned.digest)
+            if known is None:
+                try:
+                    response = store.request("GET", planned.url)
+                except urllib3.exceptions.HTTPError as exc:
+                    raise StoreError(f"cannot read from the object store: {exc}") from None
+                if response.status in (403, 404):
+                    raise _Replan
+                if response.status != 200:
+                    raise StoreError(f"the object store answered {response.status}")
+                known = load_dictionary(response.data, planned.digest)
+                self._dictionaries[planned.digest] = known
+            out[planned.digest] = known
+        return out
+
+    def _fetch_objects(self, plan: ReadPlan) -> list[Fetched]:
+        """Each object's planned ranges, fetched in parallel (urllib3: about twice as
+        fast as httpx on megabyte bodies)."""
+        store, fetchers = self._direct()
+        jobs = [(i, r) for i, o in enumerate(plan.objects) for r in o.ranges]
+
+        def get(job: tuple[int, ByteRange]) -> bytes:
+            index, byte_range = job
+            headers = {"Range": f"bytes={byte_range.start}-{byte_range.end - 1}"}
+            try:
+                response = store.request("GET", plan.objects[index].url, headers=headers)
+            except urllib3.exceptions.HTTPError as exc:
+                raise StoreError(f"cannot read from the object store: {exc}") from None
+            if response.status in (403, 404):  # expired, or compacted away
+                raise _Replan
+            if response.status not in (200, 206):
+                raise StoreError(f"the object store answered {response.status}")
+            data: bytes = response.data
+            if response.status == 200:  # the whole object: a store that ignores Range
+                data = data[byte_range.start : byte_range.end]
+            if len(data) != byte_range.length:
+                raise StoreError("the object store returned a short range")
+            return data
+
+        fetched = [Fetched() for _ in plan.objects]
+        for (index, byte_range), data in zip(jobs, fetchers.map(get, jobs), strict=True):
+            fetched[index].add(byte_range, data)
+        return fetched
