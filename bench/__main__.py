@@ -1,4 +1,4 @@
-"""Run the benchmarks: `python -m bench [--quick] [--only codec,rest,...,hardening,abuse]`."""
+"""Run the benchmarks: `python -m bench [--quick] [--only codec,rest,...,abuse,replay,ray]`."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     parser.add_argument(
         "--only",
-        default="codec,rest,engine,http,datapath,catalog,memory,hardening,abuse,replay",
+        default="codec,rest,engine,http,datapath,catalog,memory,hardening,abuse,replay,ray",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -73,6 +73,13 @@ def main() -> None:
     if "replay" in sections:
         print("replay (the token check beside none, on the tests' models) ...", flush=True)
         figures += replay_bench.run(quick=args.quick)
+    if "ray" in sections:
+        print("ray (route refs beside routes by value, in a local Ray cluster) ...", flush=True)
+        from bench import ray_bench  # ray: a dev dependency, loaded only here
+
+        more, detail = ray_bench.run(quick=args.quick)
+        figures += more
+        details.update(detail)
     print()
     print_table(figures)
     write_json(figures, args.out, time.perf_counter() - started, details)
