@@ -10,7 +10,17 @@ TEST_STAMP := $(VENV)/.test-installed
 # only for torch>=2.1, which a user's CUDA build satisfies.
 TORCH ?= torch==2.13.0+cpu
 
-.PHONY: setup serve test lint bench clean
+# verl's integration (`r3store_client.verl`) is tested in an environment of its own:
+# verl pins versions the main one does not use (transformers<5.11). verl goes in without
+# its declared dependencies (wandb, tensorboard, peft, accelerate, ...): only those of the
+# modules the tests import (the agent loop, the protocol, the Megatron router replay).
+VERL_VENV ?= .venv-verl
+VERL_PY := $(VERL_VENV)/bin/python
+VERL_STAMP := $(VERL_VENV)/.installed
+VERL_DEPS := 'transformers==5.9.0' 'tensordict==0.10.0' 'megatron-core==0.16.1' 'ray>=2.41' \
+	'numpy>=2' hydra-core omegaconf pillow datasets cachetools codetiming pytest pytest-timeout
+
+.PHONY: setup serve test test-verl lint bench clean
 
 setup: $(TEST_STAMP)
 
@@ -44,9 +54,23 @@ lint: setup
 
 test: lint
 	$(PY) -m pytest
+	$(MAKE) test-verl
+
+$(VERL_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_PY) -m pip install --quiet --upgrade pip
+	$(VERL_PY) -m pip install --quiet '$(TORCH)'
+	$(VERL_PY) -m pip install --quiet --no-deps 'verl==0.9.1'
+	$(VERL_PY) -m pip install --quiet $(VERL_DEPS) -e .
+	touch $@
+
+# the verl tests (tests_verl/, its own pytest.ini): verl's agent loop and Megatron
+# router replay on the CPU against an r3store server of their own
+test-verl: $(VERL_STAMP)
+	cd tests_verl && $(abspath $(VERL_PY)) -m pytest
 
 bench: setup
 	$(PY) -m bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VERL_VENV) .pytest_cache .mypy_cache .ruff_cache
