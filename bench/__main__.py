@@ -1,4 +1,4 @@
-"""Run the benchmarks: `python -m bench [--quick] [--only codec,rest,...,abuse,replay,ray]`."""
+"""Run the benchmarks: `python -m bench [--quick] [--only codec,rest,...,replay,ray,async]`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 from bench import (
     abuse_bench,
+    async_bench,
     catalog_bench,
     codec_bench,
     datapath_bench,
@@ -29,7 +30,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     parser.add_argument(
         "--only",
-        default="codec,rest,engine,http,datapath,catalog,memory,hardening,abuse,replay,ray",
+        default="codec,rest,engine,http,datapath,catalog,memory,hardening,abuse,replay,ray,async",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -80,6 +81,9 @@ def main() -> None:
         more, detail = ray_bench.run(quick=args.quick)
         figures += more
         details.update(detail)
+    if "async" in sections:
+        print("async (asyncio ingest beside threaded ingest, one server) ...", flush=True)
+        figures += async_bench.run(quick=args.quick)
     print()
     print_table(figures)
     write_json(figures, args.out, time.perf_counter() - started, details)
