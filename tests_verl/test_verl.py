@@ -33,7 +33,7 @@ from verl_rollout import (
 )
 
 from r3store.errors import RefMismatch
-from r3store_client import Client
+from r3store_client import AsyncClient, Client
 from r3store_client.tensors import TokenMismatch
 from r3store_client.verl import (
     REFS_KEY,
@@ -43,6 +43,7 @@ from r3store_client.verl import (
     resolve_routes,
     route_writes,
     store_routes,
+    store_routes_async,
 )
 
 
@@ -71,6 +72,24 @@ def r3_worker_class() -> type[Any]:
             return out
 
     return R3AgentLoopWorker
+
+
+def r3_async_worker_class() -> type[Any]:
+    """The same with the asyncio client, on the worker's own event loop."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    class R3AsyncAgentLoopWorker(AgentLoopWorker):  # type: ignore[misc]
+        r3_url: str
+        r3_namespace: str
+
+        async def generate_sequences(self, batch: Any) -> Any:
+            out = await super().generate_sequences(batch)
+            step = int(batch.meta_info.get("global_steps", 0))
+            async with AsyncClient(self.r3_url) as client:
+                await store_routes_async(out, client, self.r3_namespace, policy_version=step)
+            return out
+
+    return R3AsyncAgentLoopWorker
 
 
 def with_refs(client: Client, namespace: str, groups: int = 4, n: int = 2, short: int = 0) -> Any:
@@ -127,6 +146,22 @@ def test_refs_resolve_to_verls_tensor_bit_for_bit(client: Client, namespace: str
         mask = expected.batch["attention_mask"][i].bool()
         want = expected.batch["input_ids"][i, mask].numpy()
         np.testing.assert_array_equal(stored[ref.trajectory_id], want)
+
+
+def test_the_asyncio_worker_stores_the_same(client: Client, server: str, namespace: str) -> None:
+    expected = by_value(step=3)
+    w = worker(r3_async_worker_class(), Engine(), r3_url=server, r3_namespace=namespace)
+    data = generate(w, prompts(4, 2, step=3))
+    refs = refs_of(data)
+    assert ROUTES_KEY not in data.batch
+    assert {r.policy_version for r in refs} == {3}
+    assert refs[0].trajectory_id == "step3-prompt0/0"
+    assert torch.equal(resolve_routes(data, client), expected.batch[ROUTES_KEY])
+    stored = client.get_batch(namespace, [r.trajectory_id for r in refs])
+    prompt_lens = expected.batch["attention_mask"][:, : expected.batch["prompts"].shape[1]].sum(-1)
+    assert [t.prompt_len for t in stored.found] == prompt_lens.tolist()
+    assert [t.group_id for t in stored.found] == [f"step3-prompt{i // 2}" for i in range(8)]
+    assert [t.policy_version for t in stored.found] == [3] * 8
 
 
 def test_routes_recorded_for_fewer_tokens(client: Client, namespace: str) -> None:

@@ -18,6 +18,7 @@ Here the routes go to r3store instead and the batch carries a ref per sample:
 
     # rollout side, on the DataProto an agent loop worker returns
     refs = store_routes(batch, client, "run1", policy_version=step)
+    # (or `await store_routes_async(batch, async_client, ...)` in its coroutine)
     # batch.batch has no "routed_experts" now; batch.non_tensor_batch["routed_experts_ref"]
     # holds each sample's ref as JSON (a few hundred bytes), and travels with the batch
 
@@ -55,12 +56,13 @@ except ImportError as exc:
 
 from r3store.errors import InvalidInput
 from r3store.policy import ENGINE, Source
-from r3store.records import TrajectoryWrite
+from r3store.records import PutResult, TrajectoryWrite
 from r3store.refs import RouteRef
 from r3store.spec import RouteSpec
 from r3store_client.tensors import CompactRoutes, TokenMismatch, compact
 
 if TYPE_CHECKING:
+    from r3store_client.aio import AsyncClient
     from r3store_client.client import Client
 
 __all__ = [
@@ -73,6 +75,7 @@ __all__ = [
     "resolve_routes",
     "route_writes",
     "store_routes",
+    "store_routes_async",
 ]
 
 ROUTES_KEY = "routed_experts"  # verl's own key, in the batch's tensors
@@ -220,29 +223,75 @@ def store_routes(
     strings, which DataProto's split, concat, reorder and `to_tensordict` carry along);
     `batch["routed_experts"]` is removed unless `keep_routes`. Returns the refs, in
     batch order, once the server has acknowledged every trajectory durably."""
+    writes = _writes(data, policy_version, trajectory_ids, group_ids, source)
+    refs: list[RouteRef] = []
+    for part in _chunks(writes, chunk):
+        refs += _acknowledged(part, client.put(namespace, part))
+    _swap(data, refs, keep_routes)
+    return refs
+
+
+async def store_routes_async(
+    data: Any,
+    client: AsyncClient,
+    namespace: str,
+    *,
+    policy_version: int,
+    trajectory_ids: Sequence[str] | None = None,
+    group_ids: Sequence[str | None] | None = None,
+    source: Source = ENGINE,
+    keep_routes: bool = False,
+    chunk: int = PUT_CHUNK,
+) -> list[RouteRef]:
+    """`store_routes` with the asyncio client, for verl's asynchronous agent loop
+    workers (`AgentLoopWorker.generate_sequences` is a coroutine): the uploads are
+    awaited in turn, and the routes are encoded off the event loop."""
+    writes = _writes(data, policy_version, trajectory_ids, group_ids, source)
+    refs: list[RouteRef] = []
+    for part in _chunks(writes, chunk):
+        refs += _acknowledged(part, await client.put(namespace, part))
+    _swap(data, refs, keep_routes)
+    return refs
+
+
+def _writes(
+    data: Any,
+    policy_version: int,
+    trajectory_ids: Sequence[str] | None,
+    group_ids: Sequence[str | None] | None,
+    source: Source,
+) -> list[TrajectoryWrite]:
     if not hasattr(data, "non_tensor_batch"):
         raise TypeError(f"store_routes takes a verl DataProto, got {type(data).__name__}")
-    writes = route_writes(
+    return route_writes(
         data,
         policy_version=policy_version,
         trajectory_ids=trajectory_ids,
         group_ids=group_ids,
         source=source,
     )
-    refs: list[RouteRef] = []
-    for begin in range(0, len(writes), max(1, chunk)):
-        part = writes[begin : begin + max(1, chunk)]
-        results = client.put(namespace, part)
-        for write, result in zip(part, results, strict=True):
-            if result.trajectory_id != write.trajectory_id or result.ref is None:
-                raise RuntimeError(f"the upload of {write.trajectory_id!r} was not acknowledged")
-            refs.append(result.ref)
+
+
+def _chunks(writes: list[TrajectoryWrite], size: int) -> list[list[TrajectoryWrite]]:
+    size = max(1, size)
+    return [writes[i : i + size] for i in range(0, len(writes), size)]
+
+
+def _acknowledged(part: list[TrajectoryWrite], results: Sequence[PutResult]) -> list[RouteRef]:
+    refs = []
+    for write, result in zip(part, results, strict=True):
+        if result.trajectory_id != write.trajectory_id or not isinstance(result.ref, RouteRef):
+            raise RuntimeError(f"the upload of {write.trajectory_id!r} was not acknowledged")
+        refs.append(result.ref)
+    return refs
+
+
+def _swap(data: Any, refs: list[RouteRef], keep_routes: bool) -> None:
     column = np.empty(len(refs), dtype=object)
     column[:] = [ref.to_json() for ref in refs]
     data.non_tensor_batch[REFS_KEY] = column
     if not keep_routes:
         data.batch.pop(ROUTES_KEY)
-    return refs
 
 
 def refs_of(data: Any) -> list[RouteRef]:
