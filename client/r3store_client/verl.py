@@ -156,7 +156,7 @@ def route_writes(
     `<uid>/<n>` from verl's `uid` column (the group id then is the uid)."""
     tensors = _tensors(data)
     for key in (ROUTES_KEY, "input_ids", "attention_mask", "prompts"):
-        if key not in tensors.keys():  # noqa: SIM118 (a TensorDict has no `in`)
+        if key not in tensors:
             raise KeyError(f"the batch has no {key!r}: is rollout routing replay on?")
     routes: torch.Tensor = tensors[ROUTES_KEY]
     input_ids: torch.Tensor = tensors["input_ids"]
@@ -304,7 +304,7 @@ def refs_of(data: Any) -> list[RouteRef]:
             raise KeyError(f"the batch carries no route refs ({REFS_KEY!r}): see store_routes")
         column: Any = non_tensor[REFS_KEY]
     else:
-        if REFS_KEY not in data.keys():  # noqa: SIM118 (a TensorDict has no `in`)
+        if REFS_KEY not in data:
             raise KeyError(f"the batch carries no route refs ({REFS_KEY!r}): see store_routes")
         column = data[REFS_KEY]
         column = column.tolist() if hasattr(column, "tolist") else list(column)
