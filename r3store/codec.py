@@ -266,6 +266,20 @@ def portable(
     return dataclasses.replace(again, digest=encoded.digest, tokens=encoded.tokens)
 
 
+def layer_subset(
+    encoded: EncodedRoutes, spec: RouteSpec, num_tokens: int, layers: Sequence[int]
+) -> EncodedRoutes:
+    """The streams of `layers` only (indices into the spec's layers), encoded again at
+    level 1 for `spec.narrowed(len(layers))`: what a rank whose routers see those
+    layers reads. Digest and token ids unchanged (they name the stored segment)."""
+    routes = decode(encoded, spec, num_tokens)
+    chosen = list(layers)
+    counts = None if routes.layer_counts is None else routes.layer_counts[chosen]
+    subset = Routes(np.ascontiguousarray(routes.layers[chosen]), counts)
+    again = encode(subset, spec.narrowed(len(chosen)), 1, digest=False)
+    return dataclasses.replace(again, digest=encoded.digest, tokens=encoded.tokens)
+
+
 def sorted_ids(routes: Routes, spec: RouteSpec) -> npt.NDArray[Any]:
     """`[L, T, K]`: what the ids stream holds before compression (the sets, sorted)."""
     layers = np.ascontiguousarray(routes.layers, dtype=spec.id_dtype)

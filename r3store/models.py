@@ -145,6 +145,13 @@ class BatchRequest(BaseModel):
     format: ReadFormat = Field(ReadFormat.ENCODED, strict=False)  # enums come as strings
     include_stale: bool = False
     source: Source | None = Field(None, description=_SOURCE_DOC)
+    layers: list[int] | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_LAYERS,
+        description="only these layers (distinct increasing indices into the spec's "
+        "layers: a pipeline stage's MoE layers); the answer's spec has as many",
+    )
 
 
 # SampleRequest: take trajectories from the buffer

@@ -246,12 +246,14 @@ class TrajectoryRead:
 @dataclass(frozen=True)
 class Batch:
     """A batch read: `items[i]` answers `ids[i]` (None where missing or stale);
-    `missing` and `stale` name those ids."""
+    `missing` and `stale` name those ids. A read of some `layers` holds those only, in
+    that order."""
 
     ids: list[str]
     items: list[TrajectoryRead | None]
     missing: list[str]
     stale: list[str]
+    layers: tuple[int, ...] | None = None  # the spec's layers the routes hold; None: all
 
     @property
     def found(self) -> list[TrajectoryRead]:

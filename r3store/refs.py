@@ -224,7 +224,10 @@ def resolve(refs: Sequence[RouteRef], reads: dict[Source, Batch]) -> Batch:
             )
             raise RefMismatch(f"{ref}: the trajectory {why}")
         items.append(_named(ref, read))
-    return Batch([ref.trajectory_id for ref in refs], items, [], [])
+    layers = {batch.layers for batch in reads.values()}
+    return Batch(
+        [ref.trajectory_id for ref in refs], items, [], [], layers.pop() if layers else None
+    )
 
 
 def _named(ref: RouteRef, read: TrajectoryRead) -> TrajectoryRead:

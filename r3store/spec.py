@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from r3store.errors import InvalidSpec
+from r3store.errors import InvalidInput, InvalidSpec
 
 MAX_EXPERTS = 65535
 MAX_TOP_K = 64
@@ -54,6 +55,26 @@ class RouteSpec:
     def mask_bytes(self) -> int:
         """Bytes of one token-layer's bit-packed mask: ceil(E / 8)."""
         return (self.num_experts + 7) // 8
+
+    def narrowed(self, num_layers: int) -> RouteSpec:
+        """The spec of a read of `num_layers` of these layers (`layers` in a read)."""
+        return replace(self, num_layers=num_layers)
+
+    def check_layers(self, layers: Sequence[int]) -> tuple[int, ...]:
+        """Layers asked of a read: distinct indices into these layers, increasing."""
+        chosen = tuple(layers)
+        if (
+            not chosen
+            or any(isinstance(x, bool) or not isinstance(x, int) for x in chosen)
+            or list(chosen) != sorted(set(chosen))
+            or chosen[0] < 0
+            or chosen[-1] >= self.num_layers
+        ):
+            raise InvalidInput(
+                f"layers must be distinct increasing indices in [0, {self.num_layers}), "
+                f"got {list(chosen)[:8]}"
+            )
+        return chosen
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

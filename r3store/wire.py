@@ -355,8 +355,10 @@ def encode_batch(
     spec: RouteSpec,
     fmt: ReadFormat,
     stop: Callable[[], bool] | None = None,
+    layers: Sequence[int] | None = None,
 ) -> bytes:
-    """A read response: one row per stored segment, trajectories in the order asked.
+    """A read response: one row per stored segment, trajectories in the order asked;
+    with `layers` (checked: `RouteSpec.check_layers`), their routes only.
 
     `batch` must come from `Engine.get_batch(..., decode=False)` (stored streams).
     `stop()` is asked before each segment is decoded: once true (the request was
@@ -380,6 +382,8 @@ def encode_batch(
             "digest",
         )
     }
+    chosen = None if layers is None else spec.check_layers(layers)
+    answer_spec = spec if chosen is None else spec.narrowed(len(chosen))
     seen: set[str] = set()
     for item in batch.items:
         if item is None or item.trajectory_id in seen:
@@ -400,6 +404,8 @@ def encode_batch(
             if stop is not None and stop():
                 raise StoreError("the read was answered before its routes were encoded")
             if fmt is ReadFormat.ENCODED:
+                if chosen is not None:
+                    stored = codec.layer_subset(stored, spec, segment.num_tokens, chosen)
                 cols["route_transform"].append(int(stored.transform))
                 cols["route_ids"].append(stored.ids)
                 cols["route_counts"].append(stored.counts)
@@ -407,11 +413,17 @@ def encode_batch(
                 cols["token_ids"].append(stored.tokens)
                 continue
             routes = codec.decode(stored, spec, segment.num_tokens)
+            if chosen is not None:
+                counts_of = routes.layer_counts
+                routes = Routes(
+                    routes.layers[list(chosen)],
+                    None if counts_of is None else counts_of[list(chosen)],
+                )
             if fmt is ReadFormat.IDS:
                 ids = np.ascontiguousarray(routes.ids)
                 counts = None if routes.layer_counts is None else routes.counts.tobytes()
             else:
-                ids, counts = to_mask(routes, spec), None
+                ids, counts = to_mask(routes, answer_spec), None
             cols["route_transform"].append(None)
             cols["route_ids"].append(ids.astype(ids.dtype.newbyteorder("<")).tobytes())
             cols["route_counts"].append(counts)
@@ -440,11 +452,13 @@ def encode_batch(
     meta = {
         "r3store.wire_version": WIRE_VERSION,
         "r3store.format": str(fmt),
-        "r3store.route_spec": spec.to_json(),
+        "r3store.route_spec": answer_spec.to_json(),  # of the layers answered
         "r3store.ids": json.dumps(batch.ids),
         "r3store.missing": json.dumps(batch.missing),
         "r3store.stale": json.dumps(batch.stale),
     }
+    if chosen is not None:
+        meta["r3store.layers"] = json.dumps(list(chosen))
     return _stream(table.replace_schema_metadata(meta))
 
 
@@ -466,6 +480,11 @@ def decode_batch(
         fmt = ReadFormat(meta["r3store.format"])
         ids = json.loads(meta["r3store.ids"])
         missing, stale = json.loads(meta["r3store.missing"]), json.loads(meta["r3store.stale"])
+        layers = None
+        if "r3store.layers" in meta:
+            layers = tuple(json.loads(meta["r3store.layers"]))
+            if len(layers) != spec.num_layers or not all(type(x) is int for x in layers):
+                raise ValueError("r3store.layers does not match the answer's spec")
     except (UnicodeDecodeError, KeyError, ValueError) as exc:
         raise InvalidInput(f"the body is not an r3store read answer: {exc}") from None
     by_id: dict[str, list[dict[str, Any]]] = {}
@@ -478,7 +497,7 @@ def decode_batch(
         done = [_trajectory(segs, spec, fmt, decode) for segs in work]
     reads = {item.trajectory_id: item for item in done}
     items: list[TrajectoryRead | None] = [reads.get(tid) for tid in ids]
-    return spec, Batch(ids, items, missing, stale)
+    return spec, Batch(ids, items, missing, stale, layers)
 
 
 def _trajectory(

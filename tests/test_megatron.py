@@ -809,3 +809,33 @@ def test_pipeline_stages_take_their_own_moe_layers(vp: int | None, pattern: list
     if pattern[:4] == [0, 0, 0, 0]:
         assert ranks[0]["got"] == []
         assert ranks[0]["dense"] == {"hidden": [4, 1, 32], "recorded": []}
+
+
+def test_a_stage_reads_only_the_layers_its_routers_replay(model: Any, client: Client) -> None:
+    """Routers mapped to layer 1 only (a pipeline stage's view): only that layer is
+    read, and the replay data equals what the whole routes give."""
+    replay = MegatronReplay(model, SPEC, layers=[1, 1])
+    assert replay.needed_layers == [1]
+    rng = np.random.default_rng(3)
+    client.create_namespace("stage", SPEC)
+    writes = [
+        TrajectoryWrite(
+            f"t{b}",
+            S,
+            topk=np.stack([rng.permutation(8)[:2] for _ in range(S * 2)]).reshape(S, 2, 2),
+            token_ids=rng.integers(0, 64, S).astype(np.int32),
+        )
+        for b in range(B)
+    ]
+    refs = [r.ref for r in client.put("stage", writes)]
+    layout = TokenLayout.sbhd([S, S], seq_len=S)
+    whole = TrainerReader(client, "stage").fetch(refs)
+    mine = TrainerReader(client, "stage", layers=replay.needed_layers).fetch(refs)
+    assert mine.ids.shape[2] == 1
+    assert mine.origin.layers == (1,)
+    for got, want in zip(replay.indices(mine, layout), replay.indices(whole, layout), strict=True):
+        assert torch.equal(got, want)
+    other = TrainerReader(client, "stage", layers=[0]).fetch(refs)
+    with pytest.raises(ValueError, match="read them with layers="):
+        replay.indices(other, layout)
+    replay.detach()

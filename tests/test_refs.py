@@ -19,9 +19,10 @@ from helpers import SPEC, expected_ids, make_write
 from http_helpers import KEYS, ServerProcess
 from r3store.errors import InvalidInput, RefMismatch
 from r3store.policy import NamespaceSettings, Retention
-from r3store.records import PutResult, TrajectoryWrite
+from r3store.records import Batch, PutResult, TrajectoryWrite
 from r3store.refs import RouteRef
 from r3store.testing.seaweedfs import SeaweedFS
+from r3store.wire import ReadFormat
 from r3store_client import Client, Retry, RolloutWriter
 from r3store_client.tensors import RouteTensors, compact, padded, rank_slice
 
@@ -223,3 +224,33 @@ def test_the_writer_hands_out_refs(client: Client, namespace: str) -> None:
     assert writer.report.sent == 5
     assert list(writer.report.failed) == ["bad"]
     assert client.resolve(refs)[1].ids == [w.trajectory_id for w in writes]
+
+
+def test_a_read_of_some_layers_carries_only_those(client: Client, namespace: str) -> None:
+    writes = [_tokened(f"l{i}", tokens=256) for i in range(4)]
+    refs = [r.ref for r in client.put(namespace, writes)]
+    spec, batch = client.resolve(refs, layers=[1, 3])
+    assert spec.num_layers == 2
+    assert batch.layers == (1, 3)
+    routes = padded(batch, spec)
+    for b, write in enumerate(writes):
+        assert np.array_equal(_ids(routes, b, 256), expected_ids(write)[:, [1, 3]])
+    _, ids_read = client.fetch(namespace, ["l0"], fmt=ReadFormat.IDS, layers=[2])
+    item = ids_read.items[0]
+    assert item is not None
+    assert item.routes is not None
+    assert np.array_equal(item.routes.to_topk()[:255], expected_ids(writes[0])[:255, [2]])
+    ids = [w.trajectory_id for w in writes]
+
+    def route_bytes(batch: Batch) -> int:
+        return sum(len(s.encoded.ids) for i in batch.found for s in i.segments if s.encoded)
+
+    whole = client.get_batch(namespace, ids, decode=False)
+    one = client.get_batch(namespace, ids, decode=False, layers=[0])
+    assert route_bytes(one) < route_bytes(whole) / 3  # one of four layers travels
+    path = f"/v1/namespaces/{namespace}/routes/batch"
+    for bad in ([3, 1], [4], [-1], [], [1, 1], [True]):
+        with pytest.raises(InvalidInput, match="layers"):
+            client.request("POST", path, json={"ids": ids, "layers": bad})
+    with pytest.raises(InvalidInput, match="direct"):
+        client.resolve(refs, direct=True, layers=[0])

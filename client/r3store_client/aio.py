@@ -182,8 +182,9 @@ class AsyncClient(Calls):
         fmt: ReadFormat = ReadFormat.ENCODED,
         decode: bool = True,
         source: Source | None = None,
+        layers: Sequence[int] | None = None,
     ) -> Batch:
-        return (await self.fetch(namespace, ids, include_stale, fmt, decode, source))[1]
+        return (await self.fetch(namespace, ids, include_stale, fmt, decode, source, layers))[1]
 
     async def fetch(
         self,
@@ -193,8 +194,11 @@ class AsyncClient(Calls):
         fmt: ReadFormat = ReadFormat.ENCODED,
         decode: bool = True,
         source: Source | None = None,
+        layers: Sequence[int] | None = None,
     ) -> tuple[RouteSpec, Batch]:
-        return await self._run(self._fetch(namespace, ids, include_stale, fmt, decode, source))
+        return await self._run(
+            self._fetch(namespace, ids, include_stale, fmt, decode, source, layers)
+        )
 
     async def token_ids(
         self,
@@ -225,9 +229,13 @@ class AsyncClient(Calls):
         return await self._run(self._fetch_direct(namespace, ids, include_stale, source))
 
     async def resolve(
-        self, refs: Sequence[RouteRef], include_stale: bool = False, direct: bool = False
+        self,
+        refs: Sequence[RouteRef],
+        include_stale: bool = False,
+        direct: bool = False,
+        layers: Sequence[int] | None = None,
     ) -> tuple[RouteSpec, Batch]:
-        return await self._run(self._resolve(refs, include_stale, direct))
+        return await self._run(self._resolve(refs, include_stale, direct, layers))
 
     async def sample(
         self,

@@ -35,6 +35,7 @@ from r3store.codec import Dictionaries, decode_tokens, load_dictionary
 from r3store.errors import (
     Conflict,
     Forbidden,
+    InvalidInput,
     InvalidRoutes,
     NotFound,
     R3StoreError,
@@ -388,13 +389,16 @@ class Calls:
         fmt: ReadFormat = ReadFormat.ENCODED,
         decode: bool = True,
         source: Source | None = None,
+        layers: Sequence[int] | None = None,
     ) -> Call[tuple[RouteSpec, Batch]]:
-        body = {
+        body: dict[str, Any] = {
             "ids": list(ids),
             "include_stale": include_stale,
             "format": str(fmt),
             "source": source,
         }
+        if layers is not None:
+            body["layers"] = list(layers)
         path = f"/v1/namespaces/{namespace}/routes/batch"
         response = yield from self._request("POST", path, json=body)
         answer: tuple[RouteSpec, Batch] = yield Work(
@@ -448,9 +452,18 @@ class Calls:
         raise R3StoreError("unreachable")
 
     def _resolve(
-        self, refs: Sequence[RouteRef], include_stale: bool = False, direct: bool = False
+        self,
+        refs: Sequence[RouteRef],
+        include_stale: bool = False,
+        direct: bool = False,
+        layers: Sequence[int] | None = None,
     ) -> Call[tuple[RouteSpec, Batch]]:
         namespace, wanted = by_source(refs)
+        if direct and layers is not None:
+            raise InvalidInput(
+                "a direct read fetches whole stored segments: select layers through the "
+                "server (direct=False)"
+            )
         reads: dict[Source, Batch] = {}
         for source, ids in wanted.items():
             if direct:
@@ -459,7 +472,7 @@ class Calls:
                 )
             else:
                 spec, reads[source] = yield from self._fetch(
-                    namespace, ids, include_stale, decode=False, source=source
+                    namespace, ids, include_stale, decode=False, source=source, layers=layers
                 )
         return spec, resolve(refs, reads)
 

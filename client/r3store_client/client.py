@@ -172,12 +172,15 @@ class Client(Calls):
         fmt: ReadFormat = ReadFormat.ENCODED,
         decode: bool = True,
         source: Source | None = None,
+        layers: Sequence[int] | None = None,
     ) -> Batch:
         """Routes of `ids` in the order asked; `missing` and `stale` name the others.
         `decode=False` keeps the stored streams (`tensors.compact` decodes them).
         Each trajectory comes from one route source (`TrajectoryRead.source`): `source`
-        if given, else the first of the namespace's `read_sources` it holds."""
-        return self.fetch(namespace, ids, include_stale, fmt, decode, source)[1]
+        if given, else the first of the namespace's `read_sources` it holds. `layers`
+        (distinct increasing indices): only those layers' routes travel and are
+        returned (`Batch.layers`), for a pipeline stage's routers."""
+        return self.fetch(namespace, ids, include_stale, fmt, decode, source, layers)[1]
 
     def fetch(
         self,
@@ -187,9 +190,11 @@ class Client(Calls):
         fmt: ReadFormat = ReadFormat.ENCODED,
         decode: bool = True,
         source: Source | None = None,
+        layers: Sequence[int] | None = None,
     ) -> tuple[RouteSpec, Batch]:
-        """Like `get_batch`, with the namespace's route spec."""
-        return self._run(self._fetch(namespace, ids, include_stale, fmt, decode, source))
+        """Like `get_batch`, with the route spec of the answer (the namespace's, its
+        `num_layers` those asked when `layers` is given)."""
+        return self._run(self._fetch(namespace, ids, include_stale, fmt, decode, source, layers))
 
     def token_ids(
         self,
@@ -230,14 +235,19 @@ class Client(Calls):
         return self._run(self._fetch_direct(namespace, ids, include_stale, source))
 
     def resolve(
-        self, refs: Sequence[RouteRef], include_stale: bool = False, direct: bool = False
+        self,
+        refs: Sequence[RouteRef],
+        include_stale: bool = False,
+        direct: bool = False,
+        layers: Sequence[int] | None = None,
     ) -> tuple[RouteSpec, Batch]:
-        """The routes `refs` name (of one namespace and source), in their order, each
-        trajectory only the segments its ref names, as stored streams (`tensors.compact`
-        decodes them); only these trajectories are read (`direct`: from the object
-        store, as `fetch_direct`). A ref whose trajectory is gone or stale, or stored
-        with other content since, raises `RefMismatch` naming it."""
-        return self._run(self._resolve(refs, include_stale, direct))
+        """The routes `refs` name (of one namespace), in their order, each trajectory
+        only the segments its ref names, as stored streams (`tensors.compact` decodes
+        them). Only these trajectories are read, and with `layers` only those layers
+        (a pipeline stage's; `MegatronReplay.layers`); `direct`: from the object store,
+        as `fetch_direct`. A ref whose trajectory is gone or stale, or stored with other
+        content since, raises `RefMismatch` naming it."""
+        return self._run(self._resolve(refs, include_stale, direct, layers))
 
     def sample(
         self,

@@ -628,7 +628,28 @@ class MegatronReplay:
         self, routes: RouteTensors | CompactRoutes, layout: TokenLayout
     ) -> list[torch.Tensor]:
         """What `set_replay_data` gets: one `[N, K]` tensor per router of this rank."""
-        return layer_indices(routes, layout, self.layers)
+        return layer_indices(routes, layout, self._axis(routes))
+
+    @property
+    def needed_layers(self) -> list[int]:
+        """The namespace's layers this rank's routers replay, increasing: what to read
+        (`Client.resolve(refs, layers=replay.needed_layers)`) so no other layer travels."""
+        return sorted(set(self.layers))
+
+    def _axis(self, routes: RouteTensors | CompactRoutes) -> list[int]:
+        """Each router's index into the routes' layer axis: its layer, or where a read
+        of some layers holds it (refused when it holds another set)."""
+        held = routes.origin.layers
+        if held is None:
+            return self.layers
+        where = {layer: i for i, layer in enumerate(held)}
+        absent = [layer for layer in self.layers if layer not in where]
+        if absent:
+            raise ValueError(
+                f"these routes hold layers {list(held)[:8]}, not this rank's layers "
+                f"{absent[:8]}: read them with layers=replay.needed_layers"
+            )
+        return [where[layer] for layer in self.layers]
 
     def load(
         self,
@@ -669,7 +690,7 @@ class MegatronReplay:
         wide = as_wide(routes)
         if self.check_tokens:
             warn_untokened(wide.tokens, wide.origin)
-        data, want = _replay_data(wide, layout, self.layers, tokens=self.check_tokens)
+        data, want = _replay_data(wide, layout, self._axis(wide), tokens=self.check_tokens)
         if device is not None:
             data = [_with_live(d.to(device, non_blocking=True), d) for d in data]
             want = None if want is None else want.to(device, non_blocking=True)

@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from r3store.refs import RouteRef
 from r3store.spec import RouteSpec
 from r3store.wire import ReadFormat
 from r3store_client.client import Client
@@ -43,7 +44,9 @@ class TrainerReader:
     contiguous, as routers read them); `pin`: page-locked buffers for asynchronous
     copies; `depth`: micro-batches fetched ahead by `iterate`; `direct`: read the bytes
     from the object store itself, the server only planning the read (S3-backed servers
-    whose store the trainer can reach).
+    whose store the trainer can reach); `layers`: only those of the namespace's layers
+    travel (a pipeline stage's, `MegatronReplay.needed_layers`; through the server).
+    Micro-batches are named by trajectory ids or by route refs (`r3store.refs`).
     """
 
     def __init__(
@@ -59,6 +62,7 @@ class TrainerReader:
         major: Major = "layer",
         depth: int = 1,
         direct: bool = False,
+        layers: Sequence[int] | None = None,
     ) -> None:
         if depth < 1:
             raise ValueError(f"depth must be at least 1, got {depth}")
@@ -71,17 +75,32 @@ class TrainerReader:
         self.major = major
         self.depth = depth
         self.direct = direct
+        self.layers = None if layers is None else list(layers)
         self._on_event = on_event or (lambda _what, _index: None)
         self._spec: RouteSpec | None = None
         self._lock = threading.Lock()
 
-    def fetch(self, ids: Sequence[str]) -> CompactRoutes | RouteTensors:
-        """One micro-batch's routes, in `ids` order; `KeyError` names missing or stale ids."""
-        if self.direct:
-            spec, batch = self.client.fetch_direct(self.namespace, ids, self.include_stale)
+    def fetch(self, ids: Sequence[str] | Sequence[RouteRef]) -> CompactRoutes | RouteTensors:
+        """One micro-batch's routes, in the order of `ids`: trajectory ids (`KeyError`
+        names missing or stale ones) or route refs (resolved: `RefMismatch` names a ref
+        that no longer resolves)."""
+        if ids and all(isinstance(i, RouteRef) for i in ids):
+            refs = [i for i in ids if isinstance(i, RouteRef)]
+            spec, batch = self.client.resolve(refs, self.include_stale, self.direct, self.layers)
+        elif self.direct:
+            if self.layers is not None:
+                raise ValueError("a direct read fetches whole segments: drop layers or direct")
+            names = [str(i) for i in ids]
+            spec, batch = self.client.fetch_direct(self.namespace, names, self.include_stale)
         else:
+            names = [str(i) for i in ids]
             spec, batch = self.client.fetch(
-                self.namespace, ids, self.include_stale, ReadFormat.ENCODED, decode=False
+                self.namespace,
+                names,
+                self.include_stale,
+                ReadFormat.ENCODED,
+                decode=False,
+                layers=self.layers,
             )
         with self._lock:
             self._spec = spec
@@ -100,7 +119,9 @@ class TrainerReader:
         return wide.pin_memory() if self.pin else wide
 
     def iterate(
-        self, batches: Sequence[Sequence[str]], depth: int | None = None
+        self,
+        batches: Sequence[Sequence[str]] | Sequence[Sequence[RouteRef]],
+        depth: int | None = None,
     ) -> Iterator[CompactRoutes | RouteTensors]:
         """Yield each micro-batch's routes in order, keeping `depth` (default: the
         reader's) fetches going ahead of the caller, no more: however slow the caller,

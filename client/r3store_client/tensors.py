@@ -54,12 +54,14 @@ Major = Literal["layer", "token"]
 @dataclass(frozen=True)
 class Origin:
     """Where a micro-batch's routes come from: their namespace, the trajectory of each
-    sequence (batch order), and the trajectories stored without token ids for some or
-    all of their tokens (those tokens cannot be checked)."""
+    sequence (batch order), the trajectories stored without token ids for some or all
+    of their tokens (those tokens cannot be checked), and the namespace's layers the
+    routes' layer axis holds (None: all of them; a read of some `layers`)."""
 
     namespace: str | None = None
     trajectory_ids: tuple[str, ...] = ()
     untokened: tuple[str, ...] = ()
+    layers: tuple[int, ...] | None = None
 
     def sequence(self, b: int) -> str:
         """Sequence `b` of the micro-batch, named by its trajectory when known."""
@@ -232,6 +234,7 @@ def compact(
         namespace,
         tuple(r.trajectory_id for r in reads),
         tuple(r.trajectory_id for r, whole in zip(reads, complete, strict=True) if not whole),
+        batch.layers,
     )
     if layout == "packed":
         cu = torch.zeros(len(reads) + 1, dtype=torch.int32)

@@ -210,12 +210,18 @@ def read_limit(
 
 
 def _answer(
-    batch: Batch, spec: RouteSpec, fmt: ReadFormat, metrics: Any, deadline: Deadline
+    batch: Batch,
+    spec: RouteSpec,
+    fmt: ReadFormat,
+    metrics: Any,
+    deadline: Deadline,
+    layers: list[int] | None = None,
 ) -> Response:
-    data = encode_batch(batch, spec, fmt, deadline.cancelled.is_set)
+    data = encode_batch(batch, spec, fmt, deadline.cancelled.is_set, layers)
     metrics.bytes_out.inc(len(data))
     metrics.token_layers_out.inc(
-        sum(item.num_tokens for item in batch.items if item is not None) * spec.num_layers
+        sum(item.num_tokens for item in batch.items if item is not None)
+        * (spec.num_layers if layers is None else len(layers))
     )
     return Response(content=data, media_type=CONTENT_TYPE)
 
@@ -238,11 +244,15 @@ async def read_batch(
 
     Missing and stale ids are named in the stream's metadata, never dropped silently.
     Each trajectory comes from one route source (its rows' `source` column): `source`
-    if given, else the first of the namespace's `read_sources` it holds. Reader or admin.
+    if given, else the first of the namespace's `read_sources` it holds. `layers`: only
+    those layers' routes (a pipeline stage's), the answer's spec narrowed to them and
+    its metadata naming them. Reader or admin.
     """
 
     def fetch() -> Response:
         spec = engine.spec(namespace)
+        if body.layers is not None:
+            spec.check_layers(body.layers)  # refused before anything is read
         batch = engine.get_batch(
             namespace,
             body.ids,
@@ -251,7 +261,7 @@ async def read_batch(
             source=body.source,
             admit=read_limit(spec, body.format, settings.max_read_bytes, len(body.ids)),
         )
-        return _answer(batch, spec, body.format, metrics, deadline)
+        return _answer(batch, spec, body.format, metrics, deadline, body.layers)
 
     return await deadline.run(fetch, what="the read")
 
