@@ -20,30 +20,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
-import numpy as np
-import numpy.typing as npt
 
 from r3store.errors import Backpressure, R3StoreError
-from r3store.models import (
-    AgreementModel,
-    DriftModel,
-    ExpertLoadModel,
-    NamespacePublic,
-    TrajectoryLoadsModel,
-)
-from r3store.plans import ReadPlan
-from r3store.policy import NamespaceSettings, Source
-from r3store.records import Batch, PutResult, TrajectoryWrite
+from r3store.records import TrajectoryWrite
 from r3store.refs import RouteRef
-from r3store.sampling import Strategy
-from r3store.spec import RouteSpec
-from r3store.wire import ReadFormat
-from r3store_client.calls import Call, Calls, Retry, Send, Sleep, T
+from r3store_client.calls import Call, Calls, Retry, Send, Sleep, T, awaiting
 from r3store_client.writer import (
     Attempt,
     Delivery,
@@ -140,136 +126,31 @@ class AsyncClient(Calls):
         finally:
             call.close()
 
-    async def request(
-        self, method: str, path: str, *, idempotent: bool = True, **kwargs: Any
-    ) -> httpx.Response:
-        return await self._run(self._request(method, path, idempotent=idempotent, **kwargs))
+    request = awaiting(Calls._request)
 
     # namespaces
-
-    async def create_namespace(
-        self, name: str, spec: RouteSpec, settings: NamespaceSettings | None = None
-    ) -> NamespacePublic:
-        return await self._run(self._create_namespace(name, spec, settings))
-
-    async def namespace(self, name: str) -> NamespacePublic:
-        return await self._run(self._namespace(name))
-
-    async def ensure_namespace(self, name: str, spec: RouteSpec) -> NamespacePublic:
-        return await self._run(self._ensure_namespace(name, spec))
-
-    async def spec(self, name: str) -> RouteSpec:
-        return await self._run(self._spec(name))
-
-    async def set_policy_version(
-        self, name: str, version: int, force: bool = False
-    ) -> NamespacePublic:
-        return await self._run(self._set_policy_version(name, version, force))
-
-    async def update_settings(self, name: str, settings: NamespaceSettings) -> NamespacePublic:
-        return await self._run(self._update_settings(name, settings))
+    create_namespace = awaiting(Calls._create_namespace)
+    namespace = awaiting(Calls._namespace)
+    ensure_namespace = awaiting(Calls._ensure_namespace)
+    spec = awaiting(Calls._spec)
+    set_policy_version = awaiting(Calls._set_policy_version)
+    update_settings = awaiting(Calls._update_settings)
 
     # data
-
-    async def put(self, namespace: str, writes: Sequence[TrajectoryWrite]) -> list[PutResult]:
-        return await self._run(self._put(namespace, writes))
-
-    async def get_batch(
-        self,
-        namespace: str,
-        ids: Sequence[str],
-        include_stale: bool = False,
-        fmt: ReadFormat = ReadFormat.ENCODED,
-        decode: bool = True,
-        source: Source | None = None,
-        layers: Sequence[int] | None = None,
-    ) -> Batch:
-        return (await self.fetch(namespace, ids, include_stale, fmt, decode, source, layers))[1]
-
-    async def fetch(
-        self,
-        namespace: str,
-        ids: Sequence[str],
-        include_stale: bool = False,
-        fmt: ReadFormat = ReadFormat.ENCODED,
-        decode: bool = True,
-        source: Source | None = None,
-        layers: Sequence[int] | None = None,
-    ) -> tuple[RouteSpec, Batch]:
-        return await self._run(
-            self._fetch(namespace, ids, include_stale, fmt, decode, source, layers)
-        )
-
-    async def token_ids(
-        self,
-        namespace: str,
-        ids: Sequence[str],
-        include_stale: bool = False,
-        source: Source | None = None,
-    ) -> dict[str, npt.NDArray[np.int32] | None]:
-        return await self._run(self._token_ids(namespace, ids, include_stale, source))
-
-    async def plan(
-        self,
-        namespace: str,
-        ids: Sequence[str],
-        include_stale: bool = False,
-        expires: int = 60,
-        source: Source | None = None,
-    ) -> ReadPlan:
-        return await self._run(self._plan(namespace, ids, include_stale, expires, source))
-
-    async def fetch_direct(
-        self,
-        namespace: str,
-        ids: Sequence[str],
-        include_stale: bool = False,
-        source: Source | None = None,
-    ) -> tuple[RouteSpec, Batch]:
-        return await self._run(self._fetch_direct(namespace, ids, include_stale, source))
-
-    async def resolve(
-        self,
-        refs: Sequence[RouteRef],
-        include_stale: bool = False,
-        direct: bool = False,
-        layers: Sequence[int] | None = None,
-    ) -> tuple[RouteSpec, Batch]:
-        return await self._run(self._resolve(refs, include_stale, direct, layers))
-
-    async def sample(
-        self,
-        namespace: str,
-        n: int,
-        strategy: Strategy = Strategy.FIFO,
-        whole_groups: bool = False,
-        seed: int | None = None,
-    ) -> Batch:
-        return await self._run(self._sample(namespace, n, strategy, whole_groups, seed))
+    put = awaiting(Calls._put)
+    get_batch = awaiting(Calls._get_batch)
+    fetch = awaiting(Calls._fetch)
+    token_ids = awaiting(Calls._token_ids)
+    plan = awaiting(Calls._plan)
+    fetch_direct = awaiting(Calls._fetch_direct)
+    resolve = awaiting(Calls._resolve)
+    sample = awaiting(Calls._sample)
 
     # statistics
-
-    async def expert_load(
-        self, namespace: str, source: Source = "engine", versions: tuple[int, int] | None = None
-    ) -> ExpertLoadModel:
-        return await self._run(self._expert_load(namespace, source, versions))
-
-    async def agreement(
-        self, namespace: str, a: Source = "engine", b: Source = "trainer"
-    ) -> AgreementModel:
-        return await self._run(self._agreement(namespace, a, b))
-
-    async def drift(self, namespace: str, source: Source = "engine") -> DriftModel:
-        return await self._run(self._drift(namespace, source))
-
-    async def trajectory_loads(
-        self,
-        namespace: str,
-        ids: Sequence[str],
-        include_stale: bool = False,
-        source: Source | None = None,
-    ) -> TrajectoryLoadsModel:
-        return await self._run(self._trajectory_loads(namespace, ids, include_stale, source))
+    expert_load = awaiting(Calls._expert_load)
+    agreement = awaiting(Calls._agreement)
+    drift = awaiting(Calls._drift)
+    trajectory_loads = awaiting(Calls._trajectory_loads)
 
 
 class AsyncRolloutWriter:

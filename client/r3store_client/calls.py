@@ -18,13 +18,14 @@ again only if it never reached the server). Errors are the project's own excepti
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import random
 import threading
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Coroutine, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import httpx
 import numpy as np
@@ -63,6 +64,7 @@ from r3store.streams import fits
 from r3store.wire import CONTENT_TYPE, ReadFormat, decode_batch, encode_writes
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 # 408: the server gave up on a body that arrived too slowly (a stalled network): sent again
 RETRY_STATUS = {408, 429, 502, 503, 504}
@@ -93,6 +95,36 @@ class Work:
 
 Step = Send | Sleep | Work
 Call = Generator[Step, Any, T]
+
+
+def blocking(call: Callable[Concatenate[Any, P], Call[T]]) -> Callable[Concatenate[Any, P], T]:
+    """A call as a method that runs it to its end (`Client`)."""
+
+    def method(self: Any, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._run(call(self, *args, **kwargs))  # type: ignore[no-any-return]
+
+    return _named(method, call)
+
+
+def awaiting(
+    call: Callable[Concatenate[Any, P], Call[T]],
+) -> Callable[Concatenate[Any, P], Coroutine[Any, Any, T]]:
+    """A call as a coroutine method that runs it to its end (`AsyncClient`)."""
+
+    async def method(self: Any, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return await self._run(call(self, *args, **kwargs))  # type: ignore[no-any-return]
+
+    return _named(method, call)
+
+
+M = TypeVar("M", bound=Callable[..., Any])
+
+
+def _named(method: M, call: Callable[..., Any]) -> M:
+    """`method` under the call's public name, with its docstring and signature."""
+    functools.update_wrapper(method, call)
+    method.__name__ = call.__name__.lstrip("_")
+    return method
 
 
 class _Replan(Exception):
@@ -278,7 +310,7 @@ class Calls:
     # the request, retried
 
     def _request(
-        self, method: str, path: str, *, idempotent: bool = True, **kwargs: Any
+        self, /, method: str, path: str, *, idempotent: bool = True, **kwargs: Any
     ) -> Call[httpx.Response]:
         """Send a request, retrying what may succeed later; raise the server's error.
 
@@ -312,21 +344,29 @@ class Calls:
     def _create_namespace(
         self, name: str, spec: RouteSpec, settings: NamespaceSettings | None = None
     ) -> Call[NamespacePublic]:
+        """Create a namespace (an admin key); `Conflict` when the name is taken."""
         body = {
             "name": name,
             "spec": spec.__dict__,
             "settings": (settings or NamespaceSettings()).model_dump(mode="json"),
         }
-        return NamespacePublic.model_validate(
-            (yield from self._json("POST", "/v1/namespaces", json=body))
-        )
+        answer = yield from self._json("POST", "/v1/namespaces", json=body)
+        return NamespacePublic.model_validate(answer)
 
     def _namespace(self, name: str) -> Call[NamespacePublic]:
-        return NamespacePublic.model_validate(
-            (yield from self._json("GET", f"/v1/namespaces/{name}"))
-        )
+        """The namespace: its spec, settings, policy version and usage."""
+        answer = yield from self._json("GET", f"/v1/namespaces/{name}")
+        return NamespacePublic.model_validate(answer)
 
     def _ensure_namespace(self, name: str, spec: RouteSpec) -> Call[NamespacePublic]:
+        """The namespace `name`, which must have `spec`: created (with default settings)
+        when it does not exist. Its settings are not compared: they are the operator's
+        to change (`r3store settings`), and a worker started again afterwards goes on.
+
+        Reading the namespace needs any role (`writer`, `reader` or `admin`); creating it
+        needs `admin` (`Forbidden` says so). Another spec under the name: `Conflict`
+        naming the fields that differ.
+        """
         try:
             info = yield from self._namespace(name)
         except NotFound:
@@ -351,11 +391,16 @@ class Calls:
         return info
 
     def _spec(self, name: str) -> Call[RouteSpec]:
+        """The namespace's route spec (fixed at creation: asked once, then kept)."""
         if name not in self._specs:
             self._specs[name] = (yield from self._namespace(name)).spec.to_spec()
         return self._specs[name]
 
-    def _set_policy_version(self, name: str, version: int, force: bool) -> Call[NamespacePublic]:
+    def _set_policy_version(
+        self, name: str, version: int, force: bool = False
+    ) -> Call[NamespacePublic]:
+        """Move the namespace's policy version forward (a `trainer` key), at most the
+        server's step per call; `force` (an admin key): set it as given, even back."""
         body = PolicyVersionSet(policy_version=version, force=force).model_dump(
             exclude_defaults=True
         )
@@ -363,6 +408,7 @@ class Calls:
         return NamespacePublic.model_validate((yield from self._json("PUT", path, json=body)))
 
     def _update_settings(self, name: str, settings: NamespaceSettings) -> Call[NamespacePublic]:
+        """Replace the namespace's settings (an admin key)."""
         body = settings.model_dump(mode="json")
         path = f"/v1/namespaces/{name}/settings"
         return NamespacePublic.model_validate((yield from self._json("PUT", path, json=body)))
@@ -370,6 +416,11 @@ class Calls:
     # data
 
     def _put(self, namespace: str, writes: Sequence[TrajectoryWrite]) -> Call[list[PutResult]]:
+        """Upload trajectories (or appended segments); returns after the durable commit,
+        a result per write with its route ref (`PutResult.ref`). Each array's shape is
+        checked against the namespace's spec, and routes are validated and encoded here
+        (unless `encode=False`): bad ones raise `InvalidRoutes` before anything is
+        sent."""
         spec = yield from self._spec(namespace)
         body = yield Work(upload_body, (list(writes), spec, self.encode))
         answer = yield from self._json(
@@ -381,6 +432,25 @@ class Calls:
         results = [PutItem.model_validate(item).result() for item in answer["results"]]
         return [dataclasses.replace(r, ref=RouteRef.of(namespace, r)) for r in results]
 
+    def _get_batch(
+        self,
+        namespace: str,
+        ids: Sequence[str],
+        include_stale: bool = False,
+        fmt: ReadFormat = ReadFormat.ENCODED,
+        decode: bool = True,
+        source: Source | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> Call[Batch]:
+        """Routes of `ids` in the order asked; `missing` and `stale` name the others.
+        `decode=False` keeps the stored streams (`tensors.compact` decodes them).
+        Each trajectory comes from one route source (`TrajectoryRead.source`): `source`
+        if given, else the first of the namespace's `read_sources` it holds. `layers`
+        (distinct increasing indices): only those layers' routes travel and are
+        returned (`Batch.layers`), for a pipeline stage's routers."""
+        answer = yield from self._fetch(namespace, ids, include_stale, fmt, decode, source, layers)
+        return answer[1]
+
     def _fetch(
         self,
         namespace: str,
@@ -391,6 +461,8 @@ class Calls:
         source: Source | None = None,
         layers: Sequence[int] | None = None,
     ) -> Call[tuple[RouteSpec, Batch]]:
+        """Like `get_batch`, with the route spec of the answer (the namespace's, its
+        `num_layers` those asked when `layers` is given)."""
         body: dict[str, Any] = {
             "ids": list(ids),
             "include_stale": include_stale,
@@ -407,8 +479,17 @@ class Calls:
         return answer
 
     def _token_ids(
-        self, namespace: str, ids: Sequence[str], include_stale: bool, source: Source | None
+        self,
+        namespace: str,
+        ids: Sequence[str],
+        include_stale: bool = False,
+        source: Source | None = None,
     ) -> Call[dict[str, npt.NDArray[np.int32] | None]]:
+        """The token ids stored with `ids`, by id (`[num_tokens]` int32, -1 where a
+        segment came without them; None for a trajectory stored without any); missing
+        and stale ids are left out. Only the token streams are decoded, not the routes;
+        the routes' stored streams still travel with them (the read endpoint has no
+        tokens-only form)."""
         _spec, batch = yield from self._fetch(
             namespace, ids, include_stale, decode=False, source=source
         )
@@ -423,6 +504,8 @@ class Calls:
         expires: int = 60,
         source: Source | None = None,
     ) -> Call[ReadPlan]:
+        """Where the routes of `ids` lie in the object store, with URLs that read them
+        (S3-backed servers; `InvalidInput` from the embedded store)."""
         body = {
             "ids": list(ids),
             "include_stale": include_stale,
@@ -430,9 +513,8 @@ class Calls:
             "source": source,
         }
         path = f"/v1/namespaces/{namespace}/routes/plan"
-        return ReadPlanModel.model_validate(
-            (yield from self._json("POST", path, json=body))
-        ).to_plan()
+        answer = yield from self._json("POST", path, json=body)
+        return ReadPlanModel.model_validate(answer).to_plan()
 
     def _fetch_direct(
         self,
@@ -441,6 +523,9 @@ class Calls:
         include_stale: bool = False,
         source: Source | None = None,
     ) -> Call[tuple[RouteSpec, Batch]]:
+        """Like `fetch(..., decode=False)`, the bytes read from the object store itself
+        (ranges in parallel): the server only looks them up. URLs that expired or an
+        object compacted away meanwhile: planned again, once."""
         for attempt in range(2):
             plan = yield from self._plan(namespace, ids, include_stale, source=source)
             try:
@@ -458,6 +543,12 @@ class Calls:
         direct: bool = False,
         layers: Sequence[int] | None = None,
     ) -> Call[tuple[RouteSpec, Batch]]:
+        """The routes `refs` name (of one namespace), in their order, each trajectory
+        only the segments its ref names, as stored streams (`tensors.compact` decodes
+        them). Only these trajectories are read, and with `layers` only those layers
+        (a pipeline stage's; `MegatronReplay.needed_layers`); `direct`: from the object
+        store, as `fetch_direct`. A ref whose trajectory is gone or stale, or stored with
+        other content since, raises `RefMismatch` naming it."""
         namespace, wanted = by_source(refs)
         if direct and layers is not None:
             raise InvalidInput(
@@ -477,8 +568,18 @@ class Calls:
         return spec, resolve(refs, reads)
 
     def _sample(
-        self, namespace: str, n: int, strategy: Strategy, whole_groups: bool, seed: int | None
+        self,
+        namespace: str,
+        n: int,
+        strategy: Strategy = Strategy.FIFO,
+        whole_groups: bool = False,
+        seed: int | None = None,
     ) -> Call[Batch]:
+        """Take up to `n` trajectories; each counts toward the namespace's sampling cap.
+
+        Not retried after the server may have acted on it (a retry would count twice):
+        a `StoreError` here means the outcome is unknown.
+        """
         body = {"n": n, "strategy": str(strategy), "whole_groups": whole_groups, "seed": seed}
         path = f"/v1/namespaces/{namespace}/routes/sample"
         response = yield from self._request("POST", path, json=body, idempotent=False)
@@ -490,31 +591,42 @@ class Calls:
     # statistics
 
     def _expert_load(
-        self, namespace: str, source: Source, versions: tuple[int, int] | None
+        self, namespace: str, source: Source = "engine", versions: tuple[int, int] | None = None
     ) -> Call[ExpertLoadModel]:
+        """Expert load per policy version (optionally those in `versions`, inclusive)."""
         params: dict[str, Any] = {"source": source}
         if versions is not None:
             params["min_version"], params["max_version"] = versions
         path = f"/v1/namespaces/{namespace}/stats/experts"
         return ExpertLoadModel.model_validate((yield from self._json("GET", path, params=params)))
 
-    def _agreement(self, namespace: str, a: Source, b: Source) -> Call[AgreementModel]:
+    def _agreement(
+        self, namespace: str, a: Source = "engine", b: Source = "trainer"
+    ) -> Call[AgreementModel]:
+        """Agreement per policy version and layer between two route sources."""
         path = f"/v1/namespaces/{namespace}/stats/agreement"
         answer = yield from self._json("GET", path, params={"a": a, "b": b})
         return AgreementModel.model_validate(answer)
 
-    def _drift(self, namespace: str, source: Source) -> Call[DriftModel]:
+    def _drift(self, namespace: str, source: Source = "engine") -> Call[DriftModel]:
+        """Per-layer divergence of expert load from each policy version to the next."""
         path = f"/v1/namespaces/{namespace}/stats/drift"
-        return DriftModel.model_validate(
-            (yield from self._json("GET", path, params={"source": source}))
-        )
+        answer = yield from self._json("GET", path, params={"source": source})
+        return DriftModel.model_validate(answer)
 
     def _trajectory_loads(
-        self, namespace: str, ids: Sequence[str], include_stale: bool, source: Source | None
+        self,
+        namespace: str,
+        ids: Sequence[str],
+        include_stale: bool = False,
+        source: Source | None = None,
     ) -> Call[TrajectoryLoadsModel]:
+        """Per-expert token counts of each trajectory's routes (as a read would serve
+        them), to balance micro-batches across expert-parallel ranks."""
         body = {"ids": list(ids), "include_stale": include_stale, "source": source}
         path = f"/v1/namespaces/{namespace}/stats/experts/trajectories"
-        return TrajectoryLoadsModel.model_validate((yield from self._json("POST", path, json=body)))
+        answer = yield from self._json("POST", path, json=body)
+        return TrajectoryLoadsModel.model_validate(answer)
 
     # direct reads: the object store's ranged GETs (blocking: run as `Work`)
 
