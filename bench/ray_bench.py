@@ -18,8 +18,9 @@ from the rollout to the trainer ranks, each ending with every rank holding its o
   into Ray's object store once and read whole by every rank (the broadcast slime did
   before #2385); each rank copies its own samples into tensors.
 
-Bytes are what Ray serializes for each hop (pickle protocol 5 with out-of-band buffers,
-as Ray does): what is put into Ray per step, and what the trainer ranks read out of it.
+Bytes are what Ray's serializer makes of each hop's payload: what is put into Ray per
+step (task arguments and answers; those over 100 KiB go through its object store), and
+what the trainer ranks read out of it.
 Times are the driver's wall clock from the first call of a hand-off to every rank's
 acknowledgement, medians over repeats, the three ways alternating within each repeat.
 Each rank's checksum of the ids it holds must agree across the three ways.
@@ -27,6 +28,7 @@ Each rank's checksum of the ids it holds must agree across the three ways.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -35,7 +37,6 @@ import statistics
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -82,16 +83,21 @@ class Step:
         return self.groups * self.samples
 
 
-FULL = Step(groups=16, samples=8, prompt_len=1024, response=(256, 7168), total_length=8192)
+FULL = Step(groups=8, samples=8, prompt_len=1024, response=(256, 7168), total_length=8192)
 QUICK = Step(groups=4, samples=4, prompt_len=256, response=(64, 1792), total_length=2048)
 
 
 def carried(value: object) -> int:
-    """Bytes Ray serializes `value` into: pickle protocol 5, large buffers out of band
-    (numpy arrays), as Ray's serializer does."""
-    buffers: list[pickle.PickleBuffer] = []
-    head = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
-    return len(head) + sum(b.raw().nbytes for b in buffers)
+    """Bytes Ray serializes `value` into, by Ray's own serializer (the driver's, once
+    Ray is started); else pickle protocol 5 with large buffers out of band, as Ray
+    pickles (about 30 bytes less an object: Ray's header)."""
+    try:
+        context = ray._private.worker.global_worker.get_serialization_context()
+        return int(context.serialize(value).total_bytes)
+    except (AttributeError, ray.exceptions.RaySystemError):
+        buffers: list[pickle.PickleBuffer] = []
+        head = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+        return len(head) + sum(b.raw().nbytes for b in buffers)
 
 
 @contextmanager
@@ -157,9 +163,10 @@ class Rollout:
     def token_layers(self) -> int:
         return sum(r.shape[0] for r in self.routes) * self.step.layers
 
-    def write(self, threads: int = 4, per_request: int = 4) -> float:
-        """Store the step in r3store as a rollout worker would; the seconds it took."""
-        from r3store_client import Client
+    async def write(self) -> float:
+        """Store the step in r3store as an asyncio rollout loop does, each sample put
+        as it finishes (all at once here); the seconds it took."""
+        from r3store_client import AsyncClient, AsyncRolloutWriter
 
         step = self.step
         writes = [
@@ -173,16 +180,12 @@ class Rollout:
             )
             for tid, routes, tokens in zip(self.ids, self.routes, self.tokens, strict=True)
         ]
-        chunks = [writes[i : i + per_request] for i in range(0, len(writes), per_request)]
-        with Client(self.url, api_key=KEY) as client:
-            client.ensure_namespace(NAMESPACE, step.spec)
+        async with AsyncClient(self.url, api_key=KEY) as client:
+            await client.ensure_namespace(NAMESPACE, step.spec)
             started = time.perf_counter()
-            with ThreadPoolExecutor(threads) as pool:
-                results = [
-                    r for done in pool.map(lambda c: client.put(NAMESPACE, c), chunks) for r in done
-                ]
+            async with AsyncRolloutWriter(client, NAMESPACE) as writer:
+                self.refs = list(await asyncio.gather(*(writer.put(w) for w in writes)))
             seconds = time.perf_counter() - started
-        self.refs = [result.ref for result in results]
         assert [ref.trajectory_id for ref in self.refs] == self.ids
         return seconds
 
@@ -272,20 +275,23 @@ class Trainer:
         return int(held.sum(dtype=torch.int64)) if isinstance(held, torch.Tensor) else -1
 
 
-def _hand_refs(rollout: Any, trainers: list[Any]) -> tuple[int, int]:
-    """Refs: rollout -> driver -> every rank, which resolves its own slice."""
+def _hand_refs(rollout: Any, trainers: list[Any], measure: bool) -> tuple[int, int]:
+    """Refs: rollout -> driver -> every rank, which resolves its own slice. `measure`:
+    count the bytes too (untimed runs: serializing to count takes time)."""
     refs = ray.get(rollout.get_refs.remote())
-    put = carried(refs) * (1 + len(trainers))  # the rollout's answer, then each rank's call
     ray.get([t.take_refs.remote(refs) for t in trainers])
-    return put, carried(refs) * len(trainers)
+    if not measure:
+        return 0, 0
+    size = carried(refs)
+    return size * (1 + len(trainers)), size * len(trainers)  # answer, then each rank's call
 
 
-def _hand_verl(rollout: Any, trainers: list[Any]) -> tuple[int, int]:
+def _hand_verl(rollout: Any, trainers: list[Any], measure: bool) -> tuple[int, int]:
     """verl: rollout -> driver (the whole batch) -> each rank its chunk."""
     import torch
 
     payload = ray.get(rollout.verl_batch.remote())
-    put = carried(payload)
+    put = carried(payload) if measure else 0
     batch = torch.load(io.BytesIO(payload), weights_only=True)["routed_experts"]
     del payload
     rows = list(range(batch.shape[0]))
@@ -296,16 +302,21 @@ def _hand_verl(rollout: Any, trainers: list[Any]) -> tuple[int, int]:
         torch.save({"routed_experts": batch[mine[0] : mine[-1] + 1].contiguous()}, buffer)
         chunks.append(buffer.getvalue())
     del batch
-    read = sum(carried(c) for c in chunks)
-    ray.get([t.take_verl.remote(c) for t, c in zip(trainers, chunks, strict=True)])
+    read = sum(carried(c) for c in chunks) if measure else 0
+    calls = [t.take_verl.remote(c) for t, c in zip(trainers, chunks, strict=True)]
+    del chunks  # in the object store now
+    ray.get(calls)
     return put + read, read
 
 
-def _hand_slime(rollout: Any, trainers: list[Any]) -> tuple[int, int]:
+def _hand_slime(rollout: Any, trainers: list[Any], measure: bool) -> tuple[int, int]:
     """slime: rollout -> object store, the whole list -> every rank."""
     data = rollout.slime_data.remote()
     ray.get([t.take_slime.remote(data) for t in trainers])
-    return 0, 0  # counted from the arrays themselves (below): the driver never holds them
+    if not measure:
+        return 0, 0
+    size = carried(ray.get(data))  # the driver reads it only to count it
+    return size, size * len(trainers)
 
 
 def run(quick: bool = False) -> tuple[list[Figure], dict[str, object]]:
@@ -330,36 +341,34 @@ def run(quick: bool = False) -> tuple[list[Figure], dict[str, object]]:
             times: dict[str, list[float]] = {way: [] for way in ways}
             bytes_put: dict[str, int] = {}
             bytes_read: dict[str, int] = {}
-            sums: dict[str, list[int]] = {}
-            for repeat in range(repeats + 1):  # the first is a warm-up
+            sums: dict[str, list[list[int]]] = {}
+            for repeat in range(repeats + 1):  # the first: a warm-up that counts bytes
                 order = list(ways) if repeat % 2 else list(reversed(ways))
                 for way in order:
                     ray.get(rollout.prepare.remote(way))
                     started = time.perf_counter()
-                    put, read = ways[way](rollout, trainers)
+                    put, read = ways[way](rollout, trainers, repeat == 0)
                     elapsed = time.perf_counter() - started
                     if repeat:
                         times[way].append(elapsed)
-                    bytes_put[way], bytes_read[way] = put, read
-                    sums[way] = ray.get([t.checksum.remote() for t in trainers])
+                    else:
+                        bytes_put[way], bytes_read[way] = put, read
+                    sums.setdefault(way, []).append(
+                        ray.get([t.checksum.remote() for t in trainers])
+                    )
                     ray.get(rollout.prepare.remote("none"))
-            ray.get(rollout.prepare.remote("slime"))
-            slime = carried(ray.get(rollout.slime_data.remote()))
-            ray.get(rollout.prepare.remote("none"))
-            bytes_put["slime"], bytes_read["slime"] = slime, slime * step.ranks
-            ray_refs = ray.get(rollout.get_refs.remote())
+            per_ref = carried(ray.get(rollout.get_refs.remote())[0])
     finally:
         stop_server(process)
-    if not sums["refs"] == sums["verl"] == sums["slime"]:
+    if len({tuple(each) for got in sums.values() for each in got}) != 1:
         raise AssertionError(f"the ranks were handed different routes: {sums}")
     median = {way: statistics.median(t) for way, t in times.items()}
     hand = f"hand to {step.ranks} ranks"
-    per_ref = carried(ray_refs[0]) if ray_refs else 0
     figures = [
         Figure("ray: ray.init of a local cluster (2 CPUs)", ray_start, "s"),
         Figure(f"ray step: {step.size} samples, token-layers", token_layers / 1e6, "M"),
-        Figure("ray step: the rollout writes it to r3store", write_seconds, "s"),
-        Figure("ray step: one route ref, as Ray pickles it", per_ref, "bytes", target="< 500"),
+        Figure("ray step: the rollout writes it (AsyncRolloutWriter)", write_seconds, "s"),
+        Figure("ray step: one route ref, as Ray serializes it", per_ref, "bytes", target="< 500"),
         Figure("ray step: refs, bytes into Ray", bytes_put["refs"] / 1e3, "kB"),
     ]
     for way, what in (("verl", "verl-style int16 padded"), ("slime", "slime-style int32")):
