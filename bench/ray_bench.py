@@ -92,7 +92,8 @@ def carried(value: object) -> int:
     Ray is started); else pickle protocol 5 with large buffers out of band, as Ray
     pickles (about 30 bytes less an object: Ray's header)."""
     try:
-        context = ray._private.worker.global_worker.get_serialization_context()
+        worker = ray._private.worker.global_worker
+        context = worker.get_serialization_context()  # type: ignore[no-untyped-call]
         return int(context.serialize(value).total_bytes)
     except (AttributeError, ray.exceptions.RaySystemError):
         buffers: list[pickle.PickleBuffer] = []
@@ -161,7 +162,7 @@ class Rollout:
         self.held: Any = None
 
     def token_layers(self) -> int:
-        return sum(r.shape[0] for r in self.routes) * self.step.layers
+        return sum(int(r.shape[0]) for r in self.routes) * self.step.layers
 
     async def write(self) -> float:
         """Store the step in r3store as an asyncio rollout loop does, each sample put
