@@ -20,7 +20,8 @@ from the rollout to the trainer ranks, each ending with every rank holding its o
 
 Bytes are what Ray's serializer makes of each hop's payload: what is put into Ray per
 step (task arguments and answers; those over 100 KiB go through its object store), and
-what the trainer ranks read out of it.
+what the trainer ranks read out of it; with refs, the ranks also read the stored
+(compressed) streams from r3store over HTTP, counted beside them.
 Times are the driver's wall clock from the first call of a hand-off to every rank's
 acknowledgement, medians over repeats, the three ways alternating within each repeat.
 Each rank's checksum of the ids it holds must agree across the three ways.
@@ -237,12 +238,14 @@ class Trainer:
         self.held: Any = None
 
     def take_refs(self, refs: list[RouteRef]) -> int:
+        """Resolve this rank's refs; the bytes of the stored streams it read."""
         from r3store_client.tensors import compact
 
         mine = _rank_slice(refs, self.rank, self.world_size)
         spec, batch = self.client.resolve(mine)
         self.held = compact(batch, spec, "padded", executor=self.client.decoders)
-        return len(mine)
+        streams = [s.encoded for read in batch.found for s in read.segments if s.encoded]
+        return sum(e.nbytes + (e.prefix.nbytes if e.prefix else 0) for e in streams)
 
     def take_verl(self, chunk: bytes) -> int:
         import torch
@@ -276,18 +279,18 @@ class Trainer:
         return int(held.sum(dtype=torch.int64)) if isinstance(held, torch.Tensor) else -1
 
 
-def _hand_refs(rollout: Any, trainers: list[Any], measure: bool) -> tuple[int, int]:
+def _hand_refs(rollout: Any, trainers: list[Any], measure: bool) -> tuple[int, int, int]:
     """Refs: rollout -> driver -> every rank, which resolves its own slice. `measure`:
     count the bytes too (untimed runs: serializing to count takes time)."""
     refs = ray.get(rollout.get_refs.remote())
-    ray.get([t.take_refs.remote(refs) for t in trainers])
+    fetched = sum(ray.get([t.take_refs.remote(refs) for t in trainers]))
     if not measure:
-        return 0, 0
-    size = carried(refs)
-    return size * (1 + len(trainers)), size * len(trainers)  # answer, then each rank's call
+        return 0, 0, 0
+    size = carried(refs)  # the rollout's answer, then each rank's call:
+    return size * (1 + len(trainers)), size * len(trainers), fetched
 
 
-def _hand_verl(rollout: Any, trainers: list[Any], measure: bool) -> tuple[int, int]:
+def _hand_verl(rollout: Any, trainers: list[Any], measure: bool) -> tuple[int, int, int]:
     """verl: rollout -> driver (the whole batch) -> each rank its chunk."""
     import torch
 
@@ -307,17 +310,17 @@ def _hand_verl(rollout: Any, trainers: list[Any], measure: bool) -> tuple[int, i
     calls = [t.take_verl.remote(c) for t, c in zip(trainers, chunks, strict=True)]
     del chunks  # in the object store now
     ray.get(calls)
-    return put + read, read
+    return put + read, read, 0
 
 
-def _hand_slime(rollout: Any, trainers: list[Any], measure: bool) -> tuple[int, int]:
+def _hand_slime(rollout: Any, trainers: list[Any], measure: bool) -> tuple[int, int, int]:
     """slime: rollout -> object store, the whole list -> every rank."""
     data = rollout.slime_data.remote()
     ray.get([t.take_slime.remote(data) for t in trainers])
     if not measure:
-        return 0, 0
+        return 0, 0, 0
     size = carried(ray.get(data))  # the driver reads it only to count it
-    return size, size * len(trainers)
+    return size, size * len(trainers), 0
 
 
 def run(quick: bool = False) -> tuple[list[Figure], dict[str, object]]:
@@ -343,17 +346,20 @@ def run(quick: bool = False) -> tuple[list[Figure], dict[str, object]]:
             bytes_put: dict[str, int] = {}
             bytes_read: dict[str, int] = {}
             sums: dict[str, list[list[int]]] = {}
+            from_store = 0
             for repeat in range(repeats + 1):  # the first: a warm-up that counts bytes
                 order = list(ways) if repeat % 2 else list(reversed(ways))
                 for way in order:
                     ray.get(rollout.prepare.remote(way))
                     started = time.perf_counter()
-                    put, read = ways[way](rollout, trainers, repeat == 0)
+                    put, read, fetched = ways[way](rollout, trainers, repeat == 0)
                     elapsed = time.perf_counter() - started
                     if repeat:
                         times[way].append(elapsed)
                     else:
                         bytes_put[way], bytes_read[way] = put, read
+                        if way == "refs":
+                            from_store = fetched
                     sums.setdefault(way, []).append(
                         ray.get([t.checksum.remote() for t in trainers])
                     )
@@ -371,6 +377,13 @@ def run(quick: bool = False) -> tuple[list[Figure], dict[str, object]]:
         Figure("ray step: the rollout writes it (AsyncRolloutWriter)", write_seconds, "s"),
         Figure("ray step: one route ref, as Ray serializes it", per_ref, "bytes", target="< 500"),
         Figure("ray step: refs, bytes into Ray", bytes_put["refs"] / 1e3, "kB"),
+        Figure(
+            "ray step: refs, stored bytes the ranks read from r3store",
+            from_store / 1e3,
+            "kB",
+            bytes_read["verl"] / 1e3,
+            "verl-style ranks' read",
+        ),
     ]
     for way, what in (("verl", "verl-style int16 padded"), ("slime", "slime-style int32")):
         figures += [
@@ -404,6 +417,7 @@ def run(quick: bool = False) -> tuple[list[Figure], dict[str, object]]:
             "bytes_put": bytes_put,
             "bytes_read": bytes_read,
             "bytes_per_ref": per_ref,
+            "bytes_from_r3store": from_store,
         }
     }
     return figures, details
