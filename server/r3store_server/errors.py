@@ -25,7 +25,6 @@ STATUS: list[tuple[type[errors.R3StoreError], int]] = [
     (errors.InvalidInput, 400),
     (errors.NotFound, 404),
     (errors.StalePolicy, 409),
-    (errors.RefMismatch, 409),
     (errors.Conflict, 409),
     (errors.Backpressure, 429),
     (errors.RequestTimeout, 408),
