@@ -46,10 +46,10 @@ import numpy as np
 import pyarrow as pa
 
 from bench.figures import Figure
+from r3store.protocol.wire import CONTENT_TYPE, encode_writes
 from r3store.records import TrajectoryWrite
 from r3store.testing.service import start_server, stop_server
 from r3store.testing.synthetic import uniform_topk
-from r3store.wire import CONTENT_TYPE, encode_writes
 from r3store_client import Client
 
 MiB = 1 << 20

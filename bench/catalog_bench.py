@@ -9,12 +9,12 @@ from pathlib import Path
 
 from bench.engine_bench import READ_BATCH, SPEC, Workload
 from bench.figures import Figure, median_of, timed
-from r3store.catalog import Catalog
 from r3store.engine import Engine
-from r3store.keys import SHARD_PREFIX
 from r3store.policy import NamespaceSettings, Retention
 from r3store.records import TrajectoryWrite
-from r3store.store import LocalStore
+from r3store.storage.catalog import Catalog
+from r3store.storage.keys import SHARD_PREFIX
+from r3store.storage.store import LocalStore
 from r3store.testing import postgres
 
 

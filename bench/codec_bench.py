@@ -11,8 +11,8 @@ import numpy as np
 import zstandard
 
 from bench.figures import Figure, median_of, timed
-from r3store import codec
-from r3store.routes import from_topk, to_mask
+from r3store.logic import codec
+from r3store.logic.routes import from_topk, to_mask
 from r3store.spec import RouteSpec
 from r3store.testing.synthetic import drifting_topk, skewed_topk, uniform_topk
 

@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 
 from bench.figures import Figure, median_of, timed
-from r3store.catalog import Catalog
 from r3store.engine import Engine, EngineConfig
-from r3store.reader import ReaderConfig
+from r3store.engine.reader import ReaderConfig
 from r3store.records import TrajectoryWrite
 from r3store.spec import RouteSpec
-from r3store.store import LocalStore, ObjectStore, S3Store
+from r3store.storage.catalog import Catalog
+from r3store.storage.store import LocalStore, ObjectStore, S3Store
 from r3store.testing.seaweedfs import SeaweedFS
 from r3store.testing.synthetic import uniform_topk
 

@@ -19,13 +19,13 @@ import httpx
 import numpy as np
 
 from bench.figures import Figure
+from r3store.protocol.wire import encode_writes
 from r3store.records import TrajectoryWrite
 from r3store.spec import RouteSpec
 from r3store.testing.arrow_fuzz import FUZZ_SPEC, RandomChooser
 from r3store.testing.service import start_server, stop_server
 from r3store.testing.synthetic import uniform_topk
 from r3store.testing.upload_fuzz import UploadJudge, campaign
-from r3store.wire import encode_writes
 from r3store_client import Client
 from r3store_client.client import Retry
 

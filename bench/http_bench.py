@@ -12,10 +12,10 @@ import httpx
 
 from bench.engine_bench import READ_BATCH, THREADS, Workload, ours
 from bench.figures import Figure, median_of, timed
+from r3store.protocol.wire import CONTENT_TYPE, decode_batch, encode_writes
 from r3store.records import TrajectoryWrite
-from r3store.store import LocalStore
+from r3store.storage.store import LocalStore
 from r3store.testing.service import start_server, stop_server
-from r3store.wire import CONTENT_TYPE, decode_batch, encode_writes
 from r3store_client import Client
 from r3store_client.reader import TrainerReader
 

@@ -26,11 +26,11 @@ def high_water_mark() -> int:
 
 
 def child(directory: str, total_bytes: int) -> None:
-    from r3store.catalog import Catalog
     from r3store.engine import Engine
     from r3store.records import TrajectoryWrite
     from r3store.spec import RouteSpec
-    from r3store.store import LocalStore
+    from r3store.storage.catalog import Catalog
+    from r3store.storage.store import LocalStore
     from r3store.testing.synthetic import uniform_topk
 
     spec = RouteSpec(48, 128, 8)

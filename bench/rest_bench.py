@@ -22,15 +22,15 @@ import zstandard
 
 from bench import corpus
 from bench.figures import Figure, median_of, timed
-from r3store import codec, rest
-from r3store.catalog import Catalog
 from r3store.engine import Engine
-from r3store.keys import DICTIONARY_PREFIX, SHARD_PREFIX
-from r3store.reader import ReaderConfig, plan_ranges
+from r3store.engine.reader import ReaderConfig, plan_ranges
+from r3store.logic import codec, rest
+from r3store.logic.routes import Routes, from_topk, to_mask
 from r3store.records import TrajectoryWrite
-from r3store.routes import Routes, from_topk, to_mask
 from r3store.spec import RouteSpec
-from r3store.store import LocalStore
+from r3store.storage.catalog import Catalog
+from r3store.storage.keys import DICTIONARY_PREFIX, SHARD_PREFIX
+from r3store.storage.store import LocalStore
 from r3store.testing.synthetic import uniform_topk
 
 BYTES = "B/token-layer"

@@ -11,13 +11,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from r3store import codec
-from r3store.codec import EncodedRoutes
 from r3store.errors import Conflict, InvalidInput
+from r3store.logic import codec
+from r3store.logic.codec import EncodedRoutes
+from r3store.logic.routes import Routes, from_mask, from_topk
+from r3store.logic.streams import SentStreams
 from r3store.policy import ENGINE, MAX_POLICY_VERSION, SOURCES, Source
-from r3store.routes import Routes, from_mask, from_topk
 from r3store.spec import RouteSpec
-from r3store.streams import SentStreams
 
 _NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _REFUSED = {"Cc", "Cs"}  # control characters, surrogates
@@ -65,11 +65,11 @@ def check_id(value: str, what: str = "trajectory id") -> str:
 @dataclass(frozen=True)
 class TrajectoryWrite:
     """One trajectory to store: routes as top-k ids, as bit-packed masks, or as the
-    streams `codec.encode` makes (`encoded`, checked by decoding: `r3store.streams`);
+    streams `codec.encode` makes (`encoded`, checked by decoding: `r3store.logic.streams`);
     exactly one of them.
 
     `TrajectoryWrite("run1/p7/s3", num_tokens=4096, topk=ids, prompt_len=512,
-    group_id="run1/p7", policy_version=12)`; see `r3store.routes` for the array forms.
+    group_id="run1/p7", policy_version=12)`; see `r3store.logic.routes` for the array forms.
 
     Multi-turn: `start > 0` appends a segment of `num_tokens` tokens beginning at token
     `start`, which must be where the trajectory now ends; each segment has its own

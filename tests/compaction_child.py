@@ -8,9 +8,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from r3store.catalog import Catalog
 from r3store.engine import Engine
-from r3store.store import LocalStore
+from r3store.storage.catalog import Catalog
+from r3store.storage.store import LocalStore
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from helpers import MakeEngine
-from r3store.store import LocalStore, ObjectStore
+from r3store.storage.store import LocalStore, ObjectStore
 from r3store.testing import postgres, seaweedfs
 
 

@@ -11,11 +11,11 @@ import threading
 from pathlib import Path
 
 from helpers import SPEC, make_write
-from r3store.catalog import Catalog
 from r3store.engine import Engine, EngineConfig
+from r3store.engine.writer import WriterConfig
 from r3store.errors import Conflict
-from r3store.store import LocalStore, ObjectStore, S3Config, S3Store
-from r3store.writer import WriterConfig
+from r3store.storage.catalog import Catalog
+from r3store.storage.store import LocalStore, ObjectStore, S3Config, S3Store
 
 UNIT = 3  # trajectories per put
 

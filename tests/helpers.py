@@ -13,11 +13,11 @@ from pathlib import Path
 
 import numpy as np
 
-from r3store.catalog import Catalog
 from r3store.engine import Engine, EngineConfig
 from r3store.records import TrajectoryWrite
 from r3store.spec import RouteSpec
-from r3store.store import ObjectStore
+from r3store.storage.catalog import Catalog
+from r3store.storage.store import ObjectStore
 from r3store.testing.synthetic import uniform_topk
 
 SPEC = RouteSpec(num_layers=4, num_experts=64, top_k=4)

@@ -12,10 +12,10 @@ import httpx
 import numpy as np
 from fastapi import FastAPI
 
+from r3store.protocol.wire import CONTENT_TYPE, decode_batch, encode_writes
 from r3store.records import TrajectoryWrite
 from r3store.testing.seaweedfs import SeaweedFS
 from r3store.testing.service import free_port, stop_server, wait_ready
-from r3store.wire import CONTENT_TYPE, decode_batch, encode_writes
 from r3store_server.app import create_app
 from r3store_server.settings import Settings
 

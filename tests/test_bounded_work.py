@@ -19,14 +19,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from helpers import SPEC, MakeEngine, make_write
 from http_helpers import AppClient, auth, make_namespace, service, upload
-from r3store import codec, stats, wire
 from r3store.engine import Engine
+from r3store.engine.writer import settle_rows
 from r3store.errors import StoreError
+from r3store.logic import codec, stats
 from r3store.policy import ENGINE
+from r3store.protocol import wire
+from r3store.protocol.wire import CONTENT_TYPE, ReadFormat, encode_batch, encode_writes
 from r3store.records import Segment, TrajectoryWrite
-from r3store.store import LocalStore
-from r3store.wire import CONTENT_TYPE, ReadFormat, encode_batch, encode_writes
-from r3store.writer import settle_rows
+from r3store.storage.store import LocalStore
 from r3store_server.limits import Deadline
 
 

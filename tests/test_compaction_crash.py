@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from helpers import SPEC, expected_ids, make_write, run_and_kill
-from r3store.catalog import Catalog
 from r3store.engine import Engine
-from r3store.keys import SHARD_PREFIX
 from r3store.policy import NamespaceSettings, Retention
-from r3store.store import LocalStore
+from r3store.storage.catalog import Catalog
+from r3store.storage.keys import SHARD_PREFIX
+from r3store.storage.store import LocalStore
 
 HERE = Path(__file__).parent
 

@@ -15,7 +15,7 @@ import pytest
 
 from helpers import make_write
 from http_helpers import AppClient, auth, make_namespace, service, upload
-from r3store.wire import decode_batch
+from r3store.protocol.wire import decode_batch
 
 
 @pytest.fixture

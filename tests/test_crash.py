@@ -11,10 +11,10 @@ import pytest
 
 from crash_child import UNIT
 from helpers import SPEC, expected_ids, make_write, run_and_kill
-from r3store.catalog import Catalog
 from r3store.engine import Engine
-from r3store.rebuild import rebuild_catalog
-from r3store.store import LocalStore, ObjectStore
+from r3store.engine.rebuild import rebuild_catalog
+from r3store.storage.catalog import Catalog
+from r3store.storage.store import LocalStore, ObjectStore
 from r3store.testing.seaweedfs import SeaweedFS
 
 HERE = Path(__file__).parent

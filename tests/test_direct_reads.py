@@ -20,7 +20,7 @@ import torch
 from helpers import SPEC, make_write
 from http_helpers import KEYS, ServerProcess
 from r3store.errors import InvalidInput, Unauthorized
-from r3store.plans import ReadPlan
+from r3store.protocol.plans import ReadPlan
 from r3store.records import TrajectoryWrite
 from r3store.testing.seaweedfs import SeaweedFS
 from r3store_client import Client

@@ -17,11 +17,11 @@ def python_blocks(path: Path) -> list[str]:
 
 
 def test_format_decoding_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from r3store.catalog import Catalog
     from r3store.engine import Engine
     from r3store.records import TrajectoryWrite
     from r3store.spec import RouteSpec
-    from r3store.store import LocalStore
+    from r3store.storage.catalog import Catalog
+    from r3store.storage.store import LocalStore
     from r3store.testing.synthetic import uniform_topk
 
     ids = uniform_topk(np.random.default_rng(5), 99, 48, 128, 8)

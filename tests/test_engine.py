@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 
 from helpers import SPEC, MakeEngine, expected_ids, make_write
-from r3store.catalog import Catalog
 from r3store.engine import Engine, EngineConfig
+from r3store.engine.writer import WriterConfig
 from r3store.errors import Backpressure, Conflict, InvalidInput, InvalidRoutes, NotFound, StoreError
+from r3store.logic.routes import to_mask
 from r3store.records import TrajectoryWrite
-from r3store.routes import to_mask
 from r3store.spec import RouteSpec
-from r3store.store import LocalStore, ObjectStore
-from r3store.writer import WriterConfig
+from r3store.storage.catalog import Catalog
+from r3store.storage.store import LocalStore, ObjectStore
 
 
 def snapshot(store: ObjectStore, make_engine: MakeEngine) -> tuple[list[str], int]:

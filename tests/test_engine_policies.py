@@ -11,10 +11,10 @@ import pytest
 from helpers import SPEC, MakeEngine, expected_ids, make_write
 from r3store.engine import Engine
 from r3store.errors import Conflict, InvalidInput, NotFound, StalePolicy
+from r3store.logic.sampling import Strategy
 from r3store.policy import NamespaceSettings, Retention
 from r3store.records import TrajectoryWrite
-from r3store.sampling import Strategy
-from r3store.store import LocalStore
+from r3store.storage.store import LocalStore
 
 
 @pytest.fixture

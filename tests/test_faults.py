@@ -20,15 +20,15 @@ import pytest
 
 from helpers import SPEC, expected_ids, make_write
 from http_helpers import KEYS, SPEC_JSON, ServerProcess
-from r3store.catalog import Catalog
 from r3store.engine import Engine
 from r3store.errors import ObjectExists, StoreError
-from r3store.store import S3Store
+from r3store.protocol.wire import CONTENT_TYPE, decode_batch, encode_writes
+from r3store.storage.catalog import Catalog
+from r3store.storage.store import S3Store
 from r3store.testing import seaweedfs
 from r3store.testing.postgres import Postgres
 from r3store.testing.proxy import FaultyProxy
 from r3store.testing.seaweedfs import SeaweedFS
-from r3store.wire import CONTENT_TYPE, decode_batch, encode_writes
 from r3store_client import Client
 from r3store_client.client import Retry
 

@@ -21,13 +21,14 @@ import pytest
 import sqlalchemy as sa
 import zstandard
 
-from r3store import catalog_ledger, catalog_stats
-from r3store.catalog import Catalog, metadata
 from r3store.engine import Engine
 from r3store.policy import NamespaceSettings
 from r3store.records import TrajectoryWrite
 from r3store.spec import RouteSpec
-from r3store.store import LocalStore
+from r3store.storage.catalog import Catalog, metadata
+from r3store.storage.catalog import ledger as catalog_ledger
+from r3store.storage.catalog import stats as catalog_stats
+from r3store.storage.store import LocalStore
 from r3store.testing.service import start_server, stop_server
 from r3store.testing.synthetic import uniform_topk
 from r3store_server.settings import S3Settings, Settings

@@ -15,10 +15,10 @@ import pytest
 from helpers import SPEC
 from http_helpers import KEYS, SPEC_JSON, ServerProcess
 from r3store.errors import InvalidRoutes
+from r3store.protocol.wire import CONTENT_TYPE, encode_writes
 from r3store.records import TrajectoryWrite
 from r3store.testing.arrow_fuzz import layout
 from r3store.testing.synthetic import uniform_topk
-from r3store.wire import CONTENT_TYPE, encode_writes
 
 ADMIN = {"Authorization": f"Bearer {KEYS['admin']}"}
 UPLOAD = "/v1/namespaces/ns/trajectories"

@@ -12,11 +12,11 @@ import pytest
 from helpers import SPEC, expected_ids, make_write
 from http_helpers import AppClient, auth, make_namespace, read, service, stored_state, upload
 from r3store.engine import Engine
+from r3store.logic.routes import to_mask
+from r3store.protocol.wire import CONTENT_TYPE, encode_writes
 from r3store.records import TrajectoryWrite
-from r3store.routes import to_mask
 from r3store.spec import RouteSpec
 from r3store.testing.seaweedfs import SeaweedFS
-from r3store.wire import CONTENT_TYPE, encode_writes
 
 
 @pytest.fixture
@@ -113,7 +113,7 @@ def test_staleness_over_http(client: AppClient) -> None:
 def sample(client: AppClient, **body: object) -> list[str]:
     r = client.post("/v1/namespaces/ns/routes/sample", json=body, headers=auth("reader"))
     assert r.status_code == 200, r.text
-    from r3store.wire import decode_batch
+    from r3store.protocol.wire import decode_batch
 
     return decode_batch(r.content, decode=False)[1].ids
 

@@ -10,7 +10,7 @@ import pytest
 
 from helpers import make_write
 from http_helpers import KEYS, SPEC_JSON, AppClient, make_namespace, service, settings_for
-from r3store.wire import CONTENT_TYPE, encode_writes
+from r3store.protocol.wire import CONTENT_TYPE, encode_writes
 from r3store_server.app import create_app
 from r3store_server.settings import Settings
 

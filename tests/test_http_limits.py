@@ -17,7 +17,7 @@ import pytest
 
 from helpers import make_write
 from http_helpers import KEYS, SPEC_JSON, ServerProcess
-from r3store.wire import CONTENT_TYPE, encode_writes
+from r3store.protocol.wire import CONTENT_TYPE, encode_writes
 
 STATS = "/v1/namespaces/ns/stats/experts/trajectories"
 
@@ -342,7 +342,7 @@ def test_a_sample_holds_whole_groups_and_at_most_n(tmp_path: Path, strategy: str
             == 200
         )
         reader = {"Authorization": f"Bearer {KEYS['reader']}"}
-        from r3store.wire import decode_batch
+        from r3store.protocol.wire import decode_batch
 
         def sample(n: int) -> httpx.Response:
             body = {"n": n, "whole_groups": True, "strategy": strategy, "seed": 1}

@@ -12,8 +12,8 @@ import pytest
 
 from helpers import expected_ids, make_write
 from http_helpers import KEYS, SPEC_JSON, ServerProcess
+from r3store.protocol.wire import CONTENT_TYPE, decode_batch, encode_writes
 from r3store.testing.seaweedfs import SeaweedFS
-from r3store.wire import CONTENT_TYPE, decode_batch, encode_writes
 
 ADMIN = {"Authorization": f"Bearer {KEYS['admin']}"}
 

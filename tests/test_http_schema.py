@@ -18,7 +18,7 @@ from schemathesis.specs.openapi.checks import (
 
 from helpers import make_write
 from http_helpers import KEYS, SPEC_JSON, ServerProcess
-from r3store.wire import CONTENT_TYPE, encode_writes
+from r3store.protocol.wire import CONTENT_TYPE, encode_writes
 
 ADMIN = {"Authorization": f"Bearer {KEYS['admin']}"}
 

@@ -11,6 +11,9 @@ import sys
 import pytest
 
 HEAVY = ["sqlalchemy", "boto3", "botocore", "fastapi", "starlette", "uvicorn", "httpx", "torch"]
+# r3store's own I/O: the object stores, the shard builder (and pyarrow's Parquet), the
+# catalog and the engine
+STORAGE = ["r3store.storage", "r3store.engine", "pyarrow.parquet"]
 
 
 def loaded(code: str) -> set[str]:
@@ -19,7 +22,7 @@ def loaded(code: str) -> set[str]:
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
     )
     modules = set(json.loads(out.stdout.splitlines()[-1]))
-    return {name for name in HEAVY if name in modules}
+    return {name for name in HEAVY + STORAGE if name in modules}
 
 
 @pytest.mark.parametrize(
@@ -31,8 +34,8 @@ def loaded(code: str) -> set[str]:
         ),
         ("import r3store_client.replay\nimport r3store_client.tensors", {"torch"}),
         ("import r3store_client.megatron", {"torch"}),
-        ("import r3store.wire, r3store.models, r3store.records", set()),
-        ("import r3store_server.cli", {"sqlalchemy", "boto3", "botocore"}),
+        ("import r3store.protocol.wire, r3store.protocol.models, r3store.records", set()),
+        ("import r3store_server.cli", {"sqlalchemy", "boto3", "botocore", *STORAGE}),
     ],
     ids=["client", "replay", "megatron", "wire", "cli"],
 )

@@ -12,9 +12,9 @@ import pytest
 from helpers import SPEC, MakeEngine, expected_ids, make_write
 from r3store.engine import Engine
 from r3store.errors import StoreError
-from r3store.keys import SHARD_PREFIX
 from r3store.policy import NamespaceSettings, Retention
-from r3store.store import LocalStore, ObjectStore
+from r3store.storage.keys import SHARD_PREFIX
+from r3store.storage.store import LocalStore, ObjectStore
 
 
 class Clock:
@@ -49,7 +49,7 @@ def test_retention_by_versions(store: ObjectStore, make_engine: MakeEngine) -> N
 
 
 def test_retention_by_time_to_live(tmp_path: Path) -> None:
-    from r3store.catalog import Catalog
+    from r3store.storage.catalog import Catalog
 
     clock = Clock()
     engine = Engine(
@@ -106,7 +106,7 @@ def test_compaction_keeps_live_trajectories_identical(
 
 
 def test_failed_compaction_changes_nothing(tmp_path: Path) -> None:
-    from r3store.catalog import Catalog
+    from r3store.storage.catalog import Catalog
 
     catalog = Catalog(f"sqlite:///{tmp_path / 'c.db'}")
     engine = Engine(LocalStore(tmp_path / "o"), catalog)
@@ -161,7 +161,7 @@ def test_orphans_older_than_the_grace_are_collected(
 
 @pytest.mark.parametrize("rounds", [2])
 def test_retention_on_two_engines_at_once_deletes_nothing_live(tmp_path: Path, rounds: int) -> None:
-    from r3store.catalog import Catalog
+    from r3store.storage.catalog import Catalog
 
     store = LocalStore(tmp_path / "o")
     url = f"sqlite:///{tmp_path / 'c.db'}"
@@ -189,8 +189,8 @@ def test_retention_on_two_engines_at_once_deletes_nothing_live(tmp_path: Path, r
 def test_rebuild_does_not_bring_back_what_retention_dropped(
     store: ObjectStore, make_engine: MakeEngine, tmp_path: Path
 ) -> None:
-    from r3store.catalog import Catalog
-    from r3store.rebuild import rebuild_catalog
+    from r3store.engine.rebuild import rebuild_catalog
+    from r3store.storage.catalog import Catalog
 
     engine = make_engine(store)
     engine.create_namespace("ns", SPEC, settings(keep_versions=1))
@@ -238,7 +238,7 @@ def test_a_preview_changes_nothing_and_a_pass_logs_what_it_deletes(
     assert preview.retention == {"ns": ["d0", "d1", "d2"]}
     assert sorted(info.key for info in store.list()) == objects
     assert engine.count("ns") == 4
-    with caplog.at_level(logging.INFO, logger="r3store.maintenance"):
+    with caplog.at_level(logging.INFO, logger="r3store.engine.maintenance"):
         maintenance.run()  # drops the three, retires their shard and deletes it
     assert maintenance.totals.objects_deleted == 1
     shard = next(

@@ -17,14 +17,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from helpers import seed_of
-from r3store.catalog import Catalog
 from r3store.engine import Engine
-from r3store.maintenance import Maintenance, MaintenanceReport
+from r3store.engine.maintenance import Maintenance, MaintenanceReport
+from r3store.engine.rebuild import rebuild_catalog
 from r3store.policy import NamespaceSettings, Retention
-from r3store.rebuild import rebuild_catalog
 from r3store.records import TrajectoryWrite
 from r3store.spec import RouteSpec
-from r3store.store import LocalStore
+from r3store.storage.catalog import Catalog
+from r3store.storage.store import LocalStore
 from r3store.testing.synthetic import uniform_topk
 
 SPEC = RouteSpec(num_layers=2, num_experts=8, top_k=2)

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 from helpers import SPEC, MakeEngine, expected_ids, make_write
-from r3store import rest
-from r3store.catalog import Catalog
 from r3store.engine import Engine
-from r3store.maintenance import Maintenance, MaintenanceReport
+from r3store.engine.maintenance import Maintenance, MaintenanceReport
+from r3store.logic import rest
 from r3store.policy import NamespaceSettings, Retention
 from r3store.records import TrajectoryWrite
-from r3store.store import ObjectStore
+from r3store.storage.catalog import Catalog
+from r3store.storage.store import ObjectStore
 from test_rest import SPEC as REST_SPEC
 from test_rest import _group_writes
 
@@ -172,7 +172,7 @@ def test_rows_a_rest_pass_moved_while_retention_drops_them_stay_dropped(
 def test_an_orphan_collected_while_its_commit_is_under_way_is_not_committed(
     tmp_path: Path, make_engine: MakeEngine
 ) -> None:
-    from r3store.store import LocalStore
+    from r3store.storage.store import LocalStore
 
     store = LocalStore(tmp_path / "o")
     engine = make_engine(store)

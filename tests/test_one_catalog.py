@@ -23,11 +23,11 @@ import pytest
 
 from helpers import SPEC, expected_ids, make_write
 from http_helpers import KEYS, ServerProcess
-from r3store.catalog import Catalog
 from r3store.engine import Engine
 from r3store.errors import InvalidConfig, StoreError
-from r3store.keys import IDENTITY_KEY, SHARD_PREFIX
-from r3store.store import S3Store
+from r3store.storage.catalog import Catalog
+from r3store.storage.keys import IDENTITY_KEY, SHARD_PREFIX
+from r3store.storage.store import S3Store
 from r3store.testing.postgres import Postgres
 from r3store.testing.seaweedfs import SeaweedFS
 from r3store_client import Client
@@ -115,7 +115,7 @@ def test_a_second_catalog_on_the_same_bucket_deletes_nothing(
 
         # the library, unbound, on an empty catalog: collects nothing it did not plan
         fresh = Engine(seaweed.new_store(prefix), Catalog(f"sqlite:///{tmp_path / 'x.db'}"))
-        with caplog.at_level(logging.WARNING, logger="r3store.maintenance"):
+        with caplog.at_level(logging.WARNING, logger="r3store.engine.maintenance"):
             report = fresh.maintenance(orphan_seconds=0, grace_seconds=0).run()
         fresh.close()
         assert report.orphans_deleted == 0
@@ -276,7 +276,7 @@ def test_a_missing_bucket_is_said_and_not_made(tmp_path: Path, seaweed: SeaweedF
 
 
 def test_two_bound_catalogs_never_share_a_store(tmp_path: Path) -> None:
-    from r3store.store import LocalStore
+    from r3store.storage.store import LocalStore
 
     def engine(store: str, db: str) -> Engine:
         return Engine(LocalStore(tmp_path / store), Catalog(f"sqlite:///{tmp_path / db}"))
@@ -300,7 +300,7 @@ def test_two_bound_catalogs_never_share_a_store(tmp_path: Path) -> None:
 def test_a_deployment_made_before_identities_is_bound_in_place(tmp_path: Path) -> None:
     import sqlalchemy as sa
 
-    from r3store.store import LocalStore
+    from r3store.storage.store import LocalStore
 
     url = f"sqlite:///{tmp_path / 'catalog.db'}"
     old = Engine(LocalStore(tmp_path / "objects"), Catalog(url))
@@ -323,7 +323,7 @@ def test_a_deployment_made_before_identities_is_bound_in_place(tmp_path: Path) -
 
 
 def test_presigned_urls_name_the_endpoint_trainers_reach() -> None:
-    from r3store.store import S3Config
+    from r3store.storage.store import S3Config
 
     inside = S3Store(
         S3Config(

@@ -14,11 +14,11 @@ import pytest
 
 from helpers import SPEC, expected_ids, make_write
 from http_helpers import KEEP_ONE_VERSION, KEYS, replicas
-from r3store.catalog import Catalog
 from r3store.engine import Engine
+from r3store.protocol.wire import CONTENT_TYPE, decode_batch, encode_writes
+from r3store.storage.catalog import Catalog
 from r3store.testing.postgres import Postgres
 from r3store.testing.seaweedfs import SeaweedFS
-from r3store.wire import CONTENT_TYPE, decode_batch, encode_writes
 
 ADMIN = {"Authorization": f"Bearer {KEYS['admin']}"}
 

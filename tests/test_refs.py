@@ -19,10 +19,10 @@ from helpers import SPEC, expected_ids, make_write
 from http_helpers import KEYS, ServerProcess
 from r3store.errors import InvalidInput, RefMismatch
 from r3store.policy import NamespaceSettings, Retention
+from r3store.protocol.wire import ReadFormat
 from r3store.records import Batch, PutResult, TrajectoryWrite
 from r3store.refs import RouteRef
 from r3store.testing.seaweedfs import SeaweedFS
-from r3store.wire import ReadFormat
 from r3store_client import Client, Retry, RolloutWriter
 from r3store_client.tensors import RouteTensors, compact, padded, rank_slice
 

@@ -16,17 +16,17 @@ import pytest
 
 from helpers import SPEC, expected_ids, make_write
 from http_helpers import KEEP_ONE_VERSION, KEYS, ServerProcess, replicas
-from r3store.catalog import Catalog
 from r3store.engine import Engine, EngineConfig
+from r3store.engine.reader import ReaderConfig
+from r3store.engine.writer import WriterConfig
 from r3store.errors import Conflict
-from r3store.reader import ReaderConfig
+from r3store.logic.spans import ByteRange
+from r3store.protocol.wire import CONTENT_TYPE, decode_batch, encode_writes
 from r3store.records import PutResult, TrajectoryWrite
-from r3store.store import LocalStore, ObjectInfo, ObjectStore
-from r3store.store.base import ByteRange
+from r3store.storage.catalog import Catalog
+from r3store.storage.store import LocalStore, ObjectInfo, ObjectStore
 from r3store.testing.postgres import Postgres
 from r3store.testing.seaweedfs import SeaweedFS
-from r3store.wire import CONTENT_TYPE, decode_batch, encode_writes
-from r3store.writer import WriterConfig
 
 ADMIN = {"Authorization": f"Bearer {KEYS['admin']}"}
 

@@ -17,15 +17,15 @@ import zstandard
 
 from helpers import MakeEngine
 from http_helpers import KEYS, ServerProcess
-from r3store import codec, rest
-from r3store.catalog import Catalog
 from r3store.engine import Engine
-from r3store.keys import DICTIONARY_PREFIX, SHARD_PREFIX
+from r3store.logic import codec, rest
+from r3store.logic.routes import Routes, from_topk
 from r3store.policy import NamespaceSettings, Retention
 from r3store.records import TrajectoryWrite
-from r3store.routes import Routes, from_topk
 from r3store.spec import RouteSpec
-from r3store.store import ObjectStore
+from r3store.storage.catalog import Catalog
+from r3store.storage.keys import DICTIONARY_PREFIX, SHARD_PREFIX
+from r3store.storage.store import ObjectStore
 from r3store.testing.seaweedfs import SeaweedFS
 from r3store.testing.synthetic import skewed_topk
 from r3store_client import Client

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from r3store import codec
 from r3store.errors import InvalidRoutes, InvalidSpec
-from r3store.routes import EMPTY, from_mask, from_topk, sorting_network, to_mask
+from r3store.logic import codec
+from r3store.logic.routes import EMPTY, from_mask, from_topk, sorting_network, to_mask
 from r3store.spec import RouteSpec
 from r3store.testing.synthetic import drifting_topk, skewed_topk, uniform_topk
 

@@ -67,10 +67,10 @@ def test_full_buffer_answers_429_with_retry_after(tmp_path: Path) -> None:
 
     from helpers import make_write
     from http_helpers import AppClient, auth, make_namespace, settings_for, upload
-    from r3store.catalog import Catalog
     from r3store.engine import Engine, EngineConfig
-    from r3store.store import LocalStore
-    from r3store.writer import WriterConfig
+    from r3store.engine.writer import WriterConfig
+    from r3store.storage.catalog import Catalog
+    from r3store.storage.store import LocalStore
     from r3store_server.app import create_app
 
     class Slow(LocalStore):

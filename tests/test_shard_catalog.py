@@ -12,16 +12,16 @@ import pytest
 import zstandard
 
 from helpers import SPEC, MakeEngine, expected_ids, make_write
-from r3store.catalog import Catalog
 from r3store.engine import Engine, EngineConfig
+from r3store.engine.reader import ReaderConfig
+from r3store.engine.rebuild import rebuild_catalog
+from r3store.engine.writer import WriterConfig
 from r3store.errors import Conflict, NotFound
-from r3store.keys import SHARD_PREFIX
-from r3store.reader import ReaderConfig
-from r3store.rebuild import rebuild_catalog
-from r3store.shard import FORMAT_VERSION
 from r3store.spec import RouteSpec
-from r3store.store import LocalStore, ObjectStore
-from r3store.writer import WriterConfig
+from r3store.storage.catalog import Catalog
+from r3store.storage.keys import SHARD_PREFIX
+from r3store.storage.shard import FORMAT_VERSION
+from r3store.storage.store import LocalStore, ObjectStore
 
 
 def small_row_groups() -> EngineConfig:

@@ -16,13 +16,13 @@ import torch
 
 from helpers import make_write
 from http_helpers import KEYS, ServerProcess
-from r3store.catalog import Catalog
 from r3store.engine import Engine
 from r3store.errors import Conflict, InvalidInput
 from r3store.policy import NamespaceSettings, Retention
 from r3store.records import TrajectoryWrite
 from r3store.spec import RouteSpec
-from r3store.store.local import LocalStore
+from r3store.storage.catalog import Catalog
+from r3store.storage.store.local import LocalStore
 from r3store.testing.seaweedfs import SeaweedFS
 from r3store.testing.synthetic import uniform_topk
 from r3store_client import Client

@@ -18,16 +18,16 @@ import zstandard
 
 from helpers import SPEC, MakeEngine, expected_ids, make_write
 from http_helpers import KEYS, ServerProcess, auth, make_namespace, service, upload
-from r3store import streams
-from r3store.codec import Transform
 from r3store.engine import Engine
 from r3store.errors import InvalidInput, InvalidRoutes
+from r3store.logic import streams
+from r3store.logic.codec import Transform
+from r3store.logic.streams import MAX_ROW_BYTES, SentStreams
+from r3store.protocol.wire import decode_writes, encode_writes
 from r3store.records import TrajectoryWrite
 from r3store.spec import RouteSpec
-from r3store.store import LocalStore
-from r3store.streams import MAX_ROW_BYTES, SentStreams
+from r3store.storage.store import LocalStore
 from r3store.testing.synthetic import uniform_topk
-from r3store.wire import decode_writes, encode_writes
 from r3store_client import Client
 
 SPECS = [
@@ -217,7 +217,7 @@ BOMB = """
 import resource, struct
 from r3store.errors import InvalidRoutes
 from r3store.spec import RouteSpec
-from r3store.streams import SentStreams, accept
+from r3store.logic.streams import SentStreams, accept
 
 spec, tokens = RouteSpec(8, 64, 8), 65536  # 4 MiB of uint8 ids
 declared, block, blocks = 8 * tokens * 8, 1 << 17, 4096  # 512 MiB of RLE blocks

@@ -16,12 +16,12 @@ import pytest
 
 from browser import Browser
 from http_helpers import KEYS, ServerProcess
-from r3store.analytics import VersionAgreement, VersionDrift, VersionLoad
 from r3store.catalog_types import NamespaceInfo, NamespaceUsage
+from r3store.engine.analytics import VersionAgreement, VersionDrift, VersionLoad
+from r3store.logic.stats import Overlap
 from r3store.policy import NamespaceSettings
 from r3store.records import TrajectoryWrite
 from r3store.spec import RouteSpec
-from r3store.stats import Overlap
 from r3store.testing.synthetic import skewed_topk
 from r3store_client import Client
 from r3store_server.ui_charts import axis, cell_size, int_ticks, shade, tick_label

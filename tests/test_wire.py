@@ -7,15 +7,21 @@ import pyarrow as pa
 import pytest
 
 from helpers import SPEC, expected_ids, make_write
-from r3store.catalog import Catalog
 from r3store.engine import Engine
 from r3store.errors import InvalidInput, InvalidRoutes
+from r3store.logic.routes import to_mask
+from r3store.protocol.wire import (
+    ReadFormat,
+    decode_batch,
+    decode_writes,
+    encode_batch,
+    encode_writes,
+)
 from r3store.records import TrajectoryWrite
-from r3store.routes import to_mask
 from r3store.spec import RouteSpec
-from r3store.store import LocalStore
+from r3store.storage.catalog import Catalog
+from r3store.storage.store import LocalStore
 from r3store.testing.synthetic import uniform_topk
-from r3store.wire import ReadFormat, decode_batch, decode_writes, encode_batch, encode_writes
 
 
 def test_writes_round_trip() -> None:

@@ -32,7 +32,6 @@ import numpy as np
 import numpy.typing as npt
 import urllib3
 
-from r3store.codec import Dictionaries, decode_tokens, load_dictionary
 from r3store.errors import (
     Conflict,
     Forbidden,
@@ -43,7 +42,12 @@ from r3store.errors import (
     StoreError,
     error_class,
 )
-from r3store.models import (
+from r3store.logic.codec import Dictionaries, decode_tokens, load_dictionary
+from r3store.logic.sampling import Strategy
+from r3store.logic.spans import ByteRange
+from r3store.logic.streams import fits
+from r3store.policy import NamespaceSettings, Source
+from r3store.protocol.models import (
     AgreementModel,
     DriftModel,
     ExpertLoadModel,
@@ -53,15 +57,11 @@ from r3store.models import (
     ReadPlanModel,
     TrajectoryLoadsModel,
 )
-from r3store.plans import Fetched, ReadPlan, reads_of
-from r3store.policy import NamespaceSettings, Source
+from r3store.protocol.plans import Fetched, ReadPlan, reads_of
+from r3store.protocol.wire import CONTENT_TYPE, ReadFormat, decode_batch, encode_writes
 from r3store.records import Batch, PutResult, TrajectoryWrite
 from r3store.refs import RouteRef, by_source, resolve
-from r3store.sampling import Strategy
 from r3store.spec import RouteSpec
-from r3store.store.base import ByteRange
-from r3store.streams import fits
-from r3store.wire import CONTENT_TYPE, ReadFormat, decode_batch, encode_writes
 
 T = TypeVar("T")
 P = ParamSpec("P")

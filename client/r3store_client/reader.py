@@ -23,9 +23,9 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from r3store.protocol.wire import ReadFormat
 from r3store.refs import RouteRef
 from r3store.spec import RouteSpec
-from r3store.wire import ReadFormat
 from r3store_client.client import Client
 from r3store_client.extras import missing
 

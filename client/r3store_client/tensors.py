@@ -40,10 +40,10 @@ try:
 except ImportError as exc:
     raise missing("torch", __name__, "torch") from exc
 
-from r3store import codec
 from r3store.errors import InvalidRoutes
+from r3store.logic import codec
+from r3store.logic.routes import Routes
 from r3store.records import Batch, TrajectoryRead
-from r3store.routes import Routes
 from r3store.spec import RouteSpec
 
 T = TypeVar("T")

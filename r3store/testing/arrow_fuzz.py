@@ -21,11 +21,11 @@ import numpy as np
 import pyarrow as pa
 
 from r3store.errors import R3StoreError
-from r3store.ipc import Flatbuffer, message_header, read_table
+from r3store.protocol.ipc import Flatbuffer, message_header, read_table
+from r3store.protocol.wire import encode_writes
 from r3store.records import TrajectoryWrite
 from r3store.spec import RouteSpec
 from r3store.testing.synthetic import uniform_topk
-from r3store.wire import encode_writes
 
 T = TypeVar("T")
 FUZZ_SPEC = RouteSpec(num_layers=2, num_experts=16, top_k=2)

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from r3store.store.s3 import S3Config, S3Store
+from r3store.storage.store.s3 import S3Config, S3Store
 
 BUCKET = "r3store-test"
 

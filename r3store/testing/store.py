@@ -23,7 +23,8 @@ from abc import ABC, abstractmethod
 import pytest
 
 from r3store.errors import InvalidInput, ObjectExists, ObjectNotFound
-from r3store.store.base import ByteRange, ObjectStore
+from r3store.logic.spans import ByteRange
+from r3store.storage.store.base import ObjectStore
 
 
 class StoreTests(ABC):

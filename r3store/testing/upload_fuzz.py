@@ -21,9 +21,9 @@ import numpy as np
 
 from r3store.engine import Engine
 from r3store.errors import R3StoreError
+from r3store.protocol.wire import CONTENT_TYPE, decode_batch, decode_writes
 from r3store.spec import RouteSpec
 from r3store.testing.arrow_fuzz import Chooser, base_bodies, mutate
-from r3store.wire import CONTENT_TYPE, decode_batch, decode_writes
 
 OK = ("rejected", "accepted")
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Path, Response
 
-from r3store.models import (
+from r3store.policy import NamespaceSettings
+from r3store.protocol.models import (
     NAME_PATTERN,
     NamespaceCreate,
     NamespaceDeleted,
@@ -12,7 +13,6 @@ from r3store.models import (
     NamespacePublic,
     PolicyVersionSet,
 )
-from r3store.policy import NamespaceSettings
 from r3store_server.deps import (
     DeadlineDep,
     EngineDep,

@@ -1,6 +1,6 @@
 """The data plane: rollout workers upload trajectories, trainers read and sample routes.
 
-Bodies are Arrow IPC streams (`r3store.wire`, docs/api.md); JSON only for requests and
+Bodies are Arrow IPC streams (`r3store.protocol.wire`, docs/api.md); JSON only for requests and
 acknowledgements.
 """
 
@@ -17,7 +17,7 @@ from fastapi import APIRouter, Path, Request, Response
 from r3store.catalog_types import TrajectoryEntry
 from r3store.engine import put_row_bytes
 from r3store.errors import InvalidInput, PayloadTooLarge, StoreError, UnsupportedMediaType
-from r3store.models import (
+from r3store.protocol.models import (
     NAME_PATTERN,
     BatchRequest,
     PlanRequest,
@@ -26,9 +26,15 @@ from r3store.models import (
     ReadPlanModel,
     SampleRequest,
 )
+from r3store.protocol.wire import (
+    CONTENT_TYPE,
+    ReadFormat,
+    answer_bytes,
+    decode_writes,
+    encode_batch,
+)
 from r3store.records import Batch
 from r3store.spec import RouteSpec
-from r3store.wire import CONTENT_TYPE, ReadFormat, answer_bytes, decode_writes, encode_batch
 from r3store_server.deps import (
     BudgetDep,
     DeadlineDep,

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Path, Query
 
-from r3store import stats
-from r3store.models import (
+from r3store.logic import stats
+from r3store.policy import ENGINE, MAX_POLICY_VERSION, Source
+from r3store.protocol.models import (
     NAME_PATTERN,
     AgreementModel,
     DriftModel,
@@ -19,8 +20,7 @@ from r3store.models import (
     VersionAgreementModel,
     VersionLoadModel,
 )
-from r3store.policy import ENGINE, MAX_POLICY_VERSION, Source
-from r3store.wire import ReadFormat
+from r3store.protocol.wire import ReadFormat
 from r3store_server.api_routes import read_limit
 from r3store_server.deps import DeadlineDep, EngineDep, SettingsDep, allowed
 from r3store_server.errors import ERROR_RESPONSES

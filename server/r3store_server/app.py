@@ -14,11 +14,11 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 import r3store
-from r3store import models
 from r3store.engine import Engine
+from r3store.engine.maintenance import Maintenance
 from r3store.errors import StoreError
-from r3store.maintenance import Maintenance
 from r3store.policy import NamespaceSettings, Retention
+from r3store.protocol import models
 from r3store_server import (
     api_namespaces,
     api_routes,

@@ -11,10 +11,10 @@ from pathlib import Path
 
 from sqlalchemy.engine import make_url
 
-from r3store.catalog import Catalog
 from r3store.engine import Engine, EngineConfig
 from r3store.errors import InvalidConfig
-from r3store.store import LocalStore, ObjectStore, S3Config, S3Store
+from r3store.storage.catalog import Catalog
+from r3store.storage.store import LocalStore, ObjectStore, S3Config, S3Store
 from r3store_server.settings import Settings
 
 

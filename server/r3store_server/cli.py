@@ -37,9 +37,10 @@ import numpy as np
 from pydantic import ValidationError
 
 import r3store
-from r3store import stats as stats_lib
 from r3store.engine import Engine
 from r3store.errors import InvalidConfig, R3StoreError
+from r3store.logic import stats as stats_lib
+from r3store.logic.rest import REST_LEVEL
 from r3store.policy import (
     MAX_POLICY_VERSION,
     MAX_TIMES_SAMPLED,
@@ -47,7 +48,6 @@ from r3store.policy import (
     SOURCES,
     NamespaceSettings,
 )
-from r3store.rest import REST_LEVEL
 from r3store.spec import RouteSpec
 from r3store_server.auth import digest
 from r3store_server.backends import bound, build_engine, sqlite_path

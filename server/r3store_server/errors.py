@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from r3store import errors
-from r3store.models import ErrorBody
+from r3store.protocol.models import ErrorBody
 
 log = logging.getLogger("r3store.server")
 

@@ -10,11 +10,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from r3store import stats
 from r3store.catalog_types import NamespaceInfo
 from r3store.engine import Engine
+from r3store.engine.maintenance import Maintenance
 from r3store.errors import NotFound, R3StoreError
-from r3store.maintenance import Maintenance
+from r3store.logic import stats
 from r3store.policy import SOURCES
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 from starlette.concurrency import run_in_threadpool
 
 from r3store.errors import R3StoreError
-from r3store.models import Health
+from r3store.protocol.models import Health
 from r3store_server.auth import Principal
 from r3store_server.deps import (
     KeyRingDep,

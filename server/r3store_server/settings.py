@@ -34,8 +34,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from r3store.errors import InvalidConfig
+from r3store.logic.rest import REST_LEVEL
 from r3store.policy import MAX_POLICY_VERSION
-from r3store.rest import REST_LEVEL
 
 Role = Literal["writer", "reader", "trainer", "admin"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
@@ -226,7 +226,7 @@ class Settings(BaseSettings):
     max_upload_rows: int = Field(
         10_000,
         ge=1,
-        le=100_000,  # r3store.wire.MAX_ROWS
+        le=100_000,  # r3store.protocol.wire.MAX_ROWS
         description="rows (trajectories or segments) one upload may hold; more answer 413",
     )
     max_read_bytes: int = Field(

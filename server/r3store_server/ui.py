@@ -33,10 +33,10 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials
 
 from r3store import __version__
-from r3store.analytics import VersionLoad
+from r3store.engine.analytics import VersionLoad
 from r3store.errors import Forbidden, NotFound, TooManyFailures, Unauthorized
-from r3store.models import NAME_PATTERN
 from r3store.policy import SOURCES
+from r3store.protocol.models import NAME_PATTERN
 from r3store_server.auth import Principal, digest
 from r3store_server.deps import (
     API_KEY,

@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from r3store.analytics import VersionLoad
+from r3store.engine.analytics import VersionLoad
 
 SVG = "xmlns='http://www.w3.org/2000/svg'"
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")

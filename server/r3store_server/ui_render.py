@@ -7,9 +7,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from r3store import stats
-from r3store.analytics import VersionAgreement, VersionDrift, VersionLoad
 from r3store.catalog_types import NamespaceInfo, NamespaceUsage
+from r3store.engine.analytics import VersionAgreement, VersionDrift, VersionLoad
+from r3store.logic import stats
 from r3store.policy import Retention
 from r3store_server.ui_charts import (
     PALETTE,

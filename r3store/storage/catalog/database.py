@@ -2,14 +2,14 @@
 
 SQLite by default (WAL, synchronous FULL: a committed write survives a crash); any
 SQLAlchemy URL works with the same code. The object store is the source of truth:
-`r3store.rebuild` can make the catalog again from the shards alone (policy versions,
+`r3store.engine.rebuild` can make the catalog again from the shards alone (policy versions,
 settings and sampling counts live only here).
 
 A trajectory is one or more segments (multi-turn appends), each a row keyed by its
 route source and start token; the `engine` rows are the trajectory (segment 0 starts at 0
 and carries its sampling count), rows of other sources annotate them. Statistics tables:
-`r3store.catalog_stats`. What the catalog owns in the store (its identity, the uploads
-it planned, the dictionaries it holds): `r3store.catalog_ledger`.
+`r3store.storage.catalog.stats`. What the catalog owns in the store (its identity, the uploads
+it planned, the dictionaries it holds): `r3store.storage.catalog.ledger`.
 """
 
 from __future__ import annotations
@@ -25,9 +25,6 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from r3store import catalog_ledger, catalog_stats
-from r3store.catalog_ledger import PlannedUpload
-from r3store.catalog_stats import AgreementRecord, LoadRecord
 from r3store.catalog_types import (
     ApiKeyRecord,
     NamespaceInfo,
@@ -36,10 +33,14 @@ from r3store.catalog_types import (
     TrajectoryEntry,
 )
 from r3store.errors import Conflict, InvalidInput, NotFound, StoreError
-from r3store.keys import dictionary_key
+from r3store.logic.spans import RouteSpans, Span
 from r3store.policy import ENGINE, NamespaceSettings
-from r3store.shard import RouteSpans, Span
 from r3store.spec import RouteSpec
+from r3store.storage.catalog import ledger as catalog_ledger
+from r3store.storage.catalog import stats as catalog_stats
+from r3store.storage.catalog.ledger import PlannedUpload
+from r3store.storage.catalog.stats import AgreementRecord, LoadRecord
+from r3store.storage.keys import dictionary_key
 
 metadata = sa.MetaData()
 
@@ -746,7 +747,7 @@ class Catalog:
             self._insert(conn, shard, entries)
             catalog_stats.insert_loads(conn, loads)
 
-    # what the catalog owns in the store (r3store.catalog_ledger)
+    # what the catalog owns in the store (r3store.storage.catalog.ledger)
 
     def identity(self) -> str | None:
         """The id this catalog is bound to its store with, or None when unbound."""
@@ -838,7 +839,7 @@ class Catalog:
         with self._begin() as conn:
             catalog_ledger.end_drop(conn, namespace, digest)
 
-    # statistics (r3store.catalog_stats)
+    # statistics (r3store.storage.catalog.stats)
 
     def expert_loads(
         self, namespace: str, source: str, shape: tuple[int, int], newest: int | None = None

@@ -26,10 +26,10 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from r3store.catalog import Catalog
 from r3store.errors import InvalidConfig, ObjectExists, ObjectNotFound
-from r3store.keys import IDENTITY_KEY, SHARD_PREFIX
-from r3store.store.base import ObjectStore
+from r3store.storage.catalog import Catalog
+from r3store.storage.keys import IDENTITY_KEY, SHARD_PREFIX
+from r3store.storage.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
 

@@ -22,10 +22,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from r3store import binding, codec, stats, streams
-from r3store.analytics import Analytics
-from r3store.catalog import Catalog
 from r3store.catalog_types import ApiKeyRecord, NamespaceInfo, NamespaceUsage, TrajectoryEntry
+from r3store.engine.analytics import Analytics
+from r3store.engine.maintenance import Maintenance
+from r3store.engine.reader import ReaderConfig, ShardReader, plan_ranges
+from r3store.engine.rebuild import RebuildReport, rebuild_catalog
+from r3store.engine.writer import (
+    GroupCommitter,
+    RowKey,
+    WriterConfig,
+    WriterStats,
+    known_segments,
+    row_key,
+    settle_rows,
+)
 from r3store.errors import (
     Conflict,
     CorruptShard,
@@ -37,9 +47,10 @@ from r3store.errors import (
     StalePolicy,
     StoreError,
 )
-from r3store.keys import TOMBSTONE_PREFIX, dictionary_key, namespace_key
-from r3store.maintenance import Maintenance
-from r3store.plans import ReadPlan, make_plan
+from r3store.logic import codec, stats, streams
+from r3store.logic.routes import Routes
+from r3store.logic.sampling import Candidate, Strategy, choose
+from r3store.logic.sources import choose_source, engine_segments, inherit
 from r3store.policy import (
     ENGINE,
     NamespaceSettings,
@@ -48,8 +59,7 @@ from r3store.policy import (
     newest_accepted,
     staleness_floor,
 )
-from r3store.reader import ReaderConfig, ShardReader, plan_ranges
-from r3store.rebuild import RebuildReport, rebuild_catalog
+from r3store.protocol.plans import ReadPlan, make_plan
 from r3store.records import (
     Batch,
     PutResult,
@@ -61,21 +71,12 @@ from r3store.records import (
     check_source,
     missing,
 )
-from r3store.routes import Routes
-from r3store.sampling import Candidate, Strategy, choose
-from r3store.shard import ShardRow
-from r3store.sources import choose_source, engine_segments, inherit
 from r3store.spec import RouteSpec
-from r3store.store.base import ObjectStore
-from r3store.writer import (
-    GroupCommitter,
-    RowKey,
-    WriterConfig,
-    WriterStats,
-    known_segments,
-    row_key,
-    settle_rows,
-)
+from r3store.storage import binding
+from r3store.storage.catalog import Catalog
+from r3store.storage.keys import TOMBSTONE_PREFIX, dictionary_key, namespace_key
+from r3store.storage.shard import ShardRow
+from r3store.storage.store.base import ObjectStore
 
 
 @dataclass(frozen=True)
@@ -282,7 +283,7 @@ class Engine:
         )
 
     def bind(self, create: bool, where: str = "") -> str:
-        """Check that the store and the catalog belong together (`r3store.binding`);
+        """Check that the store and the catalog belong together (`r3store.storage.binding`);
         a new, empty pair is bound only when `create`. `InvalidConfig` when they do not
         belong together; returns their id. The server and the CLI call it on open."""
         return binding.bind(self._store, self._catalog, create=create, where=where)

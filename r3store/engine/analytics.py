@@ -16,16 +16,16 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from r3store import stats
-from r3store.catalog import Catalog
-from r3store.catalog_stats import AgreementRecord
 from r3store.catalog_types import TrajectoryEntry
+from r3store.engine.reader import ShardReader
 from r3store.errors import R3StoreError
+from r3store.logic import stats
 from r3store.policy import ENGINE, SOURCES, Source
-from r3store.reader import ShardReader
 from r3store.records import check_source
-from r3store.shard import ShardRow
 from r3store.spec import RouteSpec
+from r3store.storage.catalog import Catalog
+from r3store.storage.catalog.stats import AgreementRecord
+from r3store.storage.shard import ShardRow
 
 log = logging.getLogger(__name__)
 

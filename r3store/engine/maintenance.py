@@ -18,7 +18,7 @@ One pass (`Maintenance.run`), for every namespace:
    retired. A shard with no live row is retired.
 3. Rest: shards written more than `cold_seconds` ago are merged (up to
    `rest_shard_bytes` of routes each, oldest first; small shards already at rest join
-   the next merge) and their rows encoded again at rest (`r3store.rest`: the namespace's
+   the next merge) and their rows encoded again at rest (`r3store.logic.rest`: the namespace's
    dictionary for their policy version, stored create-only under its digest and
    trained from the version's first cold trajectories; a high zstd level; prompt routes
    stored once per group). The catalog switches as in compaction, all merged shards at
@@ -49,14 +49,18 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from r3store import binding, codec, rest
-from r3store import catalog_ledger as ledger
-from r3store.catalog import Catalog
-from r3store.catalog_ledger import MAINTENANCE
 from r3store.catalog_types import ShardUsage, TrajectoryEntry
-from r3store.codec import Dictionary, EncodedRoutes
+from r3store.engine.reader import DictionaryCache
+from r3store.engine.writer import route_bytes, row_of, shard_records
 from r3store.errors import Conflict, ObjectExists, ObjectNotFound, R3StoreError
-from r3store.keys import (
+from r3store.logic import codec, rest
+from r3store.logic.codec import Dictionary, EncodedRoutes
+from r3store.logic.spans import Span
+from r3store.spec import RouteSpec
+from r3store.storage import binding
+from r3store.storage.catalog import Catalog, ledger
+from r3store.storage.catalog.ledger import MAINTENANCE
+from r3store.storage.keys import (
     DICTIONARY_PREFIX,
     SHARD_PREFIX,
     TOMBSTONE_PREFIX,
@@ -64,11 +68,8 @@ from r3store.keys import (
     shard_key,
     tombstone_key,
 )
-from r3store.reader import DictionaryCache
-from r3store.shard import BuiltShard, ShardRow, Span, build_shard
-from r3store.spec import RouteSpec
-from r3store.store.base import ObjectStore
-from r3store.writer import route_bytes, row_of, shard_records
+from r3store.storage.shard import BuiltShard, ShardRow, build_shard
+from r3store.storage.store.base import ObjectStore
 
 
 def read_tombstones(store: ObjectStore) -> set[tuple[str, str, int, bytes]]:

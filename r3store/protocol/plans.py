@@ -11,14 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from r3store import codec
 from r3store.catalog_types import TrajectoryEntry
-from r3store.codec import Dictionaries, Dictionary, EncodedRoutes
+from r3store.logic import codec
+from r3store.logic.codec import Dictionaries, Dictionary, EncodedRoutes
+from r3store.logic.spans import ByteRange, RouteSpans, Span
 from r3store.policy import ENGINE, Source
 from r3store.records import Batch, SegmentRead, TrajectoryRead, assemble, missing
-from r3store.shard import RouteSpans, Span
 from r3store.spec import RouteSpec
-from r3store.store.base import ByteRange
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,13 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-from r3store import codec
-from r3store.codec import EncodedRoutes, Transform
 from r3store.errors import InvalidInput, InvalidRoutes, StoreError
-from r3store.ipc import read_table
+from r3store.logic import codec
+from r3store.logic.codec import EncodedRoutes, Transform
+from r3store.logic.routes import Routes, from_mask, to_mask
+from r3store.logic.streams import MAX_UPLOAD_BYTES, SentStreams, decoded_bytes
 from r3store.policy import ENGINE
+from r3store.protocol.ipc import read_table
 from r3store.records import (
     Batch,
     SegmentRead,
@@ -30,9 +32,7 @@ from r3store.records import (
     assemble,
     check_source,
 )
-from r3store.routes import Routes, from_mask, to_mask
 from r3store.spec import RouteSpec
-from r3store.streams import MAX_UPLOAD_BYTES, SentStreams, decoded_bytes
 
 WIRE_VERSION = "1"
 CONTENT_TYPE = "application/vnd.apache.arrow.stream"
@@ -43,7 +43,7 @@ ROUTE_DTYPES = ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", 
 class RouteKind(StrEnum):
     TOPK = "topk"  # [rows, L, K] expert ids, -1 for an empty slot
     MASK = "mask"  # [rows, L, ceil(E/8)] uint8 bit-packed sets
-    ENCODED = "encoded"  # the streams codec.encode makes (r3store.streams checks them)
+    ENCODED = "encoded"  # the streams codec.encode makes (r3store.logic.streams checks them)
 
 
 class ReadFormat(StrEnum):

@@ -8,18 +8,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from r3store.store.base import ByteRange, ObjectInfo, ObjectStore
-from r3store.store.local import LocalStore
+from r3store.logic.spans import ByteRange
+from r3store.storage.store.base import ObjectInfo, ObjectStore
+from r3store.storage.store.local import LocalStore
 
 if TYPE_CHECKING:
-    from r3store.store.s3 import S3Config, S3Store
+    from r3store.storage.store.s3 import S3Config, S3Store
 
 __all__ = ["ByteRange", "LocalStore", "ObjectInfo", "ObjectStore", "S3Config", "S3Store"]
 
 
 def __getattr__(name: str) -> Any:
     if name in ("S3Config", "S3Store"):
-        from r3store.store import s3
+        from r3store.storage.store import s3
 
         return getattr(s3, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from r3store.catalog_types import TrajectoryEntry
-from r3store.codec import Dictionaries, Dictionary, EncodedRoutes, load_dictionary
-from r3store.keys import dictionary_key
-from r3store.plans import Fetched, read_of
+from r3store.logic.codec import Dictionaries, Dictionary, EncodedRoutes, load_dictionary
+from r3store.logic.spans import ByteRange, Span
+from r3store.protocol.plans import Fetched, read_of
 from r3store.records import TrajectoryRead
-from r3store.shard import BuiltShard, Span
 from r3store.spec import RouteSpec
-from r3store.store.base import ByteRange, ObjectStore
+from r3store.storage.keys import dictionary_key
+from r3store.storage.shard import BuiltShard
+from r3store.storage.store.base import ObjectStore
 
 DICTIONARY_CACHE_BYTES = 64 << 20
 K = TypeVar("K")

@@ -12,7 +12,8 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from r3store.errors import ObjectExists, ObjectNotFound, R3StoreError, StoreError
-from r3store.store.base import ByteRange, ObjectInfo, ObjectStore, check_key
+from r3store.logic.spans import ByteRange
+from r3store.storage.store.base import ObjectInfo, ObjectStore, check_key
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client

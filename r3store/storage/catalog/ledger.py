@@ -1,9 +1,9 @@
 """The catalog's ledger of what it owns in the object store, on SQLAlchemy Core.
-`r3store.catalog` creates these tables and calls these functions in its own transactions
+`r3store.storage.catalog` creates these tables and calls these functions in its own transactions
 (with its `trajectories` table where a dictionary's use is checked).
 
 - `catalog_meta`: the catalog's identity (`catalog_id`), the same one the store's
-  identity object holds (`r3store.binding`): a catalog works on one store prefix only;
+  identity object holds (`r3store.storage.binding`): a catalog works on one store prefix only;
   and its `generation`, counted up by every maintenance pass and mirrored in the store,
   so that a catalog older than its store (restored from a backup) deletes nothing.
 - `uploads`: every object upload this catalog planned and has not committed yet, written

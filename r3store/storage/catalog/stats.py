@@ -1,5 +1,5 @@
 """The catalog's statistics tables, on SQLAlchemy Core: expert load by commit and
-agreement by trajectory. `r3store.catalog` creates them and writes them in its own
+agreement by trajectory. `r3store.storage.catalog` creates them and writes them in its own
 transactions; the functions here take its connection.
 
 - `expert_load`: one row per (shard committed, policy version, source): the `[L, E]`
@@ -7,9 +7,9 @@ transactions; the functions here take its connection.
   retention and compaction leave them (a namespace's deletion removes them); a rebuild
   makes them again from the shards it finds.
 - `route_agreement`: one row per trajectory segment and pair of sources (`source_a` <
-  `source_b`): the per-layer overlap (`r3store.stats.Overlap`) of their routes.
+  `source_b`): the per-layer overlap (`r3store.logic.stats.Overlap`) of their routes.
 
-Counts are kept as `r3store.stats.pack` blobs.
+Counts are kept as `r3store.logic.stats.pack` blobs.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from r3store import stats
+from r3store.logic import stats
 from r3store.policy import Source
 
 metadata = sa.MetaData()

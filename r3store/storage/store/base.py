@@ -8,24 +8,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from r3store.errors import InvalidInput
+from r3store.logic.spans import ByteRange
 
 _KEY = re.compile(r"^[A-Za-z0-9._\-]+(/[A-Za-z0-9._\-]+)*$")
-
-
-@dataclass(frozen=True)
-class ByteRange:
-    """Bytes `[start, end)` of an object: `ByteRange(0, 1024)` is the first KiB."""
-
-    start: int
-    end: int
-
-    def __post_init__(self) -> None:
-        if self.start < 0 or self.end <= self.start:
-            raise ValueError(f"empty or negative byte range [{self.start}, {self.end})")
-
-    @property
-    def length(self) -> int:
-        return self.end - self.start
 
 
 @dataclass(frozen=True)

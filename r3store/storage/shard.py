@@ -3,7 +3,7 @@
 One shard belongs to one namespace. Each row is one trajectory segment (a whole
 trajectory, or one turn appended to it); columns are listed in
 `SCHEMA` and docs/format.md. Metadata columns are zstd-compressed by Parquet; the route
-columns already hold zstd frames (see `r3store.codec`) and are stored as they are. Row
+columns already hold zstd frames (see `r3store.logic.codec`) and are stored as they are. Row
 groups hold about `row_group_bytes` of routes, at least one trajectory each, so reading
 one trajectory reads one row group, and a batch read fetches each row group it needs
 with one ranged GET.
@@ -14,18 +14,19 @@ from __future__ import annotations
 import dataclasses
 import io
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from r3store.codec import EncodedRoutes, Transform
 from r3store.errors import CorruptShard
-from r3store.keys import shard_key
+from r3store.logic.codec import EncodedRoutes
+from r3store.logic.spans import RouteSpans, Span
 from r3store.policy import ENGINE, Source
 from r3store.spec import RouteSpec
+from r3store.storage.keys import shard_key
 
 # 3: dictionaries and shared prefixes; 2: the `source` column; 1 (engine routes only)
 FORMAT_VERSION = "3"
@@ -77,7 +78,7 @@ class ShardRow:
     prompt_len: int
     routes: EncodedRoutes
     source: Source = ENGINE
-    load: Any = None  # [L, E] expert counts (`r3store.stats`), when computed
+    load: Any = None  # [L, E] expert counts (`r3store.logic.stats`), when computed
     writer: str | None = None  # the API key that uploaded it (the catalog's, not the shard's)
 
     @property
@@ -90,58 +91,6 @@ class ShardRow:
 class RowPlace:
     row_group: int
     row: int  # within the row group
-
-
-@dataclass(frozen=True)
-class Span:
-    """`length` bytes at `offset` in a shard: one stored value."""
-
-    offset: int
-    length: int
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.length
-
-
-@dataclass(frozen=True)
-class RouteSpans:
-    """Where one trajectory's route streams lie in its shard: its own, and those of the
-    prefix it shares (`prefix`, the first `prefix_tokens` tokens; a row of the same
-    shard). `dictionary`: the digest of the zstd dictionary its ids streams need."""
-
-    ids: Span
-    counts: Span | None
-    order: Span | None
-    transform: int
-    tokens: Span | None = None
-    dictionary: bytes | None = None
-    prefix: RouteSpans | None = None
-    prefix_tokens: int = 0
-    prefix_digest: bytes = b""  # the prefix row's (content digest of its routes)
-
-    @property
-    def spans(self) -> list[Span]:
-        own = [s for s in (self.ids, self.counts, self.order, self.tokens) if s is not None]
-        return own + ([] if self.prefix is None else self.prefix.spans)
-
-    def streams(self, read: Callable[[Span], bytes], digest: bytes) -> EncodedRoutes:
-        """The stored streams, given a way to read the bytes of a span."""
-
-        def optional(span: Span | None) -> bytes | None:
-            return None if span is None else read(span)
-
-        return EncodedRoutes(
-            read(self.ids),
-            optional(self.counts),
-            optional(self.order),
-            Transform(self.transform),
-            digest,
-            optional(self.tokens),
-            self.dictionary,
-            None if self.prefix is None else self.prefix.streams(read, self.prefix_digest),
-            self.prefix_tokens,
-        )
 
 
 @dataclass(frozen=True)

@@ -27,17 +27,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from r3store.catalog import Catalog
-from r3store.catalog_ledger import INGEST
-from r3store.catalog_stats import LoadRecord
 from r3store.catalog_types import ShardInfo, TrajectoryEntry
-from r3store.codec import EncodedRoutes
 from r3store.errors import Backpressure, Conflict, R3StoreError
+from r3store.logic.codec import EncodedRoutes
 from r3store.policy import ENGINE, Source
 from r3store.records import Held, PutResult, Segment, settle
-from r3store.shard import BuiltShard, ShardRow, build_shard
 from r3store.spec import RouteSpec
-from r3store.store.base import ObjectStore
+from r3store.storage.catalog import Catalog
+from r3store.storage.catalog.ledger import INGEST
+from r3store.storage.catalog.stats import LoadRecord
+from r3store.storage.shard import BuiltShard, ShardRow, build_shard
+from r3store.storage.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
 _RACES = 4  # commits of one batch that may lose a race to another replica

@@ -22,7 +22,7 @@ frame:
   producer's slot order (log2(K!) bits of information in 16); for K > 8, `[L, T, K]`
   uint8 where slot i of the producer's order holds sorted slot `order[i]`.
 
-At rest (`r3store.rest`) two things may change: the ids stream is compressed with a
+At rest (`r3store.logic.rest`) two things may change: the ids stream is compressed with a
 namespace's zstd `Dictionary` (named by its digest in `EncodedRoutes.dictionary`), and
 a row may hold only the tokens after a prefix it shares with other samples of its
 group (`EncodedRoutes.prefix`: the streams of the first `prefix_tokens` tokens, stored
@@ -49,7 +49,7 @@ import numpy.typing as npt
 import zstandard
 
 from r3store.errors import CorruptShard
-from r3store.routes import CHUNK_VALUES, SENTINEL, Routes, sort_planes
+from r3store.logic.routes import CHUNK_VALUES, SENTINEL, Routes, sort_planes
 from r3store.spec import RouteSpec
 
 LEHMER_MAX_K = 8
@@ -181,7 +181,7 @@ def encode(
     dictionary: Dictionary | None = None,
     transforms: Sequence[Transform] | None = None,
 ) -> EncodedRoutes:
-    """Encode canonical routes (as `r3store.routes` makes them) into storage streams
+    """Encode canonical routes (as `r3store.logic.routes` makes them) into storage streams
     (`digest=False`: leave the digest empty, for a client whose server computes it).
     With a `dictionary`, the ids stream is compressed with it at `level`, both ways
     tried (sorted ids and gaps). With `transforms` (at rest: `EVERY_TRANSFORM`) the ids

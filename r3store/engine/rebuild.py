@@ -12,18 +12,25 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from r3store import codec, stats
-from r3store.catalog import Catalog
-from r3store.catalog_stats import LoadRecord
 from r3store.catalog_types import NamespaceInfo, ShardInfo, TrajectoryEntry
-from r3store.codec import Dictionary, EncodedRoutes, Transform
+from r3store.engine.maintenance import read_tombstones
+from r3store.engine.reader import DictionaryCache
+from r3store.engine.writer import load_records, route_bytes, row_of
 from r3store.errors import CorruptShard, R3StoreError
-from r3store.keys import DICTIONARY_PREFIX, NAMESPACE_PREFIX, SHARD_PREFIX, parse_dictionary_key
-from r3store.maintenance import read_tombstones
+from r3store.logic import codec, stats
+from r3store.logic.codec import Dictionary, EncodedRoutes, Transform
 from r3store.policy import ENGINE, NamespaceSettings
-from r3store.reader import DictionaryCache
 from r3store.records import check_source
-from r3store.shard import (
+from r3store.spec import RouteSpec
+from r3store.storage.catalog import Catalog
+from r3store.storage.catalog.stats import LoadRecord
+from r3store.storage.keys import (
+    DICTIONARY_PREFIX,
+    NAMESPACE_PREFIX,
+    SHARD_PREFIX,
+    parse_dictionary_key,
+)
+from r3store.storage.shard import (
     META_CREATED,
     META_REST_LEVEL,
     PREFIX,
@@ -34,9 +41,7 @@ from r3store.shard import (
     places_of,
     shard_spec,
 )
-from r3store.spec import RouteSpec
-from r3store.store.base import ObjectStore
-from r3store.writer import load_records, route_bytes, row_of
+from r3store.storage.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """JSON models of the HTTP control plane, shared by the server and the client.
 
-Bulk route data never travels in these: see `r3store.wire` for the binary formats.
+Bulk route data never travels in these: see `r3store.protocol.wire` for the binary formats.
 """
 
 from __future__ import annotations
@@ -11,14 +11,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from r3store.catalog_types import NamespaceInfo
 from r3store.errors import InvalidInput
-from r3store.plans import PlannedDictionary, PlannedObject, PlannedSegment, ReadPlan
+from r3store.logic.sampling import Strategy
+from r3store.logic.spans import ByteRange, RouteSpans, Span
 from r3store.policy import ENGINE, MAX_POLICY_VERSION, NamespaceSettings, Source
+from r3store.protocol.plans import PlannedDictionary, PlannedObject, PlannedSegment, ReadPlan
+from r3store.protocol.wire import ReadFormat
 from r3store.records import PutResult
-from r3store.sampling import Strategy
-from r3store.shard import RouteSpans, Span
 from r3store.spec import MAX_EXPERTS, MAX_LAYERS, MAX_TOP_K, RouteSpec
-from r3store.store.base import ByteRange
-from r3store.wire import ReadFormat
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 _SOURCE_DOC = (
@@ -371,7 +370,7 @@ class ReadPlanModel(BaseModel):
         )
 
 
-# statistics (r3store.analytics)
+# statistics (r3store.engine.analytics)
 class VersionLoadModel(BaseModel):
     policy_version: int
     tokens: int = Field(description="tokens of the segments counted")

@@ -24,12 +24,12 @@ import numpy as np
 import numpy.typing as npt
 import zstandard
 
-from r3store import codec
-from r3store.codec import LEHMER_MAX_K, EncodedRoutes, Transform, lehmer_table
 from r3store.errors import InvalidRoutes
-from r3store.routes import CHUNK_VALUES, Routes
+from r3store.logic import codec
+from r3store.logic.codec import LEHMER_MAX_K, EncodedRoutes, Transform, lehmer_table
+from r3store.logic.routes import CHUNK_VALUES, Routes
+from r3store.logic.stats import Counts, expert_load
 from r3store.spec import RouteSpec
-from r3store.stats import Counts, expert_load
 
 MAX_ROW_BYTES = 64 << 20  # decompressed ids of one segment; longer ones: send segments
 MAX_UPLOAD_BYTES = 256 << 20  # decompressed ids of all encoded segments of one upload
@@ -213,7 +213,7 @@ def accept_counted(
     token_ids: npt.NDArray[np.int32] | None,
     where: str,
 ) -> tuple[EncodedRoutes, Counts]:
-    """`accept`, and the expert load of the routes (`r3store.stats.expert_load`)."""
+    """`accept`, and the expert load of the routes (`r3store.logic.stats.expert_load`)."""
     layers, k, itemsize = spec.num_layers, spec.top_k, spec.id_dtype.itemsize
     cells = layers * num_tokens
     if not fits(spec, num_tokens):

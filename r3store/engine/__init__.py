@@ -1,0 +1,8 @@
+"""The engine: the one door to a namespace's routes (`Engine`, in `core`), and the
+parts it drives over the store and the catalog: group commit (`writer`), ranged reads
+(`reader`), retention, compaction and collection (`maintenance`), a catalog rebuilt
+from the store (`rebuild`) and statistics kept as routes arrive (`analytics`)."""
+
+from r3store.engine.core import EncodedPut, Engine, EngineConfig, put_row_bytes
+
+__all__ = ["EncodedPut", "Engine", "EngineConfig", "put_row_bytes"]
