@@ -3,6 +3,7 @@ SeaweedFS with presigned URLs; expiry, revoked keys and the embedded store."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,10 +17,11 @@ import httpx
 import numpy as np
 import pytest
 import torch
+import urllib3
 
 from helpers import SPEC, make_write
 from http_helpers import KEYS, ServerProcess
-from r3store.errors import InvalidInput, Unauthorized
+from r3store.errors import InvalidInput, StoreError, Unauthorized
 from r3store.protocol.plans import ReadPlan
 from r3store.records import TrajectoryWrite
 from r3store.testing.seaweedfs import SeaweedFS
@@ -165,3 +167,39 @@ def test_planned_ranges_cover_exactly_the_streams(client: Client) -> None:
     assert covered >= sum(s.length for s in spans)
     assert covered <= sum(s.length for s in spans) + 64 * 1024 * len(spans)  # small gaps only
     assert np.all([g.num_tokens > 0 for g in plan.segments])
+
+
+class _Counting(urllib3.PoolManager):
+    """The object store's connections as a caller might give them (a proxy, TLS
+    settings): real connections, counted."""
+
+    def __init__(self) -> None:
+        super().__init__(maxsize=4, retries=False)
+        self.urls: list[str] = []
+
+    def request(self, method: str, url: str, *args: Any, **kwargs: Any) -> Any:
+        self.urls.append(url)
+        return super().request(method, url, *args, **kwargs)
+
+
+def test_the_object_stores_connections_can_be_given(server: ServerProcess) -> None:
+    client = Client(server.url, api_key=KEYS["admin"])
+    client.create_namespace("given", SPEC)
+    client.put("given", _writes()[:3])
+    given = _Counting()
+    with Client(server.url, api_key=KEYS["admin"], store_http=given) as mine:
+        _, batch = mine.fetch_direct("given", ["d0", "d2"])
+        assert batch.items[0] is not None
+        assert given.urls  # every range through the connections given
+        assert all("Signature" in url for url in given.urls)
+    assert given.pools  # closing the client leaves a caller's connections to the caller
+    broken = urllib3.PoolManager(retries=False)
+    with Client(server.url, api_key=KEYS["admin"], store_http=broken) as other:
+        plan = other.plan("given", ["d1"])
+        moved = dataclasses.replace(
+            plan,
+            objects=[dataclasses.replace(o, url="http://127.0.0.1:9/x") for o in plan.objects],
+        )
+        with pytest.raises(StoreError, match="cannot read from the object store"):
+            other._read_planned(moved)
+    client.close()

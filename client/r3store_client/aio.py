@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import urllib3
 
 from r3store.errors import Backpressure, R3StoreError
 from r3store.records import TrajectoryWrite
@@ -55,9 +56,10 @@ class AsyncClient(Calls):
         timeout: float | httpx.Timeout = 60.0,
         retry: Retry | None = None,
         encode: bool = True,
+        store_http: urllib3.PoolManager | None = None,
         workers: int = 2,
     ) -> None:
-        super().__init__(base_url, api_key, timeout, retry, encode)
+        super().__init__(base_url, api_key, timeout, retry, encode, store_http)
         self._http = http
         self._own_http = http is None
         self.workers = workers

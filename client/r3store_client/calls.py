@@ -244,6 +244,7 @@ class Calls:
         timeout: float | httpx.Timeout,
         retry: Retry | None,
         encode: bool,
+        store_http: urllib3.PoolManager | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
@@ -252,7 +253,8 @@ class Calls:
         self.encode = encode
         self._specs: dict[str, RouteSpec] = {}
         self._decoders: ThreadPoolExecutor | None = None
-        self._store_http: urllib3.PoolManager | None = None
+        self._store_http = store_http  # the object store's connections (direct reads)
+        self._own_store_http = store_http is None
         self._fetchers: ThreadPoolExecutor | None = None
         self._made = threading.Lock()  # lazy connections and pools: one each, whoever asks
         self._dictionaries: Dictionaries = {}  # by digest: they never change
@@ -282,20 +284,13 @@ class Calls:
             return self._store_http, self._fetchers
 
     def _close_pools(self) -> None:
-        if self._store_http is not None:
+        if self._store_http is not None and self._own_store_http:
             self._store_http.clear()
-            self._store_http = None
+        self._store_http = None
         for pool in (self._fetchers, self._decoders):
             if pool is not None:
                 pool.shutdown(wait=False)
         self._fetchers = self._decoders = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        for name in self._unpicklable():
-            state[name] = None  # connections and threads do not cross processes
-        del state["_made"]
-        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -303,6 +298,14 @@ class Calls:
 
     def _unpicklable(self) -> tuple[str, ...]:
         return ("_decoders", "_store_http", "_fetchers")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for name in self._unpicklable():
+            state[name] = None  # connections and threads do not cross processes
+        state["_own_store_http"] = True
+        del state["_made"]
+        return state
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -634,23 +637,30 @@ class Calls:
         fetched = self._fetch_objects(plan)
         return reads_of(plan, fetched, self._dictionaries_of(plan))
 
+    def _store_get(self, url: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+        """One GET of a presigned URL: its status (200 or 206) and body. The one place
+        urllib3's errors become the project's: a connection failure or another status is
+        a `StoreError`; 403 or 404 (the URL expired, or its object was compacted away)
+        asks for a new plan."""
+        store, _fetchers = self._direct()
+        try:
+            response = store.request("GET", url, headers=headers)
+        except urllib3.exceptions.HTTPError as exc:
+            raise StoreError(f"cannot read from the object store: {exc}") from None
+        if response.status in (403, 404):
+            raise _Replan
+        if response.status not in (200, 206):
+            raise StoreError(f"the object store answered {response.status}")
+        return response.status, response.data
+
     def _dictionaries_of(self, plan: ReadPlan) -> Dictionaries:
         """The dictionaries a plan's streams need: fetched once, checked against their
         digests, and kept (they never change)."""
-        store, _fetchers = self._direct()
         out: Dictionaries = {}
         for planned in plan.dictionaries:
             known = self._dictionaries.get(planned.digest)
             if known is None:
-                try:
-                    response = store.request("GET", planned.url)
-                except urllib3.exceptions.HTTPError as exc:
-                    raise StoreError(f"cannot read from the object store: {exc}") from None
-                if response.status in (403, 404):
-                    raise _Replan
-                if response.status != 200:
-                    raise StoreError(f"the object store answered {response.status}")
-                known = load_dictionary(response.data, planned.digest)
+                known = load_dictionary(self._store_get(planned.url)[1], planned.digest)
                 self._dictionaries[planned.digest] = known
             out[planned.digest] = known
         return out
@@ -658,22 +668,14 @@ class Calls:
     def _fetch_objects(self, plan: ReadPlan) -> list[Fetched]:
         """Each object's planned ranges, fetched in parallel (urllib3: about twice as
         fast as httpx on megabyte bodies)."""
-        store, fetchers = self._direct()
+        _store, fetchers = self._direct()
         jobs = [(i, r) for i, o in enumerate(plan.objects) for r in o.ranges]
 
         def get(job: tuple[int, ByteRange]) -> bytes:
             index, byte_range = job
             headers = {"Range": f"bytes={byte_range.start}-{byte_range.end - 1}"}
-            try:
-                response = store.request("GET", plan.objects[index].url, headers=headers)
-            except urllib3.exceptions.HTTPError as exc:
-                raise StoreError(f"cannot read from the object store: {exc}") from None
-            if response.status in (403, 404):  # expired, or compacted away
-                raise _Replan
-            if response.status not in (200, 206):
-                raise StoreError(f"the object store answered {response.status}")
-            data: bytes = response.data
-            if response.status == 200:  # the whole object: a store that ignores Range
+            status, data = self._store_get(plan.objects[index].url, headers)
+            if status == 200:  # the whole object: a store that ignores Range
                 data = data[byte_range.start : byte_range.end]
             if len(data) != byte_range.length:
                 raise StoreError("the object store returned a short range")

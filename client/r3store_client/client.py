@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 import httpx
+import urllib3
 
 from r3store_client.calls import Call, Calls, Retry, Send, Sleep, T, blocking, check_shape
 
@@ -38,8 +39,9 @@ class Client(Calls):
         timeout: float | httpx.Timeout = 60.0,
         retry: Retry | None = None,
         encode: bool = True,
+        store_http: urllib3.PoolManager | None = None,
     ) -> None:
-        super().__init__(base_url, api_key, timeout, retry, encode)
+        super().__init__(base_url, api_key, timeout, retry, encode, store_http)
         self._http = http
         self._own_http = http is None
 
