@@ -252,21 +252,6 @@ class ReadPlanModel(BaseModel):
 
     @classmethod
     def of(cls, plan: ReadPlan) -> ReadPlanModel:
-        def span(s: Span | None) -> SpanModel | None:
-            return None if s is None else SpanModel(offset=s.offset, length=s.length)
-
-        def prefix(spans: RouteSpans) -> PlannedPrefixModel | None:
-            shared = spans.prefix
-            if shared is None:
-                return None
-            return PlannedPrefixModel(
-                tokens=spans.prefix_tokens,
-                route_transform=shared.transform,
-                route_ids=SpanModel(offset=shared.ids.offset, length=shared.ids.length),
-                route_counts=span(shared.counts),
-                route_order=span(shared.order),
-            )
-
         return cls(
             spec=RouteSpecModel.of(plan.spec),
             ids=plan.ids,
@@ -280,25 +265,19 @@ class ReadPlanModel(BaseModel):
                 for o in plan.objects
             ],
             segments=[
-                PlannedSegmentModel(
-                    trajectory_id=g.trajectory_id,
-                    group_id=g.group_id,
-                    prompt_len=g.prompt_len,
-                    start=g.start,
-                    num_tokens=g.num_tokens,
-                    policy_version=g.policy_version,
-                    digest=g.digest.hex(),
-                    object=g.obj,
-                    route_transform=g.spans.transform,
-                    route_ids=SpanModel(offset=g.spans.ids.offset, length=g.spans.ids.length),
-                    route_counts=span(g.spans.counts),
-                    route_order=span(g.spans.order),
-                    token_ids=span(g.spans.tokens),
-                    source=g.source,
-                    route_dictionary=None
-                    if g.spans.dictionary is None
-                    else g.spans.dictionary.hex(),
-                    prefix=prefix(g.spans),
+                PlannedSegmentModel.model_validate(
+                    {
+                        "trajectory_id": g.trajectory_id,
+                        "group_id": g.group_id,
+                        "prompt_len": g.prompt_len,
+                        "start": g.start,
+                        "num_tokens": g.num_tokens,
+                        "policy_version": g.policy_version,
+                        "digest": g.digest.hex(),
+                        "object": g.obj,
+                        "source": g.source,
+                        **g.spans.to_json(),
+                    }
                 )
                 for g in plan.segments
             ],
@@ -308,15 +287,11 @@ class ReadPlanModel(BaseModel):
         )
 
     def to_plan(self) -> ReadPlan:
-        def span(s: SpanModel | None) -> Span | None:
-            return None if s is None else s.to_span()
-
-        def digest_of(text: str | None) -> bytes | None:
-            if text is None:
-                return None
+        def spans_of(g: PlannedSegmentModel) -> RouteSpans:
             try:
-                return bytes.fromhex(text)
+                return RouteSpans.from_json(g.model_dump())
             except ValueError:
+                text = g.route_dictionary or ""
                 raise InvalidInput(f"not a hex digest: {text[:40]!r}") from None
 
         objects = [
@@ -336,24 +311,7 @@ class ReadPlanModel(BaseModel):
                 g.policy_version,
                 bytes.fromhex(g.digest),
                 g.object,
-                RouteSpans(
-                    g.route_ids.to_span(),
-                    span(g.route_counts),
-                    span(g.route_order),
-                    g.route_transform,
-                    span(g.token_ids),
-                    digest_of(g.route_dictionary),
-                    None
-                    if g.prefix is None
-                    else RouteSpans(
-                        g.prefix.route_ids.to_span(),
-                        span(g.prefix.route_counts),
-                        span(g.prefix.route_order),
-                        g.prefix.route_transform,
-                        dictionary=digest_of(g.route_dictionary),
-                    ),
-                    0 if g.prefix is None else g.prefix.tokens,
-                ),
+                spans_of(g),
                 g.source,
             )
             for g in self.segments

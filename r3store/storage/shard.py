@@ -11,7 +11,6 @@ with one ranged GET.
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import time
 from collections.abc import Sequence
@@ -248,12 +247,7 @@ def link_prefixes(
             prefix = prefixes.get((link.prefix_digest, span.dictionary))
             if prefix is None or link.prefix_tokens <= 0:
                 raise CorruptShard("a row continues a prefix that no row before it holds")
-            span = dataclasses.replace(
-                span,
-                prefix=prefix,
-                prefix_tokens=link.prefix_tokens,
-                prefix_digest=link.prefix_digest,
-            )
+            span = span.with_prefix(prefix, link.prefix_tokens, link.prefix_digest)
         out.append(span)
     return out
 
