@@ -19,8 +19,9 @@ from typing import Generic, TypeVar
 
 from r3store.catalog_types import TrajectoryEntry
 from r3store.logic.codec import Dictionaries, Dictionary, EncodedRoutes, load_dictionary
+from r3store.logic.reads import read_of
 from r3store.logic.spans import ByteRange, Span
-from r3store.protocol.plans import Fetched, read_of
+from r3store.protocol.plans import Fetched
 from r3store.records import TrajectoryRead
 from r3store.spec import RouteSpec
 from r3store.storage.keys import dictionary_key

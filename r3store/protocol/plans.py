@@ -8,15 +8,15 @@ segment's streams out of them (`Fetched`, `reads_of`). Pure: URLs come from a ca
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from r3store.catalog_types import TrajectoryEntry
-from r3store.logic import codec
-from r3store.logic.codec import Dictionaries, Dictionary, EncodedRoutes
+from r3store.logic.codec import Dictionaries, EncodedRoutes
+from r3store.logic.reads import read_of
 from r3store.logic.spans import ByteRange, RouteSpans, Span
 from r3store.policy import ENGINE, Source
-from r3store.records import Batch, SegmentRead, TrajectoryRead, assemble, missing
+from r3store.records import Batch, TrajectoryRead, missing
 from r3store.spec import RouteSpec
 
 
@@ -131,48 +131,6 @@ class Fetched:
                 start = span.offset - byte_range.start
                 return data[start : start + span.length]
         raise KeyError(span)
-
-
-def read_of(
-    segments: Sequence[tuple[int, int, int]],
-    encoded: Sequence[EncodedRoutes],
-    identity: tuple[str, str | None, int],
-    source: Source,
-    spec: RouteSpec,
-    dictionaries: Dictionaries,
-    decode: bool,
-    portable: bool = False,
-) -> TrajectoryRead:
-    """One trajectory from its segments' `(start, num_tokens, policy_version)` and
-    stored streams: decoded, or as streams when `decode` is False. Streams handed out
-    decode alone: those that need a dictionary or a shared prefix are encoded again
-    (`codec.portable`) when `portable`, else the trajectory is decoded."""
-
-    def dictionary(digest: bytes | None) -> Dictionary | None:
-        return None if digest is None else dictionaries.get(digest)
-
-    if not decode and portable:
-        encoded = [
-            codec.portable(s, spec, seg[1], dictionary(s.dictionary))
-            for seg, s in zip(segments, encoded, strict=True)
-        ]
-    if not decode and all(codec.self_contained(s) for s in encoded):
-        reads = [SegmentRead(*seg, s, s.digest) for seg, s in zip(segments, encoded, strict=True)]
-        return assemble(reads, identity, source=source)
-
-    return assemble(
-        [SegmentRead(*seg, None, s.digest) for seg, s in zip(segments, encoded, strict=True)],
-        identity,
-        [
-            codec.decode(s, spec, seg[1], dictionary(s.dictionary))
-            for seg, s in zip(segments, encoded, strict=True)
-        ],
-        [
-            None if s.tokens is None else codec.decode_tokens(s.tokens, seg[1])
-            for seg, s in zip(segments, encoded, strict=True)
-        ],
-        source,
-    )
 
 
 def reads_of(plan: ReadPlan, fetched: list[Fetched], dictionaries: Dictionaries) -> Batch:
