@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from r3store.catalog_types import TrajectoryEntry
-from r3store.logic.codec import Dictionaries, Dictionary, EncodedRoutes, load_dictionary
+from r3store.logic.codec import Dictionaries, Dictionary, EncodedRoutes
 from r3store.logic.reads import read_of
 from r3store.logic.spans import ByteRange, Span
 from r3store.protocol.plans import Fetched
 from r3store.records import TrajectoryRead
 from r3store.spec import RouteSpec
-from r3store.storage.keys import dictionary_key
+from r3store.storage.dictionary import read_dictionary
 from r3store.storage.shard import BuiltShard
 from r3store.storage.store.base import ObjectStore
 
@@ -85,7 +85,7 @@ class DictionaryCache:
     def _load(self, namespace: str, digest: bytes) -> Dictionary:
         kept = self._kept.get((namespace, digest))
         if kept is None:
-            kept = load_dictionary(self._store.get(dictionary_key(namespace, digest)), digest)
+            kept = read_dictionary(self._store, namespace, digest)
             self.add(namespace, kept)
         return kept
 
