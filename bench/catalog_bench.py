@@ -37,7 +37,7 @@ def _measure(engine: Engine, catalog: Catalog, work: Workload) -> dict[str, floa
 
     def lookups() -> None:
         for b in batches * 10:
-            catalog.lookup("bench", b)
+            catalog.segments.lookup("bench", b)
 
     def reads() -> None:
         for b in batches:

@@ -112,7 +112,7 @@ def at_rest(
             ingest, stored, trained = settled(writes)
             engine.flush()
         config, catalog = ReaderConfig(), Catalog(f"sqlite:///{tmp}/c.db")
-        found = catalog.lookup("ns", [w.trajectory_id for w in writes])
+        found = catalog.segments.lookup("ns", [w.trajectory_id for w in writes])
         catalog.close()
         gets = max(
             len(plan_ranges(e.spans.spans, config.coalesce_bytes, config.gap_bytes))

@@ -387,7 +387,7 @@ def test_answer_bytes_follow_the_format(make_engine: MakeEngine, tmp_path: Path)
     engine.create_namespace("ns", SPEC)
     tokens = np.arange(50, dtype=np.int32)
     engine.put("ns", [make_write("t", tokens=50, token_ids=tokens), make_write("u", tokens=30)])
-    found = make_engine.catalog().lookup("ns", ["t", "u"])
+    found = make_engine.catalog().segments.lookup("ns", ["t", "u"])
     segments = [s for held in found.values() for s in held]
     batch = engine.get_batch("ns", ["t", "u"], decode=False)
     for fmt in ReadFormat:

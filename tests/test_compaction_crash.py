@@ -33,7 +33,7 @@ def check(engine: Engine, data: Path, live: dict[str, object]) -> None:
         assert np.array_equal(item.routes.to_topk(), expected_ids(live[tid]))  # type: ignore[arg-type]
     counts: dict[str, int] = {}
     catalog = open_catalog(data)  # behind the engine's back
-    for entry in catalog.by_versions("ns", 0, 1000):
+    for entry in catalog.segments.by_versions("ns", 0, 1000):
         counts[entry.trajectory_id] = counts.get(entry.trajectory_id, 0) + 1
     catalog.close()
     assert all(n == 1 for n in counts.values()), "a trajectory is in the catalog once"
@@ -66,7 +66,7 @@ def test_sigkill_during_compaction(tmp_path: Path) -> None:
         engine.maintenance(grace_seconds=0, orphan_seconds=0).run()
         check(engine, tmp_path, live)
     catalog = open_catalog(tmp_path)
-    known = catalog.shard_keys()
+    known = catalog.shards.all_keys()
     catalog.close()
     shards = {o.key for o in LocalStore(tmp_path / "objects").list(SHARD_PREFIX)}
     assert shards == known, "no orphans left"

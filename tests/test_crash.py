@@ -68,7 +68,7 @@ def test_sigkill_loses_no_acknowledged_write(
 
 def check_units(engine: Engine, catalog: Catalog, acked: set[str]) -> None:
     visible: dict[str, int] = {}
-    for entry in catalog.by_versions("ns", 0, 0):
+    for entry in catalog.segments.by_versions("ns", 0, 0):
         unit = entry.trajectory_id.split("-")[0]
         visible[unit] = visible.get(unit, 0) + 1
     half = {u: n for u, n in visible.items() if n != UNIT}

@@ -24,7 +24,7 @@ from r3store.storage.store import LocalStore, ObjectStore
 def snapshot(store: ObjectStore, make_engine: MakeEngine) -> tuple[list[str], int]:
     """Every object in the store, and the trajectories the catalog holds: read behind
     the engine's back."""
-    return [o.key for o in store.list("")], make_engine.catalog().count("ns")
+    return [o.key for o in store.list("")], make_engine.catalog().segments.count("ns")
 
 
 def test_sixteen_writers_then_restart(store: ObjectStore, make_engine: MakeEngine) -> None:
@@ -132,7 +132,7 @@ def test_racing_puts_of_one_id_store_it_once(tmp_path: Path, make_engine: MakeEn
         t.start()
     for t in threads:
         t.join()
-    assert make_engine.catalog().count("ns") == 1
+    assert make_engine.catalog().segments.count("ns") == 1
     stored = engine.get("ns", "x").to_topk()
     winner = same if np.array_equal(stored, expected_ids(same)) else clash
     if winner is same:
@@ -261,10 +261,10 @@ def test_store_failure_acknowledges_nothing(tmp_path: Path, make_engine: MakeEng
     store.broken = True
     with pytest.raises(StoreError):
         engine.put("ns", [make_write("lost")])
-    assert make_engine.catalog().count("ns") == 0
+    assert make_engine.catalog().segments.count("ns") == 0
     store.broken = False
     assert engine.put("ns", [make_write("lost")])[0].created
-    assert make_engine.catalog().count("ns") == 1
+    assert make_engine.catalog().segments.count("ns") == 1
 
 
 def test_engine_on_a_fresh_catalog_sees_nothing_until_rebuilt(tmp_path: Path) -> None:

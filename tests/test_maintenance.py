@@ -118,7 +118,7 @@ def test_failed_compaction_changes_nothing(tmp_path: Path) -> None:
     def crash(*_args: object) -> int:
         raise StoreError("the catalog went away mid-compaction")
 
-    catalog.replace_shards = crash  # type: ignore[method-assign]
+    catalog.shards.replace = crash  # type: ignore[method-assign]
     report = engine.maintenance(grace_seconds=0, orphan_seconds=0).run()
     assert report.shards_compacted == 0
     check_all(engine, {"w3": writes["w3"]})
@@ -139,7 +139,7 @@ def test_orphans_older_than_the_grace_are_collected(
     past = time.time() - 7200
     # uploads this catalog planned and never committed (a crash between put and commit)
     for name, when in (("0000000000001-old", past), ("9999999999999-new", time.time())):
-        catalog.plan_upload(f"{SHARD_PREFIX}ns/{name}.parquet", "ns", "ingest", when)
+        catalog.ledger.plan_upload(f"{SHARD_PREFIX}ns/{name}.parquet", "ns", "ingest", when)
         store.put(f"{SHARD_PREFIX}ns/{name}.parquet", b"an upload never committed")
     # an object no plan of this catalog names: another catalog's, never deleted
     store.put(f"{SHARD_PREFIX}ns/0000000000002-foreign.parquet", b"not ours")
@@ -153,7 +153,7 @@ def test_orphans_older_than_the_grace_are_collected(
     assert "0000000000001-old.parquet" not in names
     assert "9999999999999-new.parquet" in names
     assert "0000000000002-foreign.parquet" in names
-    assert [p.key for p in catalog.pending_uploads()] == [
+    assert [p.key for p in catalog.ledger.pending_uploads()] == [
         f"{SHARD_PREFIX}ns/9999999999999-new.parquet"
     ]
     check_all(engine, {"kept": make_write("kept")})
@@ -205,7 +205,7 @@ def test_rebuild_does_not_bring_back_what_retention_dropped(
     rebuilt = rebuild_catalog(store, fresh)
     assert rebuilt.dropped == 1
     assert rebuilt.trajectories == 4
-    assert fresh.lookup("ns", ["gone"]) == {}
+    assert fresh.segments.lookup("ns", ["gone"]) == {}
     fresh.close()
     tombstones = [o.key for o in store.list("tombstones/")]
     assert len(tombstones) == 1

@@ -30,7 +30,7 @@ from r3store.testing.synthetic import uniform_topk
 SPEC = RouteSpec(num_layers=2, num_experts=8, top_k=2)
 KEEP = 2  # policy versions retention keeps
 STEPS = ["whole", "rest", "no rest"]
-HOOKS = ["replace_shards", "delete_trajectories", "retire_empty", "forget_shard"]
+HOOKS = ["shards.replace", "segments.delete", "shards.retire_empty", "shards.forget"]
 
 
 def routes(tid: str, tokens: int) -> np.ndarray:
@@ -103,8 +103,9 @@ class MaintenanceMachine(RuleBasedStateMachine):
         it calls `hook` on its catalog, the other pass runs before the call does its
         work."""
         mine, other = self.passes[first], self.passes[1 - first]
-        catalog = self.catalogs[first]
-        real = getattr(catalog, hook)
+        owner, method = hook.split(".")
+        repository = getattr(self.catalogs[first], owner)
+        real = getattr(repository, method)
         ran: list[bool] = []
 
         def hooked(*args: Any, **kwargs: Any) -> Any:
@@ -113,11 +114,11 @@ class MaintenanceMachine(RuleBasedStateMachine):
                 _step(other, other_kind)
             return real(*args, **kwargs)
 
-        setattr(catalog, hook, hooked)
+        setattr(repository, method, hooked)
         try:
             _step(mine, kind)
         finally:
-            setattr(catalog, hook, real)
+            setattr(repository, method, real)
 
     @rule()
     def plain(self) -> None:
@@ -131,8 +132,8 @@ class MaintenanceMachine(RuleBasedStateMachine):
         fresh = Catalog(f"sqlite:///{self.dir / f'rebuilt{self.rebuilds}.db'}")
         try:
             rebuild_catalog(self.store, fresh)
-            held = set(self.engine._catalog.lookup("ns", list(self.model)))
-            assert set(fresh.lookup("ns", list(self.model))) == held
+            held = set(self.engine._catalog.segments.lookup("ns", list(self.model)))
+            assert set(fresh.segments.lookup("ns", list(self.model))) == held
             assert set(self.kept()) <= held
         finally:
             fresh.close()
@@ -150,8 +151,8 @@ class MaintenanceMachine(RuleBasedStateMachine):
             got = item.routes.to_topk()
             assert np.array_equal(got[: tokens - 1], want), tid
         for info in self.store.list("shards/"):  # every object is the catalog's
-            assert info.key in self.engine._catalog.shard_keys() or info.key in {
-                p.key for p in self.engine._catalog.pending_uploads()
+            assert info.key in self.engine._catalog.shards.all_keys() or info.key in {
+                p.key for p in self.engine._catalog.ledger.pending_uploads()
             }
 
 

@@ -34,8 +34,11 @@ def _pass(engine: Engine, catalog: Catalog, **options: Any) -> Maintenance:
 
 
 def _before(catalog: Catalog, name: str, first: Callable[[], object]) -> list[object]:
-    """Make `catalog.name(...)` run `first()` once, just before it does its own work."""
-    real = getattr(catalog, name)
+    """Make `catalog.<repository>.<method>(...)` (`name`: "repository.method") run
+    `first()` once, just before it does its own work."""
+    owner, method = name.split(".")
+    repository = getattr(catalog, owner)
+    real = getattr(repository, method)
     ran: list[object] = []
 
     def hooked(*args: Any, **kwargs: Any) -> Any:
@@ -43,7 +46,7 @@ def _before(catalog: Catalog, name: str, first: Callable[[], object]) -> list[ob
             ran.append(first())
         return real(*args, **kwargs)
 
-    setattr(catalog, name, hooked)
+    setattr(repository, method, hooked)
     return ran
 
 
@@ -76,7 +79,7 @@ def test_a_dictionary_collected_while_a_pass_encodes_with_it_is_not_committed(
     engine.put("ns", [w for w, _ids in new.values()])
     engine.set_policy_version("ns", 1)  # version 0 is now retention's
 
-    at_rest = [u for u in make_engine.catalog().shard_usage("ns") if u.rest_level is not None]
+    at_rest = [u for u in make_engine.catalog().shards.usage("ns") if u.rest_level is not None]
     # X: a rest pass that finds no dictionary of its own for version 1 and takes D1;
     # just before it commits, Y drops version 0 and collects D1 (no row names it then)
     monkeypatch.setattr(rest, "train", lambda samples: None)
@@ -84,7 +87,7 @@ def test_a_dictionary_collected_while_a_pass_encodes_with_it_is_not_committed(
     # (version 1's rows in one merge; the shard at rest of version 0 is not small)
     x = _pass(engine, x_catalog, rest_shard_bytes=4 * at_rest[0].live_bytes)
     y = engine.maintenance(grace_seconds=0, orphan_seconds=0, cold_seconds=None)
-    ran = _before(x_catalog, "replace_shards", y.run)
+    ran = _before(x_catalog, "shards.replace", y.run)
     report = MaintenanceReport()
     x.settle(report)  # its rest step alone: retention is Y's
     assert ran
@@ -141,7 +144,7 @@ def test_rows_retention_drops_while_a_rest_pass_copies_them_stay_dropped(
     x_catalog = make_engine.catalog()
     x = _pass(engine, x_catalog)
     y = engine.maintenance(grace_seconds=0, orphan_seconds=0, cold_seconds=None)
-    ran = _before(x_catalog, "replace_shards", y.run)
+    ran = _before(x_catalog, "shards.replace", y.run)
     report = MaintenanceReport()
     x.settle(report)  # its rest step alone: retention is Y's
     assert ran
@@ -161,7 +164,7 @@ def test_rows_a_rest_pass_moved_while_retention_drops_them_stay_dropped(
     y = _pass(engine, y_catalog, cold_seconds=None)
     x = engine.maintenance(grace_seconds=0, orphan_seconds=0, cold_seconds=0)
     moved = MaintenanceReport()
-    ran = _before(y_catalog, "delete_trajectories", lambda: x.settle(moved))
+    ran = _before(y_catalog, "segments.delete", lambda: x.settle(moved))
     y.run()
     assert ran
     assert moved.shards_at_rest == 1
@@ -180,11 +183,11 @@ def test_an_orphan_collected_while_its_commit_is_under_way_is_not_committed(
     catalog = engine._catalog
     # a commit delayed past the orphan age: collection takes the upload first
     sweep = engine.maintenance(grace_seconds=0, orphan_seconds=0)
-    _before(catalog, "commit_shard", sweep.run)
+    _before(catalog, "shards.commit", sweep.run)
     engine.put("ns", [make_write("slow")])  # settled again into a new shard, acknowledged
     _exact(engine, "ns", {"slow": make_write("slow")})
     assert sweep.totals.orphans_deleted == 1
-    assert catalog.pending_uploads() == []
+    assert catalog.ledger.pending_uploads() == []
 
 
 def test_a_dictionary_being_deleted_cannot_be_recorded_or_held_again(
@@ -192,15 +195,15 @@ def test_a_dictionary_being_deleted_cannot_be_recorded_or_held_again(
 ) -> None:
     catalog = Catalog(f"sqlite:///{tmp_path / 'c.db'}")
     digest, now = b"d" * 16, 1000.0
-    assert catalog.record_dictionary("ns", digest, 1, now)
-    assert catalog.start_dropping_dictionary("ns", digest, now + 1)
+    assert catalog.ledger.record_dictionary("ns", digest, 1, now)
+    assert catalog.ledger.start_dropping_dictionary("ns", digest, now + 1)
     # a pass that trained the same dictionary again, while its object is being deleted
-    assert not catalog.record_dictionary("ns", digest, 1, now + 2)
-    assert not catalog.hold_dictionary("ns", digest, now + 2)
-    catalog.forget_dictionary("ns", digest)
-    assert catalog.record_dictionary("ns", digest, 1, now + 3)  # gone: a new one may come
-    assert catalog.hold_dictionary("ns", digest, now + 4)
-    assert not catalog.start_dropping_dictionary("ns", digest, now + 4)  # held since
+    assert not catalog.ledger.record_dictionary("ns", digest, 1, now + 2)
+    assert not catalog.ledger.hold_dictionary("ns", digest, now + 2)
+    catalog.ledger.forget_dictionary("ns", digest)
+    assert catalog.ledger.record_dictionary("ns", digest, 1, now + 3)  # gone: a new one may come
+    assert catalog.ledger.hold_dictionary("ns", digest, now + 4)
+    assert not catalog.ledger.start_dropping_dictionary("ns", digest, now + 4)  # held since
     catalog.close()
 
 
@@ -230,4 +233,4 @@ def test_a_namespace_deletion_that_fails_midway_is_finished_by_maintenance(
     report = engine.maintenance(grace_seconds=0, orphan_seconds=0).run()
     assert report.unknown_objects == 0
     assert list(store.list("shards/")) == []
-    assert make_engine.catalog().pending_uploads() == []
+    assert make_engine.catalog().ledger.pending_uploads() == []

@@ -349,15 +349,15 @@ def test_a_backup_taken_while_an_upload_was_pending_is_refused_until_rebuilt(
 ) -> None:
     engine, prefix, url = _bound_engine(tmp_path, seaweed)
     catalog = engine._catalog
-    real = catalog.commit_shard
+    real = catalog.shards.commit
 
     def backup_first(*args: object, **kwargs: object) -> None:
         # the backup sees the upload planned and its object stored, not its commit
         _backup(tmp_path)
-        catalog.commit_shard = real  # type: ignore[method-assign]
+        catalog.shards.commit = real  # type: ignore[method-assign]
         real(*args, **kwargs)  # type: ignore[arg-type]
 
-    catalog.commit_shard = backup_first  # type: ignore[method-assign]
+    catalog.shards.commit = backup_first  # type: ignore[method-assign]
     engine.put("ns", [WRITES["t0"]])  # acknowledged
     engine.maintenance().run()  # a pass after the backup counts the generation up
     engine.close()
@@ -369,7 +369,7 @@ def test_a_backup_taken_while_an_upload_was_pending_is_refused_until_rebuilt(
             restored.bind(create=False)
         # a pass anyway (the library, unbound) deletes nothing: the planned upload,
         # committed after the backup, stays
-        assert restored._catalog.pending_uploads() != []
+        assert restored._catalog.ledger.pending_uploads() != []
         sweep = restored.maintenance(orphan_seconds=0, grace_seconds=0)
         preview = sweep.preview()
         assert preview.delete == []

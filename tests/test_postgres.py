@@ -47,7 +47,7 @@ def test_engine_on_postgres(pg_url: str, seaweed: SeaweedFS) -> None:
         assert set(taken) <= set(writes)
     behind = Catalog(pg_url)  # behind the engine's back
     try:
-        assert len(behind.by_group("ns", "g1")) == 8
+        assert len(behind.segments.by_group("ns", "g1")) == 8
     finally:
         behind.close()
 

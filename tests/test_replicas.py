@@ -106,7 +106,7 @@ def test_a_lost_race_fails_only_the_upload_that_conflicts(
             assert np.array_equal(item.routes.to_topk(), expected_ids(write))
         # the shard that lost the race is gone, not left as an orphan
         shards = {info.key for info in objects.list("shards/")}
-        assert shards == {u.key for u in Catalog(url).shard_usage()}
+        assert shards == {u.key for u in Catalog(url).shards.usage()}
     finally:
         mine.close()
         other.close()
@@ -229,12 +229,12 @@ def test_a_read_that_raced_compaction_looks_up_again(tmp_path: Path) -> None:
         writes = [make_write(f"t{i}", policy_version=int(i % 3 == 0)) for i in range(6)]
         engine.put("ns", writes)
         engine.set_policy_version("ns", 1)
-        before = {u.key for u in catalog.shard_usage()}
+        before = {u.key for u in catalog.shards.usage()}
         store.hook = lambda: engine.maintenance(grace_seconds=0).run()
         kept = [w for w in writes if w.policy_version == 1]
         batch = engine.get_batch("ns", [w.trajectory_id for w in kept])
         assert store.hook is None  # compaction ran in between
-        assert {u.key for u in catalog.shard_usage()}.isdisjoint(before)
+        assert {u.key for u in catalog.shards.usage()}.isdisjoint(before)
         assert batch.missing == []
         for write, item in zip(kept, batch.items, strict=True):
             assert np.array_equal(item.routes.to_topk(), expected_ids(write))

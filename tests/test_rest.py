@@ -105,7 +105,7 @@ def test_cold_shards_are_merged_and_compressed_again(
     assert after.live_route_bytes < 0.8 * before.live_route_bytes
     _check(engine, writes)
 
-    found = make_engine.catalog().lookup("ns", list(writes))
+    found = make_engine.catalog().segments.lookup("ns", list(writes))
     shared = {tid: e[0].spans.prefix_tokens for tid, e in found.items()}
     assert shared[ODD] == 0  # stored whole: its prompt routes differ
     assert {n for tid, n in shared.items() if tid != ODD} == {PROMPT}
@@ -117,9 +117,9 @@ def test_cold_shards_are_merged_and_compressed_again(
     engine.rebuild()
     _check(engine, writes)
     # the retired shards not yet deleted hold the same rows: the copies at rest are kept
-    usage = make_engine.catalog().shard_usage("ns")
+    usage = make_engine.catalog().shards.usage("ns")
     assert [u.rest_level for u in usage if u.live_rows] == [rest.REST_LEVEL]
-    again = make_engine.catalog().lookup("ns", list(writes))  # and when they were put
+    again = make_engine.catalog().segments.lookup("ns", list(writes))  # and when they were put
     assert {t: e[0].created_at for t, e in again.items()} == {
         t: e[0].created_at for t, e in found.items()
     }
@@ -211,6 +211,7 @@ def test_an_older_catalog_gains_the_columns(tmp_path: Path) -> None:
         for column in ("dictionary", "prefix_tokens", "prefix_digest", "prefix_ids_offset"):
             conn.execute(sa.text(f"ALTER TABLE trajectories DROP COLUMN {column}"))
         conn.execute(sa.text("ALTER TABLE shards DROP COLUMN rest_level"))
+        conn.execute(sa.text("DROP TABLE alembic_version"))  # made before migrations, too
     catalog = Catalog(url)
     columns = {c["name"] for c in sa.inspect(raw).get_columns("trajectories")}
     assert {"dictionary", "prefix_tokens", "prefix_digest", "prefix_ids_offset"} <= columns

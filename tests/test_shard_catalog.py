@@ -97,7 +97,9 @@ def test_reads_fetch_exactly_the_asked_bytes(tmp_path: Path, make_engine: MakeEn
     )
     engine = make_engine(store, config)
     writes = fill(engine)
-    entries = {tid: e[0] for tid, e in make_engine.catalog().lookup("ns", list(writes)).items()}
+    entries = {
+        tid: e[0] for tid, e in make_engine.catalog().segments.lookup("ns", list(writes)).items()
+    }
 
     def stream_bytes(ids: list[str]) -> set[tuple[str, int]]:
         """Every byte offset of these trajectories' stored route values."""
@@ -135,7 +137,7 @@ def test_reads_fetch_exactly_the_asked_bytes(tmp_path: Path, make_engine: MakeEn
 def test_stored_spans_hold_the_route_values(tmp_path: Path, make_engine: MakeEngine) -> None:
     engine = make_engine(LocalStore(tmp_path / "objects"), small_row_groups())
     writes = fill(engine)
-    for tid, [entry] in make_engine.catalog().lookup("ns", list(writes)).items():
+    for tid, [entry] in make_engine.catalog().segments.lookup("ns", list(writes)).items():
         table = pq.read_table(tmp_path / "objects" / entry.shard_key)
         row = table.filter(pc.equal(table.column("trajectory_id"), tid)).to_pylist()[0]
         data = (tmp_path / "objects" / entry.shard_key).read_bytes()
@@ -151,17 +153,22 @@ def test_catalog_lookups(tmp_path: Path, make_engine: MakeEngine) -> None:
     engine = make_engine(LocalStore(tmp_path / "objects"))
     writes = fill(engine)
     catalog = make_engine.catalog()
-    assert set(catalog.lookup("ns", ["t1", "t2", "zz"])) == {"t1", "t2"}
-    assert [e.trajectory_id for e in catalog.by_group("ns", "g2")] == ["t10", "t11", "t8", "t9"]
-    assert {e.trajectory_id for e in catalog.by_versions("ns", 1, 2)} == {
+    assert set(catalog.segments.lookup("ns", ["t1", "t2", "zz"])) == {"t1", "t2"}
+    assert [e.trajectory_id for e in catalog.segments.by_group("ns", "g2")] == [
+        "t10",
+        "t11",
+        "t8",
+        "t9",
+    ]
+    assert {e.trajectory_id for e in catalog.segments.by_versions("ns", 1, 2)} == {
         f"t{i}" for i in range(8, 24)
     }
-    assert catalog.count("ns") == len(writes)
-    [entry] = catalog.lookup("ns", ["t3"])["t3"]
+    assert catalog.segments.count("ns") == len(writes)
+    [entry] = catalog.segments.lookup("ns", ["t3"])["t3"]
     assert entry.num_tokens == writes["t3"].num_tokens
     assert entry.prompt_len == 5
     with pytest.raises(NotFound):
-        catalog.namespace("nope")
+        catalog.namespaces.get("nope")
     with pytest.raises(Conflict):
         engine.create_namespace("ns", RouteSpec(4, 64, 2))
     again, created = engine.create_namespace("ns", SPEC)
@@ -176,7 +183,9 @@ def test_rebuild_from_the_store_alone(
     engine.create_namespace("empty-run", RouteSpec(2, 8, 2))
     more = [make_write(f"u{i}") for i in range(5)]
     engine.put("ns", more)
-    before = make_engine.catalog().lookup("ns", [*writes, *(w.trajectory_id for w in more)])
+    before = make_engine.catalog().segments.lookup(
+        "ns", [*writes, *(w.trajectory_id for w in more)]
+    )
     engine.close()
 
     fresh = Catalog(f"sqlite:///{tmp_path / 'rebuilt.db'}")
@@ -187,9 +196,9 @@ def test_rebuild_from_the_store_alone(
     assert not report.conflicts
     assert not report.skipped
     assert seen[-1][0] == seen[-1][1] == report.shards
-    after = fresh.lookup("ns", list(before))
+    after = fresh.segments.lookup("ns", list(before))
     assert after == before
-    assert fresh.namespace("empty-run").spec == RouteSpec(2, 8, 2)
+    assert fresh.namespaces.get("empty-run").spec == RouteSpec(2, 8, 2)
     reopened = Engine(store, fresh)
     try:
         batch = reopened.get_batch("ns", ["t7", "u3"])

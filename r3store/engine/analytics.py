@@ -69,7 +69,7 @@ class Analytics:
         `newest` versions holding them only, when given)."""
         spec = self._spec(namespace)
         shape = (spec.num_layers, spec.num_experts)
-        held = self._catalog.expert_loads(namespace, check_source(source), shape, newest)
+        held = self._catalog.stats.expert_loads(namespace, check_source(source), shape, newest)
         return [VersionLoad(v, tokens, counts) for v, (tokens, counts) in sorted(held.items())]
 
     def drift(
@@ -90,7 +90,7 @@ class Analytics:
         the `newest` versions measured only, when given)."""
         pair = (check_source(a), check_source(b))
         spec = self._spec(namespace)
-        held = self._catalog.agreements(namespace, pair, spec.num_layers, newest)
+        held = self._catalog.stats.agreements(namespace, pair, spec.num_layers, newest)
         return [
             VersionAgreement(v, segments, tokens, overlap)
             for v, (segments, tokens, overlap) in sorted(held.items())
@@ -104,7 +104,7 @@ class Analytics:
         if not ids:
             return
         try:
-            self._compare(namespace, spec, self._catalog.lookup(namespace, ids))
+            self._compare(namespace, spec, self._catalog.segments.lookup(namespace, ids))
         except R3StoreError as exc:
             log.warning(
                 "agreement of %d trajectories in %s not measured: %s", len(ids), namespace, exc
@@ -112,11 +112,11 @@ class Analytics:
 
     def compare_all(self, namespace: str) -> None:
         """Measure agreement for every stored segment held by more than one source."""
-        ids = self._catalog.annotated_ids(namespace)
+        ids = self._catalog.stats.annotated_ids(namespace)
         spec = self._spec(namespace)
         for begin in range(0, len(ids), 256):
             part = ids[begin : begin + 256]
-            self._compare(namespace, spec, self._catalog.lookup(namespace, part))
+            self._compare(namespace, spec, self._catalog.segments.lookup(namespace, part))
 
     def _compare(
         self, namespace: str, spec: RouteSpec, found: dict[str, list[TrajectoryEntry]]
@@ -154,4 +154,4 @@ class Analytics:
                     )
                 )
         if records:
-            self._catalog.add_agreements(records)
+            self._catalog.stats.add_agreements(records)

@@ -244,32 +244,32 @@ class Engine:
 
     def count(self, namespace: str) -> int:
         """Trajectories in the namespace."""
-        return self._catalog.count(check_namespace(namespace))
+        return self._catalog.segments.count(check_namespace(namespace))
 
     def usage(self, namespace: str) -> NamespaceUsage:
         """Trajectories by policy version, shards and their live and dead bytes."""
         self.namespace(namespace)  # NotFound for unknown names
-        shards = self._catalog.shard_usage(namespace)
-        samplings, sampled = self._catalog.sampling_totals(namespace)
+        shards = self._catalog.shards.usage(namespace)
+        samplings, sampled = self._catalog.segments.sampling_totals(namespace)
         return NamespaceUsage(
-            trajectories=self._catalog.count(namespace),
+            trajectories=self._catalog.segments.count(namespace),
             shards=len(shards),
             shard_bytes=sum(u.size for u in shards),
             live_route_bytes=sum(u.live_bytes for u in shards),
             dead_route_bytes=sum(u.route_bytes - u.live_bytes for u in shards),
-            by_policy_version=self._catalog.count_by_version(namespace),
+            by_policy_version=self._catalog.segments.count_by_version(namespace),
             samplings=samplings,
             sampled=sampled,
         )
 
     def add_key(self, name: str, role: str, namespaces: list[str], digest: bytes) -> None:
-        self._catalog.add_key(name, role, namespaces, digest)
+        self._catalog.keys.add(name, role, namespaces, digest)
 
     def list_keys(self, active_only: bool = False) -> list[ApiKeyRecord]:
-        return self._catalog.list_keys(active_only)
+        return self._catalog.keys.all(active_only)
 
     def revoke_key(self, name: str) -> None:
-        self._catalog.revoke_key(name)
+        self._catalog.keys.revoke(name)
 
     def maintenance(self, **options: Any) -> Maintenance:
         """Retention, compaction and collection over this engine's store and catalog
@@ -295,7 +295,7 @@ class Engine:
             self._specs.clear()
         report = rebuild_catalog(self._store, self._catalog, progress)
         binding.adopt(self._store, self._catalog)
-        for info in self._catalog.list_namespaces():
+        for info in self._catalog.namespaces.all():
             self.analytics.compare_all(info.name)
         return report
 
@@ -315,7 +315,7 @@ class Engine:
         check_namespace(name)
         settings = settings or NamespaceSettings()
         try:
-            return _same_namespace(self._catalog.namespace(name), spec, settings), False
+            return _same_namespace(self._catalog.namespaces.get(name), spec, settings), False
         except NotFound:
             pass
         info = NamespaceInfo(name, spec, self.clock(), 0, settings)
@@ -328,7 +328,7 @@ class Engine:
                 raise Conflict(f"namespace {name!r} exists with another route spec") from None
             info = dataclasses.replace(info, created_at=float(stored["created_at"]))
             had_manifest = True
-        made, created = self._catalog.create_namespace(name, spec, settings, info.created_at)
+        made, created = self._catalog.namespaces.create(name, spec, settings, info.created_at)
         if not created:
             return _same_namespace(made, spec, settings), False
         if had_manifest:  # the manifest says what the catalog now holds
@@ -336,13 +336,13 @@ class Engine:
         return made, True
 
     def namespace(self, name: str) -> NamespaceInfo:
-        return self._catalog.namespace(check_namespace(name))
+        return self._catalog.namespaces.get(check_namespace(name))
 
     def list_namespaces(self) -> list[NamespaceInfo]:
-        return self._catalog.list_namespaces()
+        return self._catalog.namespaces.all()
 
     def update_settings(self, name: str, settings: NamespaceSettings) -> NamespaceInfo:
-        info = self._catalog.update_settings(check_namespace(name), settings)
+        info = self._catalog.namespaces.update_settings(check_namespace(name), settings)
         self._store.put(namespace_key(name), manifest(info))
         return info
 
@@ -354,7 +354,9 @@ class Engine:
         operator's repair)."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise InvalidInput(f"policy version must be a non-negative integer, got {version!r}")
-        info = self._catalog.set_policy_version(check_namespace(name), version, max_step, force)
+        info = self._catalog.namespaces.set_policy_version(
+            check_namespace(name), version, max_step, force
+        )
         self._store.put(namespace_key(name), manifest(info))
         return info
 
@@ -363,12 +365,12 @@ class Engine:
 
         The catalog forgets everything first; objects go only after that.
         """
-        keys = self._catalog.delete_namespace(check_namespace(name))
+        keys = self._catalog.namespaces.delete(check_namespace(name))
         with self._lock:
             self._specs.pop(name, None)
         for key in keys:  # marked as deletions under way: maintenance finishes a failure
             self._store.delete(key)
-            self._catalog.forget_upload(key)
+            self._catalog.ledger.forget_upload(key)
         tombstones = [info.key for info in self._store.list(f"{TOMBSTONE_PREFIX}{name}/")]
         for key in tombstones:
             self._store.delete(key)
@@ -470,7 +472,11 @@ class Engine:
                     f"({write.source} routes) appears twice in one put"
                 )
             seen.add(key)
-        known = self._catalog.lookup(namespace, {w.trajectory_id for w in writes}) if writes else {}
+        known = (
+            self._catalog.segments.lookup(namespace, {w.trajectory_id for w in writes})
+            if writes
+            else {}
+        )
         stored = known_segments(known)
         engines = engine_segments(stored, writes)
         writes = [inherit(w, engines) for w in writes]
@@ -618,7 +624,7 @@ class Engine:
     ) -> dict[str, list[TrajectoryEntry]]:
         """The segments of the source each found id is served from."""
         served = {}
-        for tid, segments in self._catalog.lookup(namespace, ids).items():
+        for tid, segments in self._catalog.segments.lookup(namespace, ids).items():
             chosen = choose_source(segments, wanted)
             if chosen is not None:
                 served[tid] = chosen[1]
@@ -654,14 +660,14 @@ class Engine:
         info = self.namespace(namespace)
         limit = info.settings.max_times_sampled
         floor = staleness_floor(info.policy_version, info.settings)
-        rows = self._catalog.sampling_candidates(namespace, floor, limit)
+        rows = self._catalog.segments.sampling_candidates(namespace, floor, limit)
         candidates = [Candidate(tid, group, created) for tid, group, created in rows]
         chosen = choose(candidates, n, strategy, whole_groups, random.Random(seed))
         wanted = info.settings.read_sources
         if admit is not None:
             found = self._served(namespace, chosen, wanted)
             admit([s for segments in found.values() for s in segments])
-        taken = self._catalog.mark_sampled(namespace, chosen, limit)
+        taken = self._catalog.segments.mark_sampled(namespace, chosen, limit)
         reads = self._read(lambda: self._served(namespace, taken, wanted), info.spec, decode)
         missed = [tid for tid in taken if tid not in reads]  # none of `read_sources` held
         return Batch(taken, [reads.get(tid) for tid in taken], missed, [])

@@ -147,13 +147,13 @@ class Maintenance:
     def run(self, progress: Callable[[int, int], None] | None = None) -> MaintenanceReport:
         """One pass; `progress(done, total)` is called per shard considered."""
         report = MaintenanceReport()
-        for info in self.catalog.list_namespaces():
+        for info in self.catalog.namespaces.all():
             report.trajectories_dropped += self.apply_retention(info.name)
         self.compact(report, progress)
         self.settle(report, progress)
         self.collect(report)
         binding.advance(self.store, self.catalog)  # a backup older than this pass is stale
-        for usage in self.catalog.shard_usage():
+        for usage in self.catalog.shards.usage():
             report.live_bytes += usage.live_bytes
             report.dead_bytes += usage.route_bytes - usage.live_bytes
         for name in (
@@ -175,19 +175,19 @@ class Maintenance:
         return report
 
     def _victims(self, namespace: str) -> list[str]:
-        info = self.catalog.namespace(namespace)
+        info = self.catalog.namespaces.get(namespace)
         retention = info.settings.retention
         floor = None
         if retention.keep_versions is not None:
             # the last keep_versions versions, and the last keep_versions that hold routes:
             # moving the policy version alone (a bad jump) drops nothing that the versions
             # with routes keep
-            held = self.catalog.newest_version(namespace, retention.keep_versions)
+            held = self.catalog.segments.newest_version(namespace, retention.keep_versions)
             if held is not None:
                 floor = min(info.policy_version - retention.keep_versions + 1, held)
         cutoff = None if retention.ttl_seconds is None else self.clock() - retention.ttl_seconds
         sampled = info.settings.max_times_sampled if retention.evict_after_sampled else None
-        return self.catalog.retention_victims(namespace, floor, cutoff, sampled)
+        return self.catalog.segments.retention_victims(namespace, floor, cutoff, sampled)
 
     def apply_retention(self, namespace: str) -> int:
         victims = self._victims(namespace)
@@ -195,7 +195,9 @@ class Maintenance:
             # the store first: a catalog rebuild must not bring these back from shards
             # that still hold them
             entries = [
-                e for group in self.catalog.lookup(namespace, victims).values() for e in group
+                e
+                for group in self.catalog.segments.lookup(namespace, victims).values()
+                for e in group
             ]
             record = json.dumps(
                 {
@@ -209,7 +211,7 @@ class Maintenance:
             # moved into a new shard meanwhile is dropped by the next pass, with a
             # tombstone naming that shard
             named = sorted({e.shard_key for e in entries})
-            self.catalog.delete_trajectories(namespace, victims, named)
+            self.catalog.segments.delete(namespace, victims, named)
             log.info("retention dropped %d trajectories from %s", len(victims), namespace)
         return len(victims)
 
@@ -217,13 +219,13 @@ class Maintenance:
         self, report: MaintenanceReport, progress: Callable[[int, int], None] | None = None
     ) -> None:
         now = self.clock()
-        usages = self.catalog.shard_usage()
+        usages = self.catalog.shards.usage()
         for done, usage in enumerate(usages, start=1):
             if progress is not None:
                 progress(done, len(usages))
             todo = self._compaction(usage)
             if todo == RETIRE:
-                if self.catalog.retire_empty(usage.key, now):
+                if self.catalog.shards.retire_empty(usage.key, now):
                     report.shards_retired += 1
             elif todo == COMPACT:
                 try:
@@ -242,11 +244,11 @@ class Maintenance:
     def _rewrite(self, key: str, namespace: str, now: float) -> None:
         new_key = self._plan(namespace)
         try:
-            entries = self.catalog.entries_in(key)
+            entries = self.catalog.segments.entries_in(key)
             data = self.store.get(key) if entries else b""
             read = _reader(memoryview(data))
             rows = [row_of(e, e.spans.streams(read, e.digest)) for e in entries]
-            at_rest = self.catalog.shard(key).rest_level
+            at_rest = self.catalog.shards.get(key).rest_level
         except BaseException:
             self._abandon(new_key)
             raise
@@ -261,7 +263,7 @@ class Maintenance:
         read: tombstones of the namespace are kept while it is pending."""
         now = self.clock()
         key = shard_key(namespace, now)
-        self.catalog.plan_upload(key, namespace, MAINTENANCE, now)
+        self.catalog.ledger.plan_upload(key, namespace, MAINTENANCE, now)
         return key
 
     def _abandon(self, key: str) -> None:
@@ -269,7 +271,7 @@ class Maintenance:
         plan; left to collection when the store cannot say."""
         try:
             self.store.delete(key)
-            self.catalog.forget_upload(key)
+            self.catalog.ledger.forget_upload(key)
         except R3StoreError as exc:
             log.warning("could not remove the abandoned upload %s (collected later): %s", key, exc)
 
@@ -305,7 +307,7 @@ class Maintenance:
             for new, e in zip(fresh, entries, strict=True)
         ]
         try:
-            self.catalog.replace_shards(old, shard, moved, now)
+            self.catalog.shards.replace(old, shard, moved, now)
         except Conflict:
             self._abandon(key)
             raise
@@ -330,7 +332,7 @@ class Maintenance:
         cutoff = self.clock() - self.cold_seconds
         small = self.rest_shard_bytes // 4
         by_namespace: dict[str, list[ShardUsage]] = defaultdict(list)
-        for usage in self.catalog.shard_usage():
+        for usage in self.catalog.shards.usage():
             cold = usage.live_rows and usage.created_at < cutoff
             if cold and (usage.rest_level is None or usage.live_bytes < small):
                 by_namespace[usage.namespace].append(usage)
@@ -374,7 +376,7 @@ class Maintenance:
         fresh: list[int] = []  # rows as ingest wrote them; those at rest are copied
         for usage in batch:
             data = memoryview(self.store.get(usage.key))
-            held = self.catalog.entries_in(usage.key)
+            held = self.catalog.segments.entries_in(usage.key)
             streams = [e.spans.streams(_reader(data), e.digest) for e in held]
             if usage.rest_level is None:
                 fresh += [len(stored) + i for i, s in enumerate(streams) if codec.self_contained(s)]
@@ -415,15 +417,17 @@ class Maintenance:
         `cold` (stored first), else the newest of an earlier version, else none."""
         # each dictionary used is held in the catalog first (and again when the rows
         # commit): one being collected meanwhile is not used
-        found = self.catalog.dictionary_for(namespace, version)
-        held = found is not None and self.catalog.hold_dictionary(namespace, found[0], self.clock())
+        found = self.catalog.segments.dictionary_for(namespace, version)
+        held = found is not None and self.catalog.ledger.hold_dictionary(
+            namespace, found[0], self.clock()
+        )
         if found is not None and held and found[1] == version:
             return self._dictionaries.get(namespace, found[0])
         trained = rest.train(rest.samples(spec, cold))
         # recorded before it is stored; one being deleted right now (the same bytes
         # trained before) is not used
         now = self.clock()
-        if trained is not None and self.catalog.record_dictionary(
+        if trained is not None and self.catalog.ledger.record_dictionary(
             namespace, trained.digest, version, now
         ):
             with contextlib.suppress(ObjectExists):  # named by content: the same bytes
@@ -456,7 +460,7 @@ class Maintenance:
             level = logging.WARNING if deletion.kind == ORPHAN else logging.INFO
             log.log(level, "deleted %s: %s", deletion.key, deletion.why)
         for plan in found.stale_plans:  # planned, never uploaded: nothing to delete
-            self.catalog.forget_upload(plan)
+            self.catalog.ledger.forget_upload(plan)
         report.unknown_objects += len(found.unknown)
         if found.unknown:
             log.warning(
@@ -474,19 +478,19 @@ class Maintenance:
         to the next pass, never unknown."""
         cutoff = self.clock() - self.orphan_seconds
         if deletion.kind == ORPHAN:
-            return self.catalog.claim_orphan(deletion.key, cutoff)
+            return self.catalog.ledger.claim_orphan(deletion.key, cutoff)
         if deletion.kind == DICTIONARY:
             namespace, digest = deletion.dictionary
-            return self.catalog.start_dropping_dictionary(namespace, digest, cutoff)
+            return self.catalog.ledger.start_dropping_dictionary(namespace, digest, cutoff)
         return True
 
     def _forget(self, deletion: Deletion) -> None:
         if deletion.kind == RETIRED:
-            self.catalog.forget_shard(deletion.key)
+            self.catalog.shards.forget(deletion.key)
         elif deletion.kind in (ORPHAN, DELETING):
-            self.catalog.forget_upload(deletion.key)
+            self.catalog.ledger.forget_upload(deletion.key)
         elif deletion.kind == DICTIONARY:
-            self.catalog.forget_dictionary(*deletion.dictionary)
+            self.catalog.ledger.forget_dictionary(*deletion.dictionary)
 
     def collectible(self) -> Collectible:
         """What collection would delete now, and why; changes nothing (`r3store maintain
@@ -496,10 +500,10 @@ class Maintenance:
         found = Collectible(behind=binding.behind(self.store, self.catalog))
         if found.behind is not None:
             return found
-        for key in self.catalog.retired_before(cutoff):
+        for key in self.catalog.shards.retired_before(cutoff):
             found.deletions.append(Deletion(key, RETIRED, "retired for over the grace"))
-        known = self.catalog.shard_keys()
-        pending = {p.key: p for p in self.catalog.pending_uploads()}
+        known = self.catalog.shards.all_keys()
+        pending = {p.key: p for p in self.catalog.ledger.pending_uploads()}
         for under_way in pending.values():  # deletions begun (a namespace's, a crash's)
             if under_way.kind == ledger.DELETING:
                 why = "its deletion was under way"
@@ -521,12 +525,12 @@ class Maintenance:
             for p in pending.values()
             if p.key not in listed and p.planned_at < orphaned and p.kind != ledger.DELETING
         ]
-        for namespace, digest in self.catalog.unused_dictionaries(orphaned):
+        for namespace, digest in self.catalog.ledger.unused_dictionaries(orphaned):
             key = dictionary_key(namespace, digest)
             found.deletions.append(
                 Deletion(key, DICTIONARY, "a dictionary no row names", (namespace, digest))
             )
-        recorded = self.catalog.dictionary_keys()
+        recorded = self.catalog.ledger.dictionary_keys()
         found.unknown += [
             info.key
             for info in self.store.list(DICTIONARY_PREFIX)
@@ -552,11 +556,11 @@ class Maintenance:
         shards compaction and rest would rewrite, objects collection would delete. A
         real pass may do more (shards retention empties are collected a grace later)."""
         preview = MaintenancePreview()
-        for info in self.catalog.list_namespaces():
+        for info in self.catalog.namespaces.all():
             victims = self._victims(info.name)
             if victims:
                 preview.retention[info.name] = victims
-        for usage in self.catalog.shard_usage():
+        for usage in self.catalog.shards.usage():
             todo = self._compaction(usage)
             if todo == RETIRE:
                 preview.retire.append(usage.key)

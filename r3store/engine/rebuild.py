@@ -264,7 +264,7 @@ def rebuild_catalog(
 
     found = [parse_dictionary_key(info.key) for info in store.list(DICTIONARY_PREFIX)]
     dictionaries = [d for d in found if d is not None]
-    catalog.replace_all(list(spaces.values()), contents(), dictionaries)
+    catalog.shards.replace_all(list(spaces.values()), contents(), dictionaries)
     report.namespaces = len(spaces)
     report.shards = len(loaded)
     return report

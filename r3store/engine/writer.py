@@ -389,18 +389,18 @@ class GroupCommitter:
                 namespace, spec, to_write, self.config.row_group_bytes, created=self._clock()
             )
             # planned first: an upload the catalog never hears of is never collected
-            self._catalog.plan_upload(built.key, namespace, INGEST, self._clock())
+            self._catalog.ledger.plan_upload(built.key, namespace, INGEST, self._clock())
             self._store.put_if_absent(built.key, built.data)
             shard, entries = shard_records(namespace, built, to_write)
             try:
                 loads = load_records(namespace, built.key, to_write)
-                self._catalog.commit_shard(shard, entries, loads)
+                self._catalog.shards.commit(shard, entries, loads)
             except Conflict:
                 # another replica committed some of these ids first: the shard is an
                 # orphan nobody points at; settle every unit again, each on its own
                 with contextlib.suppress(R3StoreError):
                     self._store.delete(built.key)
-                    self._catalog.forget_upload(built.key)
+                    self._catalog.ledger.forget_upload(built.key)
                 accepted = self._settle([unit for unit, _rows, _results in accepted])
                 continue
             if self._on_shard is not None:
@@ -422,7 +422,7 @@ class GroupCommitter:
         conflict or a bad append fails alone; the others keep their fresh rows."""
         namespace = units[0].namespace
         ids = [row.trajectory_id for unit in units for row in unit.rows]
-        known = known_segments(self._catalog.lookup(namespace, ids))
+        known = known_segments(self._catalog.segments.lookup(namespace, ids))
         accepted = []
         for unit in units:
             try:

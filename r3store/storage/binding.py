@@ -65,9 +65,9 @@ def _generation(record: dict[str, Any]) -> int:
 def behind(store: ObjectStore, catalog: Catalog) -> str | None:
     """Why `catalog` is older than its store (a backup restored), or None."""
     record = read_identity(store)
-    if record is None or record["catalog"] != catalog.identity():
+    if record is None or record["catalog"] != catalog.ledger.identity():
         return None
-    mine, stored = catalog.generation(), _generation(record)
+    mine, stored = catalog.ledger.generation(), _generation(record)
     if mine >= stored:
         return None
     return (
@@ -92,7 +92,7 @@ def bind(
     where = where or "this catalog"
     store.ping()  # a missing bucket is said so, not taken for an empty store
     stored = read_identity(store)
-    mine = catalog.identity()
+    mine = catalog.ledger.identity()
     if stored is not None and mine is not None:
         if stored["catalog"] != mine:
             raise InvalidConfig(
@@ -106,13 +106,13 @@ def bind(
             raise InvalidConfig(f"{where}: {why}")
         return mine
     if stored is not None:
-        state = "empty" if catalog.is_empty() else "another catalog's (it has no identity)"
+        state = "empty" if catalog.ledger.is_empty() else "another catalog's (it has no identity)"
         raise InvalidConfig(
             f"{store.description} belongs to catalog {stored['catalog']}{_made(stored)}, "
             f"but {where} is {state}: point R3STORE_CATALOG_URL at the catalog that wrote "
             f"this store, or {REBUILD_HINT}"
         )
-    if catalog.is_empty() and mine is None:
+    if catalog.ledger.is_empty() and mine is None:
         if any(True for _ in store.list()):
             raise InvalidConfig(
                 f"{store.description} holds objects but no identity, and {where} is empty: "
@@ -127,12 +127,12 @@ def bind(
         _check_shared_shards(store, catalog, where)
     # the catalog first: processes racing on one catalog agree on its id (the first
     # recorded wins), then on the store's, which is written create-only
-    chosen = mine if mine is not None else catalog.bind_identity(uuid.uuid4().hex)
+    chosen = mine if mine is not None else catalog.ledger.bind_identity(uuid.uuid4().hex)
     return _write(store, catalog, chosen, clock)
 
 
 def _check_shared_shards(store: ObjectStore, catalog: Catalog, where: str) -> None:
-    known = catalog.shard_keys()
+    known = catalog.shards.all_keys()
     present = {info.key for info in store.list(SHARD_PREFIX)}
     if (known and not known & present) or (not known and present):
         raise InvalidConfig(
@@ -146,10 +146,12 @@ def adopt(store: ObjectStore, catalog: Catalog, clock: Callable[[], float] = tim
     store), or a new identity written to both when the store has none."""
     stored = read_identity(store)
     if stored is None:
-        return _write(store, catalog, catalog.bind_identity(uuid.uuid4().hex, replace=True), clock)
-    catalog.bind_identity(stored["catalog"], replace=True)
-    mine = catalog.generation()
-    while mine < _generation(stored) and catalog.advance_generation(mine):
+        return _write(
+            store, catalog, catalog.ledger.bind_identity(uuid.uuid4().hex, replace=True), clock
+        )
+    catalog.ledger.bind_identity(stored["catalog"], replace=True)
+    mine = catalog.ledger.generation()
+    while mine < _generation(stored) and catalog.ledger.advance_generation(mine):
         mine += 1
     return str(stored["catalog"])
 
@@ -159,10 +161,10 @@ def advance(store: ObjectStore, catalog: Catalog, clock: Callable[[], float] = t
     store (maintenance, at the end of each pass). Nothing for an unbound store, or one
     whose catalog is behind it."""
     record = read_identity(store)
-    if record is None or record["catalog"] != catalog.identity():
+    if record is None or record["catalog"] != catalog.ledger.identity():
         return
-    seen = catalog.generation()
-    if seen < _generation(record) or not catalog.advance_generation(seen):
+    seen = catalog.ledger.generation()
+    if seen < _generation(record) or not catalog.ledger.advance_generation(seen):
         return  # behind (said by `behind`), or another pass counted first
     record = {**record, "generation": seen + 1, "advanced_at": clock()}
     store.put(IDENTITY_KEY, json.dumps(record).encode())

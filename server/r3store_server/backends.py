@@ -8,12 +8,13 @@ import fcntl
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy.engine import make_url
 
 from r3store.engine import Engine, EngineConfig
 from r3store.errors import InvalidConfig
-from r3store.storage.catalog import Catalog
+from r3store.storage.catalog import Catalog, plan_at, upgrade_at
 from r3store.storage.store import LocalStore, ObjectStore, S3Config, S3Store
 from r3store_server.settings import Settings
 
@@ -53,6 +54,22 @@ def build_engine(settings: Settings) -> Engine:
     except BaseException:
         catalog.close()
         raise
+
+
+def migrate_catalog(settings: Settings, dry_run: bool) -> dict[str, Any]:
+    """The catalog's schema brought to the newest revision this code knows, or with
+    `dry_run` what that would do (`r3store migrate`); a catalog newer than the code is
+    refused (`InvalidConfig`)."""
+    url, timeout = settings.resolved_catalog_url(), settings.catalog_timeout
+    found = plan_at(url, timeout) if dry_run else upgrade_at(url, timeout)
+    return {
+        "catalog": settings.catalog_description(),
+        "current": found.current,
+        "target": found.head,
+        "action": found.action,
+        "plan": found.describe(),
+        "dry_run": dry_run,
+    }
 
 
 def open_engine(settings: Settings, create: bool) -> Engine:

@@ -15,6 +15,7 @@ new, empty embedded store unless asked (`--init`).
     r3store keys create trainer --role trainer --namespace run1   # shows the key once
     r3store keys revoke trainer
     r3store rebuild --yes       # the catalog again, from the object store alone
+    r3store migrate [--dry-run] # the catalog's schema to this version's
 
 Every command takes `--json` for scripts. Long operations show progress on stderr when
 it is a terminal.
@@ -50,7 +51,7 @@ from r3store.policy import (
 )
 from r3store.spec import RouteSpec
 from r3store_server.auth import digest
-from r3store_server.backends import bound, build_engine, sqlite_path
+from r3store_server.backends import bound, build_engine, migrate_catalog, sqlite_path
 from r3store_server.settings import Settings, load_settings, unknown_variables
 
 CLEAR = "none"
@@ -583,7 +584,28 @@ def parser() -> argparse.ArgumentParser:
         "rebuild", parents=[common], help="rebuild the catalog from the object store"
     )
     rebuild.add_argument("--yes", action="store_true", help="really replace the catalog")
+
+    migrate = sub.add_parser(
+        "migrate",
+        parents=[common],
+        help="upgrade the catalog's schema to this version's (servers do it when they open it)",
+    )
+    migrate.add_argument(
+        "--dry-run", action="store_true", help="print the current and target revision only"
+    )
     return p
+
+
+def migrate(settings: Settings, dry_run: bool) -> dict[str, Any]:
+    """`r3store migrate`: the catalog's schema revision and the newest, and the upgrade
+    (none with `--dry-run`). Needs no store; refuses to make a new SQLite catalog."""
+    catalog_file = sqlite_path(settings)
+    if catalog_file is not None and not catalog_file.exists():
+        raise InvalidConfig(
+            f"no catalog at {catalog_file} (R3STORE_CATALOG_URL, or R3STORE_DATA_DIR): point "
+            "the settings at the server's catalog"
+        )
+    return migrate_catalog(settings, dry_run)
 
 
 def open_engine(settings: Settings, init: bool, bind: bool = True) -> Engine:
@@ -638,6 +660,8 @@ def maintain(engine: Engine, args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace, settings: Settings) -> Any:
+    if args.command == "migrate":
+        return migrate(settings, args.dry_run)
     if args.command == "rebuild" and not args.yes:
         raise SystemExit("rebuild replaces the catalog's content: pass --yes")
     engine = open_engine(settings, args.init, bind=args.command != "rebuild")

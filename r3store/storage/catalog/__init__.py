@@ -1,7 +1,13 @@
-"""The catalog: what the store holds, in SQLite or PostgreSQL (`database`: `Catalog`),
-with the ledger of what it owns in the store (`ledger`) and its statistics tables
-(`stats`)."""
+"""The catalog: what the store holds, in SQLite or PostgreSQL.
 
-from r3store.storage.catalog.database import Catalog, metadata
+`Catalog` (`catalog`) holds the `Database` (`database`: connections, the error
+boundary, rows) and the repositories: `namespaces`, `segments`, `shards`, `keys`,
+`stats`, `ledger`. The tables are in `tables`; their versions, Alembic revisions, in
+`migrations`, applied by `migrate`.
+"""
 
-__all__ = ["Catalog", "metadata"]
+from r3store.storage.catalog.catalog import Catalog
+from r3store.storage.catalog.migrate import Plan, head, plan_at, upgrade_at
+from r3store.storage.catalog.tables import metadata
+
+__all__ = ["Catalog", "Plan", "head", "metadata", "plan_at", "upgrade_at"]

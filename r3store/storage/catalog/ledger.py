@@ -1,6 +1,7 @@
-"""The catalog's ledger of what it owns in the object store, on SQLAlchemy Core.
-`r3store.storage.catalog` creates these tables and calls these functions in its own transactions
-(with its `trajectories` table where a dictionary's use is checked).
+"""The catalog's ledger of what it owns in the object store: `Ledger`, the repository
+(`catalog.ledger`), over functions that take a connection, which the other repositories
+call in their own transactions (a commit unplans its upload and holds its dictionaries).
+The tables (`r3store.storage.catalog.tables`):
 
 - `catalog_meta`: the catalog's identity (`catalog_id`), the same one the store's
   identity object holds (`r3store.storage.binding`): a catalog works on one store prefix only;
@@ -30,37 +31,21 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
-metadata = sa.MetaData()
+from r3store.storage.catalog.database import Database
+from r3store.storage.catalog.tables import (
+    catalog_meta,
+    dictionaries,
+    namespaces,
+    shards,
+    trajectories,
+    uploads,
+)
+from r3store.storage.keys import dictionary_key
 
 INGEST = "ingest"
 MAINTENANCE = "maintenance"
 DELETING = "deleting"
 DROPPING = -1.0  # a dictionary's `used_at` while collection deletes it
-
-catalog_meta = sa.Table(
-    "catalog_meta",
-    metadata,
-    sa.Column("key", sa.String(64), primary_key=True),
-    sa.Column("value", sa.Text, nullable=False),
-)
-
-uploads = sa.Table(
-    "uploads",
-    metadata,
-    sa.Column("key", sa.String(512), primary_key=True),
-    sa.Column("namespace", sa.String(128), nullable=False, index=True),
-    sa.Column("kind", sa.String(16), nullable=False),
-    sa.Column("planned_at", sa.Float, nullable=False),
-)
-
-dictionaries = sa.Table(
-    "dictionaries",
-    metadata,
-    sa.Column("namespace", sa.String(128), primary_key=True),
-    sa.Column("digest", sa.LargeBinary(16), primary_key=True),
-    sa.Column("policy_version", sa.BigInteger, nullable=False),
-    sa.Column("used_at", sa.Float, nullable=False),
-)
 
 IDENTITY = "catalog_id"
 GENERATION = "generation"
@@ -189,22 +174,20 @@ def record(conn: Connection, namespace: str, digest: bytes, version: int, now: f
     return True
 
 
-def _named(trajectories: sa.Table) -> sa.Exists:
+def _named() -> sa.Exists:
     t, d = trajectories, dictionaries
     return sa.exists().where(t.c.namespace == d.c.namespace, t.c.dictionary == d.c.digest)
 
 
-def unused(conn: Connection, trajectories: sa.Table, cutoff: float) -> list[tuple[str, bytes]]:
+def unused(conn: Connection, cutoff: float) -> list[tuple[str, bytes]]:
     """(namespace, digest) of dictionaries no row names, not held since `cutoff` (or
     already being deleted)."""
     d = dictionaries
-    query = sa.select(d.c.namespace, d.c.digest).where(d.c.used_at < cutoff, ~_named(trajectories))
+    query = sa.select(d.c.namespace, d.c.digest).where(d.c.used_at < cutoff, ~_named())
     return [(r.namespace, r.digest) for r in conn.execute(query)]
 
 
-def start_drop(
-    conn: Connection, trajectories: sa.Table, namespace: str, digest: bytes, cutoff: float
-) -> bool:
+def start_drop(conn: Connection, namespace: str, digest: bytes, cutoff: float) -> bool:
     """Mark a dictionary as being deleted if still unused and not held since `cutoff`,
     checked in the one statement that marks it; True when marked: its object may go."""
     d = dictionaries
@@ -214,7 +197,7 @@ def start_drop(
             d.c.namespace == namespace,
             d.c.digest == digest,
             d.c.used_at < cutoff,
-            ~_named(trajectories),
+            ~_named(),
         )
         .values(used_at=DROPPING)
     )
@@ -235,7 +218,7 @@ def keys_of(conn: Connection, namespace: str | None = None) -> list[tuple[str, b
     return [(r.namespace, r.digest) for r in conn.execute(query)]
 
 
-def record_in_use(conn: Connection, trajectories: sa.Table, now: float) -> None:
+def record_in_use(conn: Connection, now: float) -> None:
     """Record every dictionary a row names (a catalog made before the ledger, rebuilt,
     or written by an older server meanwhile), with the oldest policy version naming it."""
     t = trajectories
@@ -258,3 +241,107 @@ def delete_all(conn: Connection) -> None:
     again)."""
     conn.execute(uploads.delete())
     conn.execute(dictionaries.delete())
+
+
+class Ledger:
+    """What the catalog owns in the store: its identity and generation, the uploads it
+    planned, the dictionaries it holds (`catalog.ledger`)."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    # identity and generation
+
+    def identity(self) -> str | None:
+        """The id this catalog is bound to its store with, or None when unbound."""
+        with self._db.connect() as conn:
+            return value(conn, IDENTITY)
+
+    def bind_identity(self, catalog_id: str, replace: bool = False) -> str:
+        """Record `catalog_id` as this catalog's identity unless it has one (another
+        process's, recorded first, wins; `replace`: even then); returns the identity it
+        has now."""
+        with self._db.begin() as conn:
+            if replace:
+                set_value(conn, IDENTITY, catalog_id)
+                return catalog_id
+            insert_value(conn, IDENTITY, catalog_id)
+        found = self.identity()
+        assert found is not None
+        return found
+
+    def generation(self) -> int:
+        """How many maintenance passes counted up this catalog's generation."""
+        with self._db.connect() as conn:
+            return int(value(conn, GENERATION) or 0)
+
+    def advance_generation(self, seen: int) -> bool:
+        """Count the generation up from `seen`; False when another pass did first."""
+        with self._db.begin() as conn:
+            return advance_generation(conn, seen)
+
+    def is_empty(self) -> bool:
+        """No namespace and no shard: a catalog nothing was ever written through."""
+        with self._db.connect() as conn:
+            for table in (namespaces, shards):
+                if conn.execute(sa.select(sa.func.count()).select_from(table)).scalar_one():
+                    return False
+        return True
+
+    # uploads
+
+    def plan_upload(self, key: str, namespace: str, kind: str, now: float) -> None:
+        """Record an upload before its object is written: only a planned upload that
+        was never committed is an orphan this catalog may delete."""
+        with self._db.begin() as conn:
+            plan(conn, key, namespace, kind, now)
+
+    def claim_orphan(self, key: str, cutoff: float) -> bool:
+        """Take an upload planned before `cutoff` and never committed for deletion; a
+        commit of it after this fails, so collection and a late commit never both win."""
+        with self._db.begin() as conn:
+            return claim_orphan(conn, key, cutoff)
+
+    def forget_upload(self, key: str) -> None:
+        """An upload abandoned, or an object deleted: off the ledger."""
+        with self._db.begin() as conn:
+            forget(conn, key)
+
+    def pending_uploads(self, namespace: str | None = None) -> list[PlannedUpload]:
+        with self._db.connect() as conn:
+            return pending(conn, namespace)
+
+    # dictionaries
+
+    def dictionary_keys(self) -> set[str]:
+        """The keys of every dictionary this catalog recorded."""
+        with self._db.connect() as conn:
+            return {dictionary_key(ns, digest) for ns, digest in keys_of(conn)}
+
+    def record_dictionary(self, namespace: str, digest: bytes, version: int, now: float) -> bool:
+        """A dictionary about to be stored: recorded (and held) before its object is;
+        False when it is being deleted: do not use it."""
+        with self._db.begin() as conn:
+            return record(conn, namespace, digest, version, now)
+
+    def hold_dictionary(self, namespace: str, digest: bytes, now: float) -> bool:
+        """Hold a dictionary a pass is about to encode with; False when it is being (or
+        was) collected: do not use it."""
+        with self._db.begin() as conn:
+            return hold(conn, namespace, {digest}, now)
+
+    def unused_dictionaries(self, cutoff: float) -> list[tuple[str, bytes]]:
+        """(namespace, digest) of recorded dictionaries no row names, last held before
+        `cutoff` (or being deleted)."""
+        with self._db.connect() as conn:
+            return unused(conn, cutoff)
+
+    def start_dropping_dictionary(self, namespace: str, digest: bytes, cutoff: float) -> bool:
+        """Mark a dictionary as being deleted if still unused and not held since
+        `cutoff`; True when marked: its object may go, then `forget_dictionary`."""
+        with self._db.begin() as conn:
+            return start_drop(conn, namespace, digest, cutoff)
+
+    def forget_dictionary(self, namespace: str, digest: bytes) -> None:
+        with self._db.begin() as conn:
+            end_drop(conn, namespace, digest)

@@ -1,6 +1,7 @@
-"""The catalog's statistics tables, on SQLAlchemy Core: expert load by commit and
-agreement by trajectory. `r3store.storage.catalog` creates them and writes them in its own
-transactions; the functions here take its connection.
+"""The catalog's statistics: expert load by commit and agreement by trajectory.
+`Stats` is the repository (`catalog.stats`); the functions here take a connection, so
+that a shard's commit records its load in the same transaction. The tables
+(`r3store.storage.catalog.tables`):
 
 - `expert_load`: one row per (shard committed, policy version, source): the `[L, E]`
   expert counts and token count of the segments that commit stored. Rows are history:
@@ -21,35 +22,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from r3store.logic import stats
-from r3store.policy import Source
-
-metadata = sa.MetaData()
-
-expert_load = sa.Table(
-    "expert_load",
-    metadata,
-    sa.Column("namespace", sa.String(128), primary_key=True),
-    sa.Column("shard_key", sa.String(512), primary_key=True),
-    sa.Column("policy_version", sa.BigInteger, primary_key=True),
-    sa.Column("source", sa.String(16), primary_key=True),
-    sa.Column("tokens", sa.BigInteger, nullable=False),
-    sa.Column("counts", sa.LargeBinary, nullable=False),  # [L, E]
-)
-
-route_agreement = sa.Table(
-    "route_agreement",
-    metadata,
-    sa.Column("namespace", sa.String(128), primary_key=True),
-    sa.Column("trajectory_id", sa.String(256), primary_key=True),
-    sa.Column("start", sa.BigInteger, primary_key=True),
-    sa.Column("source_a", sa.String(16), primary_key=True),
-    sa.Column("source_b", sa.String(16), primary_key=True),
-    sa.Column("policy_version", sa.BigInteger, nullable=False),
-    sa.Column("tokens", sa.BigInteger, nullable=False),
-    sa.Column("matches", sa.LargeBinary, nullable=False),  # [L]
-    sa.Column("slots", sa.LargeBinary, nullable=False),  # [L]
-    sa.Index("ix_agreement_version", "namespace", "source_a", "source_b", "policy_version"),
-)
+from r3store.policy import ENGINE, Source
+from r3store.storage.catalog.database import Database
+from r3store.storage.catalog.tables import expert_load, route_agreement, trajectories
 
 
 @dataclass(frozen=True)
@@ -210,3 +185,42 @@ def delete_namespace(conn: Connection, namespace: str) -> None:
 def delete_all(conn: Connection) -> None:
     conn.execute(expert_load.delete())
     conn.execute(route_agreement.delete())
+
+
+class Stats:
+    """Expert load and agreement between sources (`catalog.stats`)."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    def expert_loads(
+        self, namespace: str, source: Source, shape: tuple[int, int], newest: int | None = None
+    ) -> dict[int, tuple[int, stats.Counts]]:
+        with self._db.connect() as conn:
+            return loads(conn, namespace, source, shape, newest)
+
+    def add_agreements(self, records: Sequence[AgreementRecord]) -> None:
+        with self._db.begin() as conn:
+            upsert_agreements(conn, records)
+
+    def agreements(
+        self,
+        namespace: str,
+        pair: tuple[Source, Source],
+        num_layers: int,
+        newest: int | None = None,
+    ) -> dict[int, tuple[int, int, stats.Overlap]]:
+        with self._db.connect() as conn:
+            return agreements(conn, namespace, pair, num_layers, newest)
+
+    def annotated_ids(self, namespace: str) -> list[str]:
+        """Trajectories holding routes of a source other than engine."""
+        t = trajectories
+        query = (
+            sa.select(t.c.trajectory_id)
+            .where(t.c.namespace == namespace, t.c.source != ENGINE)
+            .distinct()
+            .order_by(t.c.trajectory_id)
+        )
+        with self._db.connect() as conn:
+            return list(conn.execute(query).scalars())
