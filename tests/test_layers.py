@@ -41,3 +41,21 @@ def loaded(code: str) -> set[str]:
 )
 def test_imports_load_only_what_they_need(code: str, allowed: set[str]) -> None:
     assert loaded(code) <= allowed
+
+
+def test_every_package_is_installed() -> None:
+    """A wheel holds the packages pyproject lists, not those it finds: each folder with an
+    `__init__.py` must be listed, or a non-editable install (the Docker image) lacks it."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    listed = set(
+        tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        ".".join(init.parent.relative_to(root).parts)
+        for init in (root / "r3store").rglob("__init__.py")
+    }
+    found |= {"r3store_server", "r3store_client"}
+    assert found == listed
