@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import random
 import struct
 import threading
@@ -75,6 +74,7 @@ from r3store.spec import RouteSpec
 from r3store.storage import binding
 from r3store.storage.catalog import Catalog
 from r3store.storage.keys import TOMBSTONE_PREFIX, dictionary_key, namespace_key
+from r3store.storage.manifest import manifest, parse_manifest
 from r3store.storage.shard import ShardRow
 from r3store.storage.store.base import ObjectStore
 
@@ -122,19 +122,6 @@ def _salt(write: TrajectoryWrite) -> bytes:
     )
     tail = b"" if write.source == ENGINE else write.source.encode()
     return head + hashlib.sha256(group).digest() + tail
-
-
-def manifest(info: NamespaceInfo) -> bytes:
-    """The namespace's record in the object store (what a catalog rebuild reads)."""
-    return json.dumps(
-        {
-            "name": info.name,
-            "spec": json.loads(info.spec.to_json()),
-            "settings": info.settings.model_dump(mode="json"),
-            "policy_version": info.policy_version,
-            "created_at": info.created_at,
-        }
-    ).encode()
 
 
 def _same_namespace(
@@ -323,10 +310,10 @@ class Engine:
         try:
             self._store.put_if_absent(namespace_key(name), manifest(info))
         except ObjectExists:  # made elsewhere just now, or a catalog that lost it
-            stored = json.loads(self._store.get(namespace_key(name)))
-            if RouteSpec(**stored["spec"]) != spec:
+            stored = parse_manifest(self._store.get(namespace_key(name)))
+            if stored.spec != spec:
                 raise Conflict(f"namespace {name!r} exists with another route spec") from None
-            info = dataclasses.replace(info, created_at=float(stored["created_at"]))
+            info = dataclasses.replace(info, created_at=stored.created_at)
             had_manifest = True
         made, created = self._catalog.namespaces.create(name, spec, settings, info.created_at)
         if not created:

@@ -40,9 +40,7 @@ for tests.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import logging
 import time
 from collections import defaultdict
@@ -52,7 +50,7 @@ from dataclasses import dataclass, field
 from r3store.catalog_types import ShardUsage, TrajectoryEntry
 from r3store.engine.reader import DictionaryCache
 from r3store.engine.writer import route_bytes, row_of, shard_records
-from r3store.errors import Conflict, ObjectExists, ObjectNotFound, R3StoreError
+from r3store.errors import Conflict, R3StoreError
 from r3store.logic import codec, rest
 from r3store.logic.codec import Dictionary, EncodedRoutes
 from r3store.logic.spans import Span
@@ -60,6 +58,7 @@ from r3store.spec import RouteSpec
 from r3store.storage import binding
 from r3store.storage.catalog import Catalog, ledger
 from r3store.storage.catalog.ledger import MAINTENANCE
+from r3store.storage.dictionary import write_dictionary
 from r3store.storage.keys import (
     DICTIONARY_PREFIX,
     SHARD_PREFIX,
@@ -70,20 +69,7 @@ from r3store.storage.keys import (
 )
 from r3store.storage.shard import BuiltShard, ShardRow, build_shard
 from r3store.storage.store.base import ObjectStore
-
-
-def read_tombstones(store: ObjectStore) -> set[tuple[str, str, int, bytes]]:
-    """(namespace, trajectory id, start, digest) of every segment retention dropped."""
-    dropped = set()
-    for info in store.list(TOMBSTONE_PREFIX):
-        try:
-            record = json.loads(store.get(info.key))
-        except ObjectNotFound:  # collected meanwhile: its shards are gone too
-            continue
-        for tid, start, digest in record["segments"]:
-            dropped.add((record["namespace"], tid, int(start), bytes.fromhex(digest)))
-    return dropped
-
+from r3store.storage.tombstone import read_tombstone, tombstone
 
 log = logging.getLogger(__name__)
 
@@ -199,13 +185,7 @@ class Maintenance:
                 for group in self.catalog.segments.lookup(namespace, victims).values()
                 for e in group
             ]
-            record = json.dumps(
-                {
-                    "namespace": namespace,
-                    "segments": [[e.trajectory_id, e.start, e.digest.hex()] for e in entries],
-                    "shards": sorted({e.shard_key for e in entries}),
-                }
-            ).encode()
+            record = tombstone(namespace, entries)
             self.store.put_if_absent(tombstone_key(namespace, self.clock()), record)
             # only the segments still where the tombstone says: one a concurrent pass
             # moved into a new shard meanwhile is dropped by the next pass, with a
@@ -430,8 +410,7 @@ class Maintenance:
         if trained is not None and self.catalog.ledger.record_dictionary(
             namespace, trained.digest, version, now
         ):
-            with contextlib.suppress(ObjectExists):  # named by content: the same bytes
-                self.store.put_if_absent(dictionary_key(namespace, trained.digest), trained.data)
+            write_dictionary(self.store, namespace, trained)
             self._dictionaries.add(namespace, trained)
             report.dictionaries_trained += 1
             return trained
@@ -541,11 +520,10 @@ class Maintenance:
         # hold copies of them); compaction and rest never commit dropped segments
         copying = {p.namespace for p in pending.values() if p.kind in (MAINTENANCE, DELETING)}
         for info in self.store.list(TOMBSTONE_PREFIX):
-            try:
-                record = json.loads(self.store.get(info.key))
-            except ObjectNotFound:  # another replica's pass deleted it meanwhile
+            record = read_tombstone(self.store, info.key)
+            if record is None:  # another replica's pass deleted it meanwhile
                 continue
-            held = set(record.get("shards", [])) & known or record["namespace"] in copying
+            held = set(record.shards) & known or record.namespace in copying
             if not held and info.modified < cutoff:
                 why = "no shard or upload that may hold its segments is left"
                 found.deletions.append(Deletion(info.key, TOMBSTONE, why))

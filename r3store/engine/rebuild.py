@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -13,7 +12,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from r3store.catalog_types import NamespaceInfo, ShardInfo, TrajectoryEntry
-from r3store.engine.maintenance import read_tombstones
 from r3store.engine.reader import DictionaryCache
 from r3store.engine.writer import load_records, route_bytes, row_of
 from r3store.errors import CorruptShard, R3StoreError
@@ -30,6 +28,7 @@ from r3store.storage.keys import (
     SHARD_PREFIX,
     parse_dictionary_key,
 )
+from r3store.storage.manifest import parse_manifest
 from r3store.storage.shard import (
     META_CREATED,
     META_REST_LEVEL,
@@ -42,6 +41,7 @@ from r3store.storage.shard import (
     shard_spec,
 )
 from r3store.storage.store.base import ObjectStore
+from r3store.storage.tombstone import read_tombstones
 
 log = logging.getLogger(__name__)
 
@@ -200,14 +200,8 @@ def rebuild_catalog(
     spaces: dict[str, NamespaceInfo] = {}
     for info in store.list(NAMESPACE_PREFIX):
         try:
-            manifest = json.loads(store.get(info.key))
-            spaces[manifest["name"]] = NamespaceInfo(
-                manifest["name"],
-                RouteSpec(**manifest["spec"]),
-                float(manifest["created_at"]),
-                int(manifest.get("policy_version", 0)),
-                NamespaceSettings.model_validate(manifest.get("settings", {})),
-            )
+            space = parse_manifest(store.get(info.key))
+            spaces[space.name] = space
         except (ValueError, KeyError, TypeError, R3StoreError) as exc:
             report.skipped.append(f"{info.key}: {exc}")
     manifests = set(spaces)
