@@ -8,17 +8,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from r3store.catalog_types import NamespaceInfo, ShardInfo, TrajectoryEntry
 from r3store.engine.reader import DictionaryCache
 from r3store.engine.writer import load_records, route_bytes, row_of
-from r3store.errors import CorruptShard, R3StoreError
+from r3store.errors import R3StoreError
 from r3store.logic import codec, stats
-from r3store.logic.codec import Dictionary, EncodedRoutes, Transform
-from r3store.policy import ENGINE, NamespaceSettings
-from r3store.records import check_source
+from r3store.logic.codec import Dictionary, EncodedRoutes
+from r3store.policy import NamespaceSettings
 from r3store.spec import RouteSpec
 from r3store.storage.catalog import Catalog
 from r3store.storage.catalog.stats import LoadRecord
@@ -29,17 +25,7 @@ from r3store.storage.keys import (
     parse_dictionary_key,
 )
 from r3store.storage.manifest import parse_manifest
-from r3store.storage.shard import (
-    META_CREATED,
-    META_REST_LEVEL,
-    PREFIX,
-    SEGMENT,
-    Link,
-    link_prefixes,
-    locate_rows,
-    places_of,
-    shard_spec,
-)
+from r3store.storage.shard import read_shard
 from r3store.storage.store.base import ObjectStore
 from r3store.storage.tombstone import read_tombstones
 
@@ -57,99 +43,41 @@ class RebuildReport:
     skipped: list[str] = field(default_factory=list)  # unreadable objects
 
 
-def _column(table: pa.Table, name: str, default: object) -> list[Any]:
-    """A column's values, or `default` for each row of a shard written before it."""
-    if name in table.column_names:
-        return table.column(name).to_pylist()  # type: ignore[no-any-return]
-    return [default] * table.num_rows
-
-
 def _load_shard(
     store: ObjectStore, key: str, size: int
 ) -> tuple[ShardInfo, RouteSpec, list[TrajectoryEntry], list[EncodedRoutes]]:
-    data = store.get(key)
-    try:
-        pf = pq.ParquetFile(pa.BufferReader(data))
-        table = pf.read()
-    except (pa.ArrowException, OSError) as exc:
-        raise CorruptShard(f"cannot read {key}: {exc}") from exc
-    metadata = pf.metadata
-    namespace, spec = shard_spec(metadata)
-    created = float((metadata.metadata or {}).get(META_CREATED, b"0"))
-    level = (metadata.metadata or {}).get(META_REST_LEVEL)
-    digests = table.column("digest").to_pylist()
-    dictionaries = _column(table, "route_dictionary", None)
-    prefix_digests = _column(table, "prefix_digest", None)
-    prefix_tokens = _column(table, "prefix_tokens", 0)
-    streams = [
-        EncodedRoutes(ids, counts, order, Transform(transform), b"", tokens, dictionary)
-        for ids, counts, order, transform, tokens, dictionary in zip(
-            table.column("route_ids").to_pylist(),
-            table.column("route_counts").to_pylist(),
-            table.column("route_order").to_pylist(),
-            table.column("route_transform").to_pylist(),
-            table.column("token_ids").to_pylist(),
-            dictionaries,
-            strict=True,
-        )
-    ]
-    kinds = _column(table, "kind", SEGMENT)
-    links = [Link(*link) for link in zip(digests, prefix_digests, prefix_tokens, strict=True)]
-    spans = link_prefixes(locate_rows(data, streams), kinds, links)
-    by_link = {  # as `link_prefixes` keys them
-        (d, s.dictionary): s for d, s, k in zip(digests, streams, kinds, strict=True) if k == PREFIX
-    }
-    streams = [  # each row's with the prefix it continues (for the load count)
-        s
-        if link.prefix_digest is None
-        else dataclasses.replace(
-            s,
-            prefix=dataclasses.replace(
-                by_link[(link.prefix_digest, s.dictionary)], digest=link.prefix_digest
-            ),
-            prefix_tokens=link.prefix_tokens,
-        )
-        for s, link in zip(streams, links, strict=True)
-    ]
-    sources = _column(table, "source", ENGINE)  # format 1 shards hold engine routes only
-    rows = table.select(
-        [
-            "trajectory_id",
-            "start",
-            "group_id",
-            "policy_version",
-            "num_tokens",
-            "prompt_len",
-            "digest",
-        ]
-    ).to_pylist()
-    kept = [i for i, kind in enumerate(kinds) if kind != PREFIX]
-    charged = route_bytes([streams[i] for i in kept])
-    places = places_of(metadata)
+    read = read_shard(store.get(key), key)
+    charged = route_bytes([r.row.routes for r in read.rows])
     entries = [
         TrajectoryEntry(
-            namespace=namespace,
+            namespace=read.namespace,
+            trajectory_id=r.row.trajectory_id,
+            source=r.row.source,
+            start=r.row.start,
+            group_id=r.row.group_id,
+            policy_version=r.row.policy_version,
+            num_tokens=r.row.num_tokens,
+            prompt_len=r.row.prompt_len,
+            digest=r.row.digest,
             route_bytes=nbytes,
             shard_key=key,
-            row_group=places[i].row_group,
-            row_index=places[i].row,
-            created_at=created,
-            spans=spans[i],
-            source=check_source(sources[i]),
-            **rows[i],
+            row_group=r.place.row_group,
+            row_index=r.place.row,
+            created_at=read.created_at,
+            spans=r.spans,
         )
-        for i, nbytes in zip(kept, charged, strict=True)
+        for r, nbytes in zip(read.rows, charged, strict=True)
     ]
     shard = ShardInfo(
         key,
-        namespace,
+        read.namespace,
         size,
         len(entries),
         sum(e.route_bytes for e in entries),
-        created,
-        rest_level=None if level is None else int(level),
+        read.created_at,
+        rest_level=read.rest_level,
     )
-    return shard, spec, entries, [streams[i] for i in kept]
+    return shard, read.spec, entries, [r.row.routes for r in read.rows]
 
 
 def _loads(

@@ -6,11 +6,13 @@ trajectory, or one turn appended to it); columns are listed in
 columns already hold zstd frames (see `r3store.logic.codec`) and are stored as they are. Row
 groups hold about `row_group_bytes` of routes, at least one trajectory each, so reading
 one trajectory reads one row group, and a batch read fetches each row group it needs
-with one ranged GET.
+with one ranged GET. `build_shard` writes a shard; `read_shard` reads one back (a
+catalog rebuild), shards of every format version in `READ_VERSIONS`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import time
 from collections.abc import Sequence
@@ -21,9 +23,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from r3store.errors import CorruptShard
-from r3store.logic.codec import EncodedRoutes
+from r3store.logic.codec import EncodedRoutes, Transform
 from r3store.logic.spans import RouteSpans, Span
 from r3store.policy import ENGINE, Source
+from r3store.records import check_source
 from r3store.spec import RouteSpec
 from r3store.storage.keys import shard_key
 
@@ -310,3 +313,92 @@ def places_of(metadata: pq.FileMetaData) -> list[RowPlace]:
     for g in range(metadata.num_row_groups):
         out.extend(RowPlace(g, i) for i in range(metadata.row_group(g).num_rows))
     return out
+
+
+@dataclass(frozen=True)
+class ReadRow:
+    """One segment row read back: its metadata and streams (with the shared prefix it
+    continues, if any), where it lies and where its streams lie."""
+
+    row: ShardRow
+    place: RowPlace
+    spans: RouteSpans
+
+
+@dataclass(frozen=True)
+class ReadShard:
+    namespace: str
+    spec: RouteSpec
+    created_at: float
+    rest_level: int | None  # the zstd level maintenance wrote it at, if it did
+    rows: list[ReadRow]  # its segment rows in file order (prefix rows only in their spans)
+
+
+def _column(table: pa.Table, name: str, default: object) -> list[Any]:
+    """A column's values, or `default` for each row of a shard written before it."""
+    if name in table.column_names:
+        return table.column(name).to_pylist()  # type: ignore[no-any-return]
+    return [default] * table.num_rows
+
+
+def read_shard(data: bytes, key: str = "") -> ReadShard:
+    """Parse a shard (`key` names it in errors): its metadata and every segment row."""
+    try:
+        pf = pq.ParquetFile(pa.BufferReader(data))
+        table = pf.read()
+    except (pa.ArrowException, OSError) as exc:
+        raise CorruptShard(f"cannot read {key}: {exc}") from exc
+    metadata = pf.metadata
+    namespace, spec = shard_spec(metadata)
+    created = float((metadata.metadata or {}).get(META_CREATED, b"0"))
+    level = (metadata.metadata or {}).get(META_REST_LEVEL)
+    digests = table.column("digest").to_pylist()
+    dictionaries = _column(table, "route_dictionary", None)
+    prefix_digests = _column(table, "prefix_digest", None)
+    prefix_tokens = _column(table, "prefix_tokens", 0)
+    streams = [
+        EncodedRoutes(ids, counts, order, Transform(transform), b"", tokens, dictionary)
+        for ids, counts, order, transform, tokens, dictionary in zip(
+            table.column("route_ids").to_pylist(),
+            table.column("route_counts").to_pylist(),
+            table.column("route_order").to_pylist(),
+            table.column("route_transform").to_pylist(),
+            table.column("token_ids").to_pylist(),
+            dictionaries,
+            strict=True,
+        )
+    ]
+    kinds = _column(table, "kind", SEGMENT)
+    links = [Link(*link) for link in zip(digests, prefix_digests, prefix_tokens, strict=True)]
+    spans = link_prefixes(locate_rows(data, streams), kinds, links)
+    by_link = {  # as `link_prefixes` keys them
+        (d, s.dictionary): s for d, s, k in zip(digests, streams, kinds, strict=True) if k == PREFIX
+    }
+    streams = [  # each row's own digest, with the prefix it continues
+        dataclasses.replace(s, digest=link.digest)
+        if link.prefix_digest is None
+        else dataclasses.replace(
+            s,
+            digest=link.digest,
+            prefix=dataclasses.replace(
+                by_link[(link.prefix_digest, s.dictionary)], digest=link.prefix_digest
+            ),
+            prefix_tokens=link.prefix_tokens,
+        )
+        for s, link in zip(streams, links, strict=True)
+    ]
+    sources = _column(table, "source", ENGINE)  # format 1 shards hold engine routes only
+    meta = table.select(
+        ["trajectory_id", "start", "group_id", "policy_version", "num_tokens", "prompt_len"]
+    ).to_pylist()
+    places = places_of(metadata)
+    rows = [
+        ReadRow(
+            ShardRow(**meta[i], routes=streams[i], source=check_source(sources[i])),
+            places[i],
+            spans[i],
+        )
+        for i, kind in enumerate(kinds)
+        if kind != PREFIX
+    ]
+    return ReadShard(namespace, spec, created, None if level is None else int(level), rows)
