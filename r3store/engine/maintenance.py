@@ -48,8 +48,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from r3store.catalog_types import ShardUsage, TrajectoryEntry
-from r3store.engine.reader import DictionaryCache
-from r3store.engine.writer import route_bytes, row_of, shard_records
 from r3store.errors import Conflict, R3StoreError
 from r3store.logic import codec, rest
 from r3store.logic.codec import Dictionary, EncodedRoutes
@@ -58,7 +56,7 @@ from r3store.spec import RouteSpec
 from r3store.storage import binding
 from r3store.storage.catalog import Catalog, ledger
 from r3store.storage.catalog.ledger import MAINTENANCE
-from r3store.storage.dictionary import write_dictionary
+from r3store.storage.dictionary import DictionaryCache, write_dictionary
 from r3store.storage.keys import (
     DICTIONARY_PREFIX,
     SHARD_PREFIX,
@@ -67,6 +65,7 @@ from r3store.storage.keys import (
     shard_key,
     tombstone_key,
 )
+from r3store.storage.records import route_bytes, row_of, shard_records
 from r3store.storage.shard import BuiltShard, ShardRow, build_shard
 from r3store.storage.store.base import ObjectStore
 from r3store.storage.tombstone import read_tombstone, tombstone

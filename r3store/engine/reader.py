@@ -10,84 +10,22 @@ object store.
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Generic, TypeVar
 
 from r3store.catalog_types import TrajectoryEntry
-from r3store.logic.codec import Dictionaries, Dictionary, EncodedRoutes
+from r3store.logic.codec import EncodedRoutes
+from r3store.logic.lru import LRU
 from r3store.logic.reads import read_of
 from r3store.logic.spans import ByteRange, Span
 from r3store.protocol.plans import Fetched
 from r3store.records import TrajectoryRead
 from r3store.spec import RouteSpec
-from r3store.storage.dictionary import read_dictionary
+from r3store.storage.dictionary import DictionaryCache
 from r3store.storage.shard import BuiltShard
 from r3store.storage.store.base import ObjectStore
-
-DICTIONARY_CACHE_BYTES = 64 << 20
-K = TypeVar("K")
-V = TypeVar("V")
-
-
-class _LRU(Generic[K, V]):
-    """A thread-safe LRU bounded by the summed weight of its values."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._items: OrderedDict[K, tuple[V, int]] = OrderedDict()
-        self._weight = 0
-        self._lock = threading.Lock()
-
-    def get(self, key: K) -> V | None:
-        with self._lock:
-            hit = self._items.get(key)
-            if hit is None:
-                return None
-            self._items.move_to_end(key)
-            return hit[0]
-
-    def put(self, key: K, value: V, weight: int = 1) -> None:
-        if weight > self.capacity:
-            return
-        with self._lock:
-            old = self._items.pop(key, None)
-            if old is not None:
-                self._weight -= old[1]
-            self._items[key] = (value, weight)
-            self._weight += weight
-            while self._weight > self.capacity:
-                _key, (_value, w) = self._items.popitem(last=False)
-                self._weight -= w
-
-
-class DictionaryCache:
-    """Namespace dictionaries read from the store, checked against the digest they are
-    named by, and kept (they never change) up to `capacity` bytes."""
-
-    def __init__(self, store: ObjectStore, capacity: int = DICTIONARY_CACHE_BYTES) -> None:
-        self._store = store
-        self._kept: _LRU[tuple[str, bytes], Dictionary] = _LRU(capacity)
-
-    def add(self, namespace: str, dictionary: Dictionary) -> None:
-        self._kept.put((namespace, dictionary.digest), dictionary, len(dictionary.data))
-
-    def get(self, namespace: str, digest: bytes | None) -> Dictionary | None:
-        """The dictionary `digest` names; None for no digest."""
-        return None if digest is None else self._load(namespace, digest)
-
-    def many(self, namespace: str, digests: Iterable[bytes | None]) -> Dictionaries:
-        return {d: self._load(namespace, d) for d in set(digests) if d is not None}
-
-    def _load(self, namespace: str, digest: bytes) -> Dictionary:
-        kept = self._kept.get((namespace, digest))
-        if kept is None:
-            kept = read_dictionary(self._store, namespace, digest)
-            self.add(namespace, kept)
-        return kept
 
 
 @dataclass(frozen=True)
@@ -120,7 +58,7 @@ class ShardReader:
     def __init__(self, store: ObjectStore, config: ReaderConfig) -> None:
         self._store = store
         self.config = config
-        self._recent: _LRU[str, bytes] = _LRU(config.cache_bytes)
+        self._recent: LRU[str, bytes] = LRU(config.cache_bytes)
         self.dictionaries = DictionaryCache(store)
         self._pool = ThreadPoolExecutor(config.threads, thread_name_prefix="r3store-read")
 

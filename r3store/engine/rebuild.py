@@ -9,8 +9,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from r3store.catalog_types import NamespaceInfo, ShardInfo, TrajectoryEntry
-from r3store.engine.reader import DictionaryCache
-from r3store.engine.writer import load_records, route_bytes, row_of
 from r3store.errors import R3StoreError
 from r3store.logic import codec, stats
 from r3store.logic.codec import Dictionary, EncodedRoutes
@@ -18,6 +16,7 @@ from r3store.policy import NamespaceSettings
 from r3store.spec import RouteSpec
 from r3store.storage.catalog import Catalog
 from r3store.storage.catalog.stats import LoadRecord
+from r3store.storage.dictionary import DictionaryCache
 from r3store.storage.keys import (
     DICTIONARY_PREFIX,
     NAMESPACE_PREFIX,
@@ -25,6 +24,7 @@ from r3store.storage.keys import (
     parse_dictionary_key,
 )
 from r3store.storage.manifest import parse_manifest
+from r3store.storage.records import load_records, row_of, stored_records
 from r3store.storage.shard import read_shard
 from r3store.storage.store.base import ObjectStore
 from r3store.storage.tombstone import read_tombstones
@@ -47,36 +47,7 @@ def _load_shard(
     store: ObjectStore, key: str, size: int
 ) -> tuple[ShardInfo, RouteSpec, list[TrajectoryEntry], list[EncodedRoutes]]:
     read = read_shard(store.get(key), key)
-    charged = route_bytes([r.row.routes for r in read.rows])
-    entries = [
-        TrajectoryEntry(
-            namespace=read.namespace,
-            trajectory_id=r.row.trajectory_id,
-            source=r.row.source,
-            start=r.row.start,
-            group_id=r.row.group_id,
-            policy_version=r.row.policy_version,
-            num_tokens=r.row.num_tokens,
-            prompt_len=r.row.prompt_len,
-            digest=r.row.digest,
-            route_bytes=nbytes,
-            shard_key=key,
-            row_group=r.place.row_group,
-            row_index=r.place.row,
-            created_at=read.created_at,
-            spans=r.spans,
-        )
-        for r, nbytes in zip(read.rows, charged, strict=True)
-    ]
-    shard = ShardInfo(
-        key,
-        read.namespace,
-        size,
-        len(entries),
-        sum(e.route_bytes for e in entries),
-        read.created_at,
-        rest_level=read.rest_level,
-    )
+    shard, entries = stored_records(key, size, read)
     return shard, read.spec, entries, [r.row.routes for r in read.rows]
 
 

@@ -22,20 +22,18 @@ import logging
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
-from r3store.catalog_types import ShardInfo, TrajectoryEntry
+from r3store.catalog_types import TrajectoryEntry
 from r3store.errors import Backpressure, Conflict, R3StoreError
-from r3store.logic.codec import EncodedRoutes
 from r3store.policy import ENGINE, Source
 from r3store.records import Held, PutResult, Segment, settle
 from r3store.spec import RouteSpec
 from r3store.storage.catalog import Catalog
 from r3store.storage.catalog.ledger import INGEST
-from r3store.storage.catalog.stats import LoadRecord
+from r3store.storage.records import load_records, shard_records
 from r3store.storage.shard import BuiltShard, ShardRow, build_shard
 from r3store.storage.store.base import ObjectStore
 
@@ -130,90 +128,6 @@ def result_of(row: ShardRow, created: bool) -> PutResult:
         row.policy_version,
         row.digest,
     )
-
-
-def load_records(namespace: str, key: str, rows: Sequence[ShardRow]) -> list[LoadRecord]:
-    """The expert load of a shard's rows, summed per policy version and source."""
-    summed: dict[tuple[int, Source], tuple[int, Any]] = {}
-    for row in rows:
-        if row.load is None:
-            continue
-        unit = (row.policy_version, row.source)
-        tokens, counts = summed.get(unit, (0, 0))
-        summed[unit] = (tokens + row.num_tokens, counts + row.load)
-    return [
-        LoadRecord(namespace, key, version, source, tokens, counts)
-        for (version, source), (tokens, counts) in sorted(summed.items())
-    ]
-
-
-def row_of(entry: TrajectoryEntry, routes: EncodedRoutes, load: Any = None) -> ShardRow:
-    """A stored segment as a shard row again (compaction, rebuild): its entry's
-    metadata and its stored streams."""
-    return ShardRow(
-        entry.trajectory_id,
-        entry.start,
-        entry.group_id,
-        entry.policy_version,
-        entry.num_tokens,
-        entry.prompt_len,
-        routes,
-        entry.source,
-        load,
-        entry.writer,
-    )
-
-
-def shard_records(
-    namespace: str, built: BuiltShard, rows: list[ShardRow]
-) -> tuple[ShardInfo, list[TrajectoryEntry]]:
-    """The catalog records of a built shard and its rows (in the order they were built)."""
-    charged = route_bytes([r.routes for r in rows])
-    shard = ShardInfo(
-        key=built.key,
-        namespace=namespace,
-        size=len(built.data),
-        num_rows=len(rows),
-        route_bytes=sum(charged),
-        created_at=built.created_at,
-        rest_level=built.rest_level,
-    )
-    entries = [
-        TrajectoryEntry(
-            namespace=namespace,
-            trajectory_id=row.trajectory_id,
-            source=row.source,
-            start=row.start,
-            group_id=row.group_id,
-            policy_version=row.policy_version,
-            num_tokens=row.num_tokens,
-            prompt_len=row.prompt_len,
-            digest=row.digest,
-            route_bytes=nbytes,
-            shard_key=built.key,
-            row_group=place.row_group,
-            row_index=place.row,
-            created_at=built.created_at,
-            spans=spans,
-            writer=row.writer,
-        )
-        for row, place, spans, nbytes in zip(rows, built.places, built.routes, charged, strict=True)
-    ]
-    return shard, entries
-
-
-def route_bytes(rows: Sequence[EncodedRoutes]) -> list[int]:
-    """The route bytes each row is charged with: its own streams, and a shared prefix's
-    for the first row that continues it (so a shard's rows add up to all it holds)."""
-    seen: set[tuple[bytes, bytes | None]] = set()
-    out = []
-    for routes in rows:
-        n, prefix = routes.nbytes, routes.prefix
-        if prefix is not None and (prefix.digest, prefix.dictionary) not in seen:
-            seen.add((prefix.digest, prefix.dictionary))
-            n += prefix.nbytes
-        out.append(n)
-    return out
 
 
 @dataclass
