@@ -7,43 +7,23 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from r3store.catalog_types import NamespaceInfo
 from r3store.errors import InvalidInput
 from r3store.logic.sampling import Strategy
-from r3store.logic.spans import ByteRange, RouteSpans, Span
 from r3store.policy import ENGINE, MAX_POLICY_VERSION, NamespaceSettings, Source
-from r3store.protocol.plans import PlannedDictionary, PlannedObject, PlannedSegment, ReadPlan
+from r3store.protocol.fields import RouteSpecModel, SpanModel
+from r3store.protocol.plans import ReadPlan
 from r3store.protocol.wire import ReadFormat
 from r3store.records import PutResult
-from r3store.spec import MAX_EXPERTS, MAX_LAYERS, MAX_TOP_K, RouteSpec
+from r3store.spec import MAX_LAYERS
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 _SOURCE_DOC = (
     "serve routes of this source only (ids without them for all their tokens are missing); "
     "default: the first of the namespace's read_sources each trajectory holds"
 )
-
-
-class RouteSpecModel(BaseModel):
-    """The route spec, fixed when a namespace is made."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    num_layers: int = Field(ge=1, le=MAX_LAYERS, description="MoE layers L")
-    num_experts: int = Field(ge=1, le=MAX_EXPERTS, description="experts per layer E")
-    top_k: int = Field(ge=1, le=MAX_TOP_K, description="experts chosen per token K")
-    ordered: bool = Field(False, description="keep the top-k order the engine emitted")
-    allow_fewer: bool = Field(False, description="accept token-layers with fewer than K")
-    model: str = Field("", max_length=200, description="model name, for people")
-
-    def to_spec(self) -> RouteSpec:
-        return RouteSpec(**self.model_dump())
-
-    @classmethod
-    def of(cls, spec: RouteSpec) -> RouteSpecModel:
-        return cls(**spec.__dict__)
 
 
 # NamespaceCreate: what an admin sends to make a namespace
@@ -188,144 +168,20 @@ class PlanRequest(BaseModel):
     source: Source | None = Field(None, description=_SOURCE_DOC)
 
 
-class SpanModel(BaseModel):
-    offset: int = Field(ge=0)
-    length: int = Field(ge=0)
-
-    def to_span(self) -> Span:
-        return Span(self.offset, self.length)
-
-
-class PlannedObjectModel(BaseModel):
-    key: str
-    url: str = Field(description="a presigned GET; send `Range: bytes=start-(end-1)`")
-    ranges: list[tuple[int, int]] = Field(description="[start, end) byte ranges to fetch")
-
-
-class PlannedSegmentModel(BaseModel):
-    trajectory_id: str
-    group_id: str | None
-    prompt_len: int
-    start: int
-    num_tokens: int
-    policy_version: int
-    digest: str = Field(description="hex")
-    object: int = Field(ge=0, description="index into objects")
-    route_transform: int
-    route_ids: SpanModel
-    route_counts: SpanModel | None
-    route_order: SpanModel | None
-    token_ids: SpanModel | None
-    source: Source = ENGINE
-    route_dictionary: str | None = Field(
-        None, description="hex digest of the dictionary the ids streams need (dictionaries)"
-    )
-    prefix: PlannedPrefixModel | None = Field(
-        None, description="the streams of the first `tokens` tokens, shared with other rows"
-    )
-
-
-class PlannedPrefixModel(BaseModel):
-    tokens: int = Field(gt=0)
-    route_transform: int
-    route_ids: SpanModel
-    route_counts: SpanModel | None
-    route_order: SpanModel | None
-
-
-class PlannedDictionaryModel(BaseModel):
-    digest: str = Field(description="hex, SHA-256[:16] of the dictionary's bytes")
-    url: str = Field(description="a presigned GET of the whole dictionary")
-
-
-class ReadPlanModel(BaseModel):
-    """Where a batch's route streams lie (docs/api.md, "Direct reads")."""
-
-    spec: RouteSpecModel
-    ids: list[str]
-    missing: list[str]
-    stale: list[str]
-    expires_at: float = Field(description="seconds since the epoch")
-    objects: list[PlannedObjectModel]
-    segments: list[PlannedSegmentModel]
-    dictionaries: list[PlannedDictionaryModel] = []
+class ReadPlanModel(RootModel[ReadPlan]):
+    """Where a batch's route streams lie (docs/api.md, "Direct reads"): the plan itself,
+    its JSON given by its fields (`plans.py`)."""
 
     @classmethod
     def of(cls, plan: ReadPlan) -> ReadPlanModel:
-        return cls(
-            spec=RouteSpecModel.of(plan.spec),
-            ids=plan.ids,
-            missing=plan.missing,
-            stale=plan.stale,
-            expires_at=plan.expires_at,
-            objects=[
-                PlannedObjectModel(
-                    key=o.key, url=o.url, ranges=[(r.start, r.end) for r in o.ranges]
-                )
-                for o in plan.objects
-            ],
-            segments=[
-                PlannedSegmentModel.model_validate(
-                    {
-                        "trajectory_id": g.trajectory_id,
-                        "group_id": g.group_id,
-                        "prompt_len": g.prompt_len,
-                        "start": g.start,
-                        "num_tokens": g.num_tokens,
-                        "policy_version": g.policy_version,
-                        "digest": g.digest.hex(),
-                        "object": g.obj,
-                        "source": g.source,
-                        **g.spans.to_json(),
-                    }
-                )
-                for g in plan.segments
-            ],
-            dictionaries=[
-                PlannedDictionaryModel(digest=d.digest.hex(), url=d.url) for d in plan.dictionaries
-            ],
-        )
+        return cls.model_construct(plan)
 
     def to_plan(self) -> ReadPlan:
-        def spans_of(g: PlannedSegmentModel) -> RouteSpans:
-            try:
-                return RouteSpans.from_json(g.model_dump())
-            except ValueError:
-                text = g.route_dictionary or ""
-                raise InvalidInput(f"not a hex digest: {text[:40]!r}") from None
-
-        objects = [
-            PlannedObject(o.key, o.url, [ByteRange(a, b) for a, b in o.ranges])
-            for o in self.objects
-        ]
-        for g in self.segments:
-            if g.object >= len(objects):
-                raise InvalidInput(f"the plan names object {g.object} of {len(objects)}")
-        segments = [
-            PlannedSegment(
-                g.trajectory_id,
-                g.group_id,
-                g.prompt_len,
-                g.start,
-                g.num_tokens,
-                g.policy_version,
-                bytes.fromhex(g.digest),
-                g.object,
-                spans_of(g),
-                g.source,
-            )
-            for g in self.segments
-        ]
-        return ReadPlan(
-            self.spec.to_spec(),
-            self.ids,
-            self.missing,
-            self.stale,
-            self.expires_at,
-            objects,
-            segments,
-            [PlannedDictionary(bytes.fromhex(d.digest), d.url) for d in self.dictionaries],
-        )
+        plan = self.root
+        for g in plan.segments:
+            if g.obj >= len(plan.objects):
+                raise InvalidInput(f"the plan names object {g.obj} of {len(plan.objects)}")
+        return plan
 
 
 # statistics (r3store.engine.analytics)
@@ -403,8 +259,6 @@ __all__ = [
     "NamespaceList",
     "NamespacePublic",
     "PlanRequest",
-    "PlannedObjectModel",
-    "PlannedSegmentModel",
     "PolicyVersionSet",
     "PutItem",
     "PutResponse",

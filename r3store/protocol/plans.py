@@ -4,18 +4,30 @@ read them, so a trainer fetches the bytes itself and the server only looks them 
 The server makes a plan from catalog entries (`make_plan`); the client fetches each
 object's ranges with the object's presigned URL and a `Range` header, then slices every
 segment's streams out of them (`Fetched`, `reads_of`). Pure: URLs come from a callable.
+
+The dataclasses here are also the plan's JSON (docs/api.md, "Direct reads"): their
+fields carry their JSON forms (`fields.py`), so pydantic reads and writes them as they
+are (`models.ReadPlanModel`); a segment's JSON is made from its fields, `obj` named
+`object` and its `RouteSpans` as flat fields (`PlannedSegment.json_model`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Annotated, Any, get_type_hints
+
+from pydantic import BaseModel, Field, GetCoreSchemaHandler, create_model
+from pydantic_core import CoreSchema, core_schema
 
 from r3store.catalog_types import TrajectoryEntry
+from r3store.errors import InvalidInput
 from r3store.logic.codec import Dictionaries, EncodedRoutes
 from r3store.logic.reads import read_of
 from r3store.logic.spans import ByteRange, RouteSpans, Span
 from r3store.policy import ENGINE, Source
+from r3store.protocol.fields import Hex, Range, SpansJson, Spec
 from r3store.records import Batch, TrajectoryRead, missing
 from r3store.spec import RouteSpec
 
@@ -26,8 +38,8 @@ class PlannedObject:
     hold the plan's streams (neighbours coalesced)."""
 
     key: str
-    url: str
-    ranges: list[ByteRange]
+    url: Annotated[str, Field(description="a presigned GET; send `Range: bytes=start-(end-1)`")]
+    ranges: Annotated[list[Range], Field(description="[start, end) byte ranges to fetch")]
 
 
 @dataclass(frozen=True)
@@ -38,18 +50,88 @@ class PlannedSegment:
     start: int
     num_tokens: int
     policy_version: int
-    digest: bytes
-    obj: int  # index into `ReadPlan.objects`
+    digest: Annotated[Hex, Field(description="hex")]
+    obj: Annotated[int, Field(ge=0, description="index into objects")]  # `ReadPlan.objects`
     spans: RouteSpans
     source: Source = ENGINE
+
+    @classmethod
+    def json_model(cls) -> type[BaseModel]:
+        """The segment's JSON as a model made from its fields: `obj` as `object`, the
+        `spans` as `SpansJson`'s fields in its place; fields with defaults (a server
+        before them sent none) after the others, the segment's own first."""
+        if _SEGMENT_JSON:
+            return _SEGMENT_JSON[0]
+        hints = get_type_hints(cls, include_extras=True)
+        head: dict[str, Any] = {}
+        own: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name == "spans":
+                head.update(_SPANS_REQUIRED)
+            elif f.default is dataclasses.MISSING:
+                head[_JSON_NAMES.get(f.name, f.name)] = (hints[f.name], ...)
+            else:
+                own[_JSON_NAMES.get(f.name, f.name)] = (hints[f.name], f.default)
+        fields = {**head, **own, **_SPANS_DEFAULTED}
+        _SEGMENT_JSON.append(create_model(cls.__name__, **fields))
+        return _SEGMENT_JSON[0]
+
+    @classmethod
+    def __get_pydantic_core_schema__(
+        cls, source: type[Any], handler: GetCoreSchemaHandler
+    ) -> CoreSchema:
+        schema = handler(cls.json_model())
+        return core_schema.no_info_after_validator_function(
+            _segment_of,
+            schema,
+            serialization=core_schema.plain_serializer_function_ser_schema(
+                _json_of, return_schema=schema
+            ),
+        )
 
 
 @dataclass(frozen=True)
 class PlannedDictionary:
     """A zstd dictionary some planned streams need: its digest, and a URL that reads it."""
 
-    digest: bytes
-    url: str
+    digest: Annotated[Hex, Field(description="hex, SHA-256[:16] of the dictionary's bytes")]
+    url: Annotated[str, Field(description="a presigned GET of the whole dictionary")]
+
+
+_JSON_NAMES = {"obj": "object"}  # a segment's fields named otherwise in its JSON
+_SPANS_REQUIRED = {
+    n: (f.annotation, f) for n, f in SpansJson.model_fields.items() if f.is_required()
+}
+_SPANS_DEFAULTED = {
+    n: (f.annotation, f) for n, f in SpansJson.model_fields.items() if not f.is_required()
+}
+_SEGMENT_JSON: list[type[BaseModel]] = []  # made once, on first use
+
+
+def _json_of(segment: PlannedSegment) -> BaseModel:
+    """A segment as its JSON model (values already of their fields' types)."""
+    spans = SpansJson.model_validate(segment.spans.to_json())
+    own = {
+        _JSON_NAMES.get(f.name, f.name): getattr(segment, f.name)
+        for f in dataclasses.fields(segment)
+        if f.name != "spans"
+    }
+    return PlannedSegment.json_model().model_construct(**own, **dict(spans))
+
+
+def _segment_of(data: BaseModel) -> PlannedSegment:
+    """A segment from its JSON model (validated)."""
+    try:
+        spans = RouteSpans.from_json(data.model_dump(include=set(SpansJson.model_fields)))
+    except ValueError:
+        text = getattr(data, "route_dictionary", None) or ""
+        raise InvalidInput(f"not a hex digest: {text[:40]!r}") from None
+    own = {
+        f.name: getattr(data, _JSON_NAMES.get(f.name, f.name))
+        for f in dataclasses.fields(PlannedSegment)
+        if f.name != "spans"
+    }
+    return PlannedSegment(**own, spans=spans)
 
 
 @dataclass(frozen=True)
@@ -57,11 +139,11 @@ class ReadPlan:
     """What a batch read would return, as places to fetch: `ids` in the order asked,
     `missing` and `stale` as a batch read names them, segments in token order."""
 
-    spec: RouteSpec
+    spec: Spec
     ids: list[str]
     missing: list[str]
     stale: list[str]
-    expires_at: float
+    expires_at: Annotated[float, Field(description="seconds since the epoch")]
     objects: list[PlannedObject]
     segments: list[PlannedSegment]
     dictionaries: list[PlannedDictionary] = field(default_factory=list)
