@@ -1,0 +1,279 @@
+"""The read answer format, server -> client: one Arrow IPC stream, a row per stored
+segment, trajectories in the order asked, the routes as the stored streams or decoded
+(`ReadFormat`), the spec, ids, missing and stale in the schema's metadata (docs/api.md
+lists the columns). `answer_bytes` sizes an answer before anything is read,
+`encode_batch` writes one, `decode_batch` reads one."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from typing import Any, Protocol
+
+import numpy as np
+import pyarrow as pa
+
+from r3store.errors import InvalidInput, StoreError
+from r3store.logic import codec
+from r3store.logic.codec import EncodedRoutes, Transform
+from r3store.logic.routes import Routes, from_mask, to_mask
+from r3store.policy import ENGINE
+from r3store.protocol.formats import (
+    WIRE_VERSION,
+    ReadFormat,
+    arrow_stream,
+)
+from r3store.protocol.ipc import read_table
+from r3store.records import (
+    Batch,
+    SegmentRead,
+    TrajectoryRead,
+    assemble,
+    check_source,
+)
+from r3store.spec import RouteSpec
+
+
+class _Span(Protocol):
+    @property
+    def length(self) -> int: ...
+
+
+class _Spans(Protocol):
+    @property
+    def tokens(self) -> _Span | None: ...
+    @property
+    def spans(self) -> Sequence[_Span]: ...
+
+
+class _Stored(Protocol):  # a catalog entry (`TrajectoryEntry`)
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def spans(self) -> _Spans: ...
+
+
+def answer_bytes(spec: RouteSpec, fmt: ReadFormat, segments: Sequence[_Stored]) -> int:
+    """The route bytes an answer of `segments` in `fmt` holds, from the catalog's
+    token counts and the spec alone, before anything is read or decoded: the stored
+    streams for `encoded` (a shared prefix counted with each row that continues it);
+    for `ids` and `mask` the decoded arrays (for `ids` with the counts), and the token
+    ids when they are stored."""
+    total = 0
+    for s in segments:
+        n, spans = s.num_tokens, s.spans
+        if fmt is ReadFormat.ENCODED:
+            total += sum(span.length for span in spans.spans)
+            continue
+        if fmt is ReadFormat.IDS:
+            # and the counts (at most: a row continuing a shared prefix may take them there)
+            total += n * spec.num_layers * (spec.top_k * spec.id_dtype.itemsize + 1)
+        else:
+            total += n * spec.num_layers * spec.mask_bytes
+        total += 0 if spans.tokens is None else 4 * n
+    return total
+
+
+def encode_batch(
+    batch: Batch,
+    spec: RouteSpec,
+    fmt: ReadFormat,
+    stop: Callable[[], bool] | None = None,
+    layers: Sequence[int] | None = None,
+) -> bytes:
+    """A read response: one row per stored segment, trajectories in the order asked;
+    with `layers` (checked: `RouteSpec.check_layers`), their routes only.
+
+    `batch` must come from `Engine.get_batch(..., decode=False)` (stored streams).
+    `stop()` is asked before each segment is decoded: once true (the request was
+    answered meanwhile), `StoreError` is raised and nothing more is decoded.
+    """
+    cols: dict[str, list[Any]] = {
+        k: []
+        for k in (
+            "trajectory_id",
+            "start",
+            "num_tokens",
+            "policy_version",
+            "group_id",
+            "prompt_len",
+            "route_transform",
+            "route_ids",
+            "route_counts",
+            "route_order",
+            "token_ids",
+            "source",
+            "digest",
+        )
+    }
+    chosen = None if layers is None else spec.check_layers(layers)
+    answer_spec = spec if chosen is None else spec.narrowed(len(chosen))
+    seen: set[str] = set()
+    for item in batch.items:
+        if item is None or item.trajectory_id in seen:
+            continue
+        seen.add(item.trajectory_id)
+        for segment in item.segments:
+            stored = segment.encoded
+            if stored is None:
+                raise ValueError("encode_batch needs stored streams (decode=False)")
+            cols["trajectory_id"].append(item.trajectory_id)
+            cols["start"].append(segment.start)
+            cols["num_tokens"].append(segment.num_tokens)
+            cols["policy_version"].append(segment.policy_version)
+            cols["group_id"].append(item.group_id)
+            cols["prompt_len"].append(item.prompt_len)
+            cols["source"].append(item.source)
+            cols["digest"].append(segment.digest or stored.digest)
+            if stop is not None and stop():
+                raise StoreError("the read was answered before its routes were encoded")
+            if fmt is ReadFormat.ENCODED:
+                if chosen is not None:
+                    stored = codec.layer_subset(stored, spec, segment.num_tokens, chosen)
+                cols["route_transform"].append(int(stored.transform))
+                cols["route_ids"].append(stored.ids)
+                cols["route_counts"].append(stored.counts)
+                cols["route_order"].append(stored.order)
+                cols["token_ids"].append(stored.tokens)
+                continue
+            routes = codec.decode(stored, spec, segment.num_tokens)
+            if chosen is not None:
+                counts_of = routes.layer_counts
+                routes = Routes(
+                    routes.layers[list(chosen)],
+                    None if counts_of is None else counts_of[list(chosen)],
+                )
+            if fmt is ReadFormat.IDS:
+                ids = np.ascontiguousarray(routes.ids)
+                counts = None if routes.layer_counts is None else routes.counts.tobytes()
+            else:
+                ids, counts = to_mask(routes, answer_spec), None
+            cols["route_transform"].append(None)
+            cols["route_ids"].append(ids.astype(ids.dtype.newbyteorder("<")).tobytes())
+            cols["route_counts"].append(counts)
+            cols["route_order"].append(None)
+            tokens = None
+            if stored.tokens is not None:
+                tokens = codec.decode_tokens(stored.tokens, segment.num_tokens).tobytes()
+            cols["token_ids"].append(tokens)
+    table = pa.table(
+        {
+            "trajectory_id": pa.array(cols["trajectory_id"], pa.string()),
+            "start": pa.array(cols["start"], pa.int64()),
+            "num_tokens": pa.array(cols["num_tokens"], pa.int64()),
+            "policy_version": pa.array(cols["policy_version"], pa.int64()),
+            "group_id": pa.array(cols["group_id"], pa.string()),
+            "prompt_len": pa.array(cols["prompt_len"], pa.int64()),
+            "route_transform": pa.array(cols["route_transform"], pa.int8()),
+            "route_ids": pa.array(cols["route_ids"], pa.large_binary()),
+            "route_counts": pa.array(cols["route_counts"], pa.large_binary()),
+            "route_order": pa.array(cols["route_order"], pa.large_binary()),
+            "token_ids": pa.array(cols["token_ids"], pa.large_binary()),
+            "source": pa.array(cols["source"], pa.string()),
+            "digest": pa.array(cols["digest"], pa.binary()),
+        }
+    )
+    meta = {
+        "r3store.wire_version": WIRE_VERSION,
+        "r3store.format": str(fmt),
+        "r3store.route_spec": answer_spec.to_json(),  # of the layers answered
+        "r3store.ids": json.dumps(batch.ids),
+        "r3store.missing": json.dumps(batch.missing),
+        "r3store.stale": json.dumps(batch.stale),
+    }
+    if chosen is not None:
+        meta["r3store.layers"] = json.dumps(list(chosen))
+    return arrow_stream(table.replace_schema_metadata(meta))
+
+
+def decode_batch(
+    body: bytes, decode: bool = True, executor: Executor | None = None
+) -> tuple[RouteSpec, Batch]:
+    """Parse a read response into the spec and a `Batch` (routes decoded unless asked
+    not; trajectories decoded in parallel on `executor` if given: zstd and numpy
+    release the GIL)."""
+    table = read_table(body)
+    try:
+        meta: dict[str, Any] = {
+            k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()
+        }
+        version = meta.get("r3store.wire_version")
+        if version != WIRE_VERSION:
+            raise InvalidInput(f"wire version {version!r} is not {WIRE_VERSION!r}")
+        spec = RouteSpec.from_json(meta["r3store.route_spec"])
+        fmt = ReadFormat(meta["r3store.format"])
+        ids = json.loads(meta["r3store.ids"])
+        missing, stale = json.loads(meta["r3store.missing"]), json.loads(meta["r3store.stale"])
+        layers = None
+        if "r3store.layers" in meta:
+            layers = tuple(json.loads(meta["r3store.layers"]))
+            if len(layers) != spec.num_layers or not all(type(x) is int for x in layers):
+                raise ValueError("r3store.layers does not match the answer's spec")
+    except (UnicodeDecodeError, KeyError, ValueError) as exc:
+        raise InvalidInput(f"the body is not an r3store read answer: {exc}") from None
+    by_id: dict[str, list[dict[str, Any]]] = {}
+    for row in table.to_pylist():
+        by_id.setdefault(row["trajectory_id"], []).append(row)
+    work = list(by_id.values())
+    if decode and executor is not None and len(work) > 1:
+        done = list(executor.map(lambda segs: _trajectory(segs, spec, fmt, decode), work))
+    else:
+        done = [_trajectory(segs, spec, fmt, decode) for segs in work]
+    reads = {item.trajectory_id: item for item in done}
+    items: list[TrajectoryRead | None] = [reads.get(tid) for tid in ids]
+    return spec, Batch(ids, items, missing, stale, layers)
+
+
+def _trajectory(
+    rows: list[dict[str, Any]], spec: RouteSpec, fmt: ReadFormat, decode: bool
+) -> TrajectoryRead:
+    segments, parts, tokens = [], [], []
+    for row in rows:
+        n = row["num_tokens"]
+        digest = row.get("digest") or b""
+        stored = None
+        if fmt is ReadFormat.ENCODED:
+            if row["route_transform"] not in set(Transform):
+                raise InvalidInput(f"unknown route transform {row['route_transform']!r}")
+            stored = EncodedRoutes(
+                row["route_ids"],
+                row["route_counts"],
+                row["route_order"],
+                Transform(row["route_transform"]),
+                digest,
+                row["token_ids"],
+            )
+        segments.append(SegmentRead(row["start"], n, row["policy_version"], stored, digest))
+        if not decode:
+            continue
+        blob = row["token_ids"]
+        if stored is not None:
+            parts.append(codec.decode(stored, spec, n))
+            tokens.append(None if blob is None else codec.decode_tokens(blob, n))
+        else:
+            parts.append(_plain_routes(row, spec, fmt, n))
+            tokens.append(None if blob is None else np.frombuffer(blob, "<i4"))
+    first = rows[0]
+    identity = (first["trajectory_id"], first["group_id"], first["prompt_len"])
+    source = check_source(first.get("source") or ENGINE)
+    if not decode:
+        return assemble(segments, identity, source=source)
+    return assemble(segments, identity, parts, tokens, source)
+
+
+def _plain_routes(row: dict[str, Any], spec: RouteSpec, fmt: ReadFormat, n: int) -> Routes:
+    if fmt is ReadFormat.MASK:
+        mask = np.frombuffer(row["route_ids"], np.uint8).reshape(
+            n, spec.num_layers, spec.mask_bytes
+        )
+        return from_mask(mask, spec, n)
+    ids = np.frombuffer(row["route_ids"], spec.id_dtype.newbyteorder("<"))
+    layers = ids.reshape(n, spec.num_layers, spec.top_k).transpose(1, 0, 2)
+    counts = None
+    if row["route_counts"] is not None:
+        counts = np.frombuffer(row["route_counts"], np.uint8).reshape(n, spec.num_layers).T
+    return Routes(
+        np.ascontiguousarray(layers, spec.id_dtype),
+        None if counts is None else np.ascontiguousarray(counts),
+    )
