@@ -13,6 +13,10 @@ exponential backoff and the server's Retry-After, and only for idempotent calls:
 uploads are (the server acknowledges stored content again), `sample` is not (it is sent
 again only if it never reached the server). Errors are the project's own exceptions
 (`r3store.errors`), chosen by the code the server sends.
+
+One module on purpose (over 500 lines): every call's request, retries and answer
+parsing, written once for both transports (`Client`, `AsyncClient`); split by call, the
+calls would be parted from the retry and error rules they all follow.
 """
 
 from __future__ import annotations

@@ -38,6 +38,11 @@ pipeline stage without MoE layers replays nothing.
     with replay.micro_batch(routes, layout) as step:  # clears, loads, REPLAY_FORWARD
         loss = forward(model, batch)                  # the input ids checked
         step.backward(loss)                           # checks read, REPLAY_BACKWARD
+
+One module on purpose (over 500 lines): the token order each rank's routers see
+(`TokenLayout`, `Parallel`) and the replay that loads it into Megatron's `RouterReplay`
+are one contract with Megatron-Core, checked against each other, and this is the only
+module that imports megatron-core.
 """
 
 from __future__ import annotations

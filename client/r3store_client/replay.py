@@ -28,6 +28,10 @@ Routes that carry the token ids stored with them are checked against each forwar
 trajectory and the first differing token (`check_tokens=False` turns it off). `Gate`
 and `MODEL_GATES`: the gates of routers and of released models, compared at attach
 when the spec names its model (`RouterReplay(model, spec)`; Megatron's too).
+
+One module on purpose (over 500 lines): the gates (`Gate`) are what `RouterReplay`
+checks when it attaches, and the hooks replace each router's top-k in its own forward;
+the router families it knows are in `hf_routers`.
 """
 
 from __future__ import annotations

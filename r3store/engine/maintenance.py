@@ -36,6 +36,10 @@ One pass (`Maintenance.run`), for every namespace:
 Objects are deleted only after the catalog no longer points at them. At the end of a
 pass the catalog's generation counts up (`binding.advance`). The clock is injectable,
 for tests.
+
+One module on purpose (over 500 lines): the four steps are one pass over one report,
+one plan of uploads and one catalog switch that compaction and rest share, and a dry
+run (`preview`) walks the same steps.
 """
 
 from __future__ import annotations
