@@ -10,6 +10,7 @@ from pathlib import Path
 from bench.engine_bench import READ_BATCH, SPEC, Workload
 from bench.figures import Figure, median_of, timed
 from r3store.engine import Engine
+from r3store.engine.maintenance import MaintenanceOptions
 from r3store.policy import NamespaceSettings, Retention
 from r3store.records import TrajectoryWrite
 from r3store.storage.catalog import Catalog
@@ -19,7 +20,7 @@ from r3store.testing import postgres
 
 
 def _fill(engine: Engine, work: Workload) -> None:
-    engine.create_namespace("bench", SPEC)
+    engine.namespaces.create("bench", SPEC)
     for start in range(0, len(work.ids), 16):
         engine.put(
             "bench",
@@ -87,9 +88,11 @@ def run(count: int = 128, tokens: int = 2048) -> list[Figure]:
     try:
         _fill(engine, work)
         before = sum(o.size for o in store.list(SHARD_PREFIX))
-        engine.update_settings("bench", NamespaceSettings(retention=Retention(keep_versions=1)))
-        engine.set_policy_version("bench", 3)
-        report = engine.maintenance(grace_seconds=0).run()
+        engine.namespaces.update_settings(
+            "bench", NamespaceSettings(retention=Retention(keep_versions=1))
+        )
+        engine.namespaces.set_policy_version("bench", 3)
+        report = engine.upkeep.maintenance(MaintenanceOptions(grace_seconds=0)).run()
         after = sum(o.size for o in store.list(SHARD_PREFIX))
     finally:
         engine.close()

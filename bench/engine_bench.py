@@ -73,7 +73,7 @@ def ours(store_factory, work: Workload, tmp: Path) -> dict[str, float]:  # type:
     db = tmp / f"catalog-{uuid.uuid4().hex[:8]}.db"
     store: ObjectStore = store_factory()
     engine = Engine(store, Catalog(f"sqlite:///{db}"))
-    engine.create_namespace("bench", SPEC)
+    engine.namespaces.create("bench", SPEC)
 
     def put(i: int) -> None:
         engine.put("bench", [TrajectoryWrite(work.ids[i], work.tokens, topk=work.routes(i))])

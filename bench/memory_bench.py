@@ -42,7 +42,7 @@ def child(directory: str, total_bytes: int) -> None:
     count = total_bytes // per
     before = high_water_mark()
     engine = Engine(LocalStore(Path(directory) / "objects"), Catalog(f"sqlite:///{directory}/c.db"))
-    engine.create_namespace("mem", spec)
+    engine.namespaces.create("mem", spec)
     start = time.perf_counter()
 
     def put(i: int) -> None:

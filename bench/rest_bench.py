@@ -23,6 +23,7 @@ import zstandard
 from bench import corpus
 from bench.figures import Figure, median_of, timed
 from r3store.engine import Engine
+from r3store.engine.maintenance import MaintenanceOptions
 from r3store.engine.reader import ReaderConfig, plan_ranges
 from r3store.logic import codec, rest
 from r3store.logic.routes import Routes, from_topk, to_mask
@@ -96,15 +97,17 @@ def at_rest(
     with tempfile.TemporaryDirectory() as tmp:
         store = LocalStore(Path(tmp) / "o")
         with Engine(store, Catalog(f"sqlite:///{tmp}/c.db")) as engine:
-            engine.create_namespace("ns", spec)
+            engine.namespaces.create("ns", spec)
 
             def settled(batch: list[TrajectoryWrite]) -> tuple[int, int, int]:
                 step = max(1, math.ceil(len(batch) / puts))
                 for begin in range(0, len(batch), step):
                     engine.put("ns", batch[begin : begin + step])
-                ingest = engine.usage("ns").live_route_bytes
-                report = engine.maintenance(cold_seconds=0, **options).run()
-                stored = engine.usage("ns").live_route_bytes
+                ingest = engine.namespaces.usage("ns").live_route_bytes
+                report = engine.upkeep.maintenance(
+                    MaintenanceOptions(cold_seconds=0, **options)
+                ).run()
+                stored = engine.namespaces.usage("ns").live_route_bytes
                 stored += sum(o.size for o in store.list(DICTIONARY_PREFIX))
                 return ingest, stored, report.dictionaries_trained
 
@@ -384,13 +387,15 @@ def _merging(quick: bool) -> list[Figure]:
     with tempfile.TemporaryDirectory() as tmp:
         store = LocalStore(Path(tmp) / "o")
         with Engine(store, Catalog(f"sqlite:///{tmp}/c.db")) as engine:
-            engine.create_namespace("ns", spec)
+            engine.namespaces.create("ns", spec)
             for write in writes:
                 engine.put("ns", [write])
             for when in ("after ingest", "at rest"):
                 if when == "at rest":
-                    engine.maintenance(cold_seconds=0, grace_seconds=0).run()
-                routes = engine.usage("ns").live_route_bytes
+                    engine.upkeep.maintenance(
+                        MaintenanceOptions(cold_seconds=0, grace_seconds=0)
+                    ).run()
+                routes = engine.namespaces.usage("ns").live_route_bytes
                 objects = [o.size for o in store.list(SHARD_PREFIX)]
                 out.append(
                     Figure(

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from r3store.engine import Engine
+from r3store.engine.maintenance import MaintenanceOptions
 from r3store.storage.catalog import Catalog
 from r3store.storage.store import LocalStore
 
@@ -16,7 +17,7 @@ from r3store.storage.store import LocalStore
 def main() -> None:
     data = Path(sys.argv[1])
     engine = Engine(LocalStore(data / "objects"), Catalog(f"sqlite:///{data / 'catalog.db'}"))
-    maintenance = engine.maintenance(grace_seconds=0)
+    maintenance = engine.upkeep.maintenance(MaintenanceOptions(grace_seconds=0))
     sys.stdout.write("READY\n")
     sys.stdout.flush()
     while True:

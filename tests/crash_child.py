@@ -36,7 +36,7 @@ def main() -> None:
         EngineConfig(writer=WriterConfig(commit_interval=0.01)),
     )
     with contextlib.suppress(Conflict):
-        engine.create_namespace("ns", SPEC)
+        engine.namespaces.create("ns", SPEC)
     out = threading.Lock()
     counter = iter(range(first, first + 10**9, 1))
     take = threading.Lock()

@@ -258,7 +258,7 @@ def test_encode_stops_between_rows_once_asked(
     make_engine: MakeEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = make_engine(LocalStore(tmp_path / "objects"))
-    engine.create_namespace("ns", SPEC)
+    engine.namespaces.create("ns", SPEC)
     asked: list[int] = []
 
     def stop() -> bool:
@@ -268,7 +268,7 @@ def test_encode_stops_between_rows_once_asked(
     with pytest.raises(StoreError, match="answered"):
         engine.encode("ns", [make_write(f"e{i}") for i in range(100)], stop=stop)
     assert len(asked) == 4
-    assert engine.count("ns") == 0
+    assert engine.namespaces.count("ns") == 0
 
 
 def test_the_deadline_tells_abandoned_work_that_its_request_was_answered() -> None:
@@ -384,7 +384,7 @@ def test_a_sample_over_the_decoded_limit_is_refused_and_counts_nothing(reads: Ap
 
 def test_answer_bytes_follow_the_format(make_engine: MakeEngine, tmp_path: Path) -> None:
     engine = make_engine(LocalStore(tmp_path / "objects"))
-    engine.create_namespace("ns", SPEC)
+    engine.namespaces.create("ns", SPEC)
     tokens = np.arange(50, dtype=np.int32)
     engine.put("ns", [make_write("t", tokens=50, token_ids=tokens), make_write("u", tokens=30)])
     found = make_engine.catalog().segments.lookup("ns", ["t", "u"])
@@ -405,7 +405,7 @@ def test_encoding_an_answer_stops_once_asked(
     make_engine: MakeEngine, tmp_path: Path, counted: dict[str, int]
 ) -> None:
     engine = make_engine(LocalStore(tmp_path / "objects"))
-    engine.create_namespace("ns", SPEC)
+    engine.namespaces.create("ns", SPEC)
     engine.put("ns", [make_write(f"t{i}") for i in range(4)])
     batch = engine.get_batch("ns", [f"t{i}" for i in range(4)], decode=False)
     with pytest.raises(StoreError, match="answered"):
@@ -453,7 +453,7 @@ def test_annotations_and_appends_look_their_trajectory_up_once(
     make_engine: MakeEngine, tmp_path: Path
 ) -> None:
     engine = make_engine(LocalStore(tmp_path / "objects"))
-    engine.create_namespace("ns", SPEC)
+    engine.namespaces.create("ns", SPEC)
     n = 1000
     base = [one_token(f"t{i}") for i in range(n)]
     predicted = [
@@ -462,7 +462,7 @@ def test_annotations_and_appends_look_their_trajectory_up_once(
     writes = Counted([*base, *predicted])
     engine.put("ns", writes)
     assert writes.handed <= 8 * len(writes), "each write scanned the whole put"
-    assert engine.count("ns") == n
+    assert engine.namespaces.count("ns") == n
     batch = engine.get_batch("ns", ["t0"], source="predicted")
     assert batch.items[0] is not None
     assert batch.items[0].source == "predicted"

@@ -10,6 +10,7 @@ import pytest
 
 from helpers import SPEC, expected_ids, make_write, run_and_kill
 from r3store.engine import Engine
+from r3store.engine.maintenance import MaintenanceOptions
 from r3store.policy import NamespaceSettings, Retention
 from r3store.storage.catalog import Catalog
 from r3store.storage.keys import SHARD_PREFIX
@@ -46,10 +47,10 @@ def test_sigkill_during_compaction(tmp_path: Path) -> None:
     for round_ in range(3):
         with open_engine(tmp_path) as engine:
             if round_ == 0:
-                engine.create_namespace(
+                engine.namespaces.create(
                     "ns", SPEC, NamespaceSettings(retention=Retention(keep_versions=1))
                 )
-            version = engine.namespace("ns").policy_version
+            version = engine.namespaces.get("ns").policy_version
             for shard in range(12):  # 12 shards, each three-quarters stale after the bump
                 writes = [
                     make_write(f"r{round_}-s{shard}-{i}", policy_version=version) for i in range(3)
@@ -57,13 +58,13 @@ def test_sigkill_during_compaction(tmp_path: Path) -> None:
                 keep = make_write(f"r{round_}-s{shard}-live", policy_version=100)
                 engine.put("ns", [*writes, keep])
                 live[keep.trajectory_id] = keep
-            engine.set_policy_version("ns", version + 1)
+            engine.namespaces.set_policy_version("ns", version + 1)
         run_and_kill(HERE / "compaction_child.py", [str(tmp_path)], rng.uniform(0.05, 0.6))
         with open_engine(tmp_path) as engine:
             check(engine, tmp_path, live)
     with open_engine(tmp_path) as engine:
-        engine.maintenance(grace_seconds=0, orphan_seconds=0).run()
-        engine.maintenance(grace_seconds=0, orphan_seconds=0).run()
+        engine.upkeep.maintenance(MaintenanceOptions(grace_seconds=0, orphan_seconds=0)).run()
+        engine.upkeep.maintenance(MaintenanceOptions(grace_seconds=0, orphan_seconds=0)).run()
         check(engine, tmp_path, live)
     catalog = open_catalog(tmp_path)
     known = catalog.shards.all_keys()

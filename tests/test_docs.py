@@ -26,7 +26,7 @@ def test_format_decoding_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
     ids = uniform_topk(np.random.default_rng(5), 99, 48, 128, 8)
     with Engine(LocalStore(tmp_path / "o"), Catalog(f"sqlite:///{tmp_path / 'c.db'}")) as engine:
-        engine.create_namespace("ns", RouteSpec(48, 128, 8))
+        engine.namespaces.create("ns", RouteSpec(48, 128, 8))
         engine.put("ns", [TrajectoryWrite("t", 100, topk=ids)])
     [shard] = list((tmp_path / "o" / "shards" / "ns").iterdir())
     shutil.copy(shard, tmp_path / "shard.parquet")

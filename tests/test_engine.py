@@ -29,7 +29,7 @@ def snapshot(store: ObjectStore, make_engine: MakeEngine) -> tuple[list[str], in
 
 def test_sixteen_writers_then_restart(store: ObjectStore, make_engine: MakeEngine) -> None:
     engine = make_engine(store, EngineConfig(writer=WriterConfig(commit_interval=0.02)))
-    engine.create_namespace("ns", SPEC)
+    engine.namespaces.create("ns", SPEC)
     acked: dict[str, TrajectoryWrite] = {}
     lock = threading.Lock()
 
@@ -64,7 +64,7 @@ def test_sixteen_writers_then_restart(store: ObjectStore, make_engine: MakeEngin
 
 def test_reads_keep_order_and_name_missing(tmp_path: Path, make_engine: MakeEngine) -> None:
     engine = make_engine(LocalStore(tmp_path / "o"))
-    engine.create_namespace("ns", SPEC)
+    engine.namespaces.create("ns", SPEC)
     writes = [make_write(f"t{i}", prompt_len=3, policy_version=2) for i in range(5)]
     engine.put("ns", writes)
     ids = ["t3", "ghost", "t0", "t3", "other"]
@@ -93,7 +93,7 @@ def test_retries_are_idempotent_and_conflicts_refused(
     store: ObjectStore, make_engine: MakeEngine
 ) -> None:
     engine = make_engine(store)
-    engine.create_namespace("ns", SPEC)
+    engine.namespaces.create("ns", SPEC)
     first = make_write("a", group_id="g")
     assert [r.created for r in engine.put("ns", [first])] == [True]
     before = snapshot(store, make_engine)
@@ -115,7 +115,7 @@ def test_racing_puts_of_one_id_store_it_once(tmp_path: Path, make_engine: MakeEn
     engine = make_engine(
         LocalStore(tmp_path / "o"), EngineConfig(writer=WriterConfig(commit_interval=0.2))
     )
-    engine.create_namespace("ns", SPEC)
+    engine.namespaces.create("ns", SPEC)
     same = make_write("x")
     other = make_write("y")
     clash = TrajectoryWrite("x", other.num_tokens, topk=other.topk)
@@ -180,7 +180,7 @@ def test_bad_input_changes_nothing(
     store: ObjectStore, make_engine: MakeEngine, change: dict[str, object], error: type
 ) -> None:
     engine = make_engine(store)
-    engine.create_namespace("ns", SPEC)
+    engine.namespaces.create("ns", SPEC)
     engine.put("ns", [make_write("keep")])
     before = snapshot(store, make_engine)
     good = make_write("good", tokens=11)
@@ -193,9 +193,9 @@ def test_bad_input_changes_nothing(
 
 def test_masks_and_ordered_namespaces(tmp_path: Path, make_engine: MakeEngine) -> None:
     engine = make_engine(LocalStore(tmp_path / "o"))
-    engine.create_namespace("ns", SPEC)
+    engine.namespaces.create("ns", SPEC)
     ordered = RouteSpec(4, 64, 4, ordered=True)
-    engine.create_namespace("ordered", ordered)
+    engine.namespaces.create("ordered", ordered)
     write = make_write("m")
     routes_mask = to_mask(engine.prepare_routes(SPEC, write), SPEC)
     engine.put("ns", [TrajectoryWrite("m", write.num_tokens, mask=routes_mask)])
@@ -229,7 +229,7 @@ def test_full_buffer_pushes_back(tmp_path: Path, make_engine: MakeEngine) -> Non
         writer=WriterConfig(buffer_bytes=1, put_timeout=0.2, commit_interval=0.01)
     )
     engine = make_engine(store, config)
-    engine.create_namespace("ns", SPEC)
+    engine.namespaces.create("ns", SPEC)
     store.delay = 1.0
     results: dict[str, object] = {}
 
@@ -257,7 +257,7 @@ def test_full_buffer_pushes_back(tmp_path: Path, make_engine: MakeEngine) -> Non
 def test_store_failure_acknowledges_nothing(tmp_path: Path, make_engine: MakeEngine) -> None:
     store = SlowStore(tmp_path / "o")
     engine = make_engine(store)
-    engine.create_namespace("ns", SPEC)
+    engine.namespaces.create("ns", SPEC)
     store.broken = True
     with pytest.raises(StoreError):
         engine.put("ns", [make_write("lost")])
@@ -270,7 +270,7 @@ def test_store_failure_acknowledges_nothing(tmp_path: Path, make_engine: MakeEng
 def test_engine_on_a_fresh_catalog_sees_nothing_until_rebuilt(tmp_path: Path) -> None:
     store = LocalStore(tmp_path / "o")
     with Engine(store, Catalog(f"sqlite:///{tmp_path / 'a.db'}")) as engine:
-        engine.create_namespace("ns", SPEC)
+        engine.namespaces.create("ns", SPEC)
         engine.put("ns", [make_write("t")])
     other = Engine(LocalStore(tmp_path / "o"), Catalog(f"sqlite:///{tmp_path / 'b.db'}"))
     with other, pytest.raises(NotFound):

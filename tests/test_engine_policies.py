@@ -20,7 +20,7 @@ from r3store.storage.store import LocalStore
 @pytest.fixture
 def engine(tmp_path: Path, make_engine: MakeEngine) -> Engine:
     made: Engine = make_engine(LocalStore(tmp_path / "objects"))
-    made.create_namespace("ns", SPEC)
+    made.namespaces.create("ns", SPEC)
     return made
 
 
@@ -74,9 +74,9 @@ def test_whole_conversation_in_one_put(engine: Engine) -> None:
 
 
 def test_staleness_window(engine: Engine) -> None:
-    engine.update_settings("ns", NamespaceSettings(max_policy_lag=1))
+    engine.namespaces.update_settings("ns", NamespaceSettings(max_policy_lag=1))
     engine.put("ns", [make_write("v0", policy_version=0), make_write("v1", policy_version=1)])
-    engine.set_policy_version("ns", 2)
+    engine.namespaces.set_policy_version("ns", 2)
     with pytest.raises(StalePolicy):
         engine.put("ns", [make_write("old", policy_version=0)])
     engine.put("ns", [make_write("ok", policy_version=1)])
@@ -87,12 +87,12 @@ def test_staleness_window(engine: Engine) -> None:
     assert batch.items[1] is not None
     assert engine.get_batch("ns", ["v0"], include_stale=True).items[0] is not None
     with pytest.raises(InvalidInput):
-        engine.set_policy_version("ns", 1)
-    assert engine.namespace("ns").policy_version == 2
+        engine.namespaces.set_policy_version("ns", 1)
+    assert engine.namespaces.get("ns").policy_version == 2
 
 
 def test_fifo_sampling_with_max_times(engine: Engine) -> None:
-    engine.update_settings("ns", NamespaceSettings(max_times_sampled=2))
+    engine.namespaces.update_settings("ns", NamespaceSettings(max_times_sampled=2))
     for i in range(6):
         engine.put("ns", [make_write(f"f{i}")])
     first = engine.sample("ns", 4, Strategy.FIFO)
@@ -128,18 +128,18 @@ def test_namespace_settings_and_delete(engine: Engine, tmp_path: Path) -> None:
     settings = NamespaceSettings(
         max_policy_lag=3, max_times_sampled=1, retention=Retention(keep_versions=2, ttl_seconds=60)
     )
-    assert engine.update_settings("ns", settings).settings == settings
-    assert engine.namespace("ns").settings == settings
+    assert engine.namespaces.update_settings("ns", settings).settings == settings
+    assert engine.namespaces.get("ns").settings == settings
     engine.put("ns", [make_write("x")])
-    assert [n.name for n in engine.list_namespaces()] == ["ns"]
-    deleted = engine.delete_namespace("ns")
+    assert [n.name for n in engine.namespaces.all()] == ["ns"]
+    deleted = engine.namespaces.delete("ns")
     assert deleted == 2  # one shard and the manifest
     assert not any((tmp_path / "objects").rglob("*.parquet"))
     with pytest.raises(NotFound):
-        engine.namespace("ns")
+        engine.namespaces.get("ns")
     with pytest.raises(NotFound):
         engine.get_batch("ns", ["x"])
-    engine.create_namespace("ns", SPEC)
+    engine.namespaces.create("ns", SPEC)
     assert engine.get_batch("ns", ["x"]).missing == ["x"]
 
 

@@ -69,7 +69,7 @@ def test_engine_put_survives_a_lost_answer(
     tmp_path: Path, seaweed: SeaweedFS, proxy: FaultyProxy
 ) -> None:
     with Engine(proxied_store(seaweed, proxy), Catalog(f"sqlite:///{tmp_path / 'c.db'}")) as engine:
-        engine.create_namespace("ns", SPEC)
+        engine.namespaces.create("ns", SPEC)
         write = make_write("lost-answer")
         proxy.lose_answers(1)
         [result] = engine.put("ns", [write])

@@ -139,7 +139,7 @@ def stored(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, An
     sent: dict[str, Any] = {}
     catalog = Catalog(f"sqlite:///{root / 'catalog.db'}")
     with Engine(LocalStore(root / "objects"), catalog) as engine:
-        engine.create_namespace("sets", RouteSpec(4, 128, 8))
+        engine.namespaces.create("sets", RouteSpec(4, 128, 8))
         first = TrajectoryWrite(
             "a",
             50,
@@ -158,21 +158,21 @@ def stored(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, An
         trainer = TrajectoryWrite("b", 9, topk=uniform_topk(rng, 9, 4, 128, 8), source="trainer")
         engine.put("sets", [trainer])
 
-        engine.create_namespace("recurring", RouteSpec(4, 256, 8))
+        engine.namespaces.create("recurring", RouteSpec(4, 256, 8))
         pool = uniform_topk(rng, 8, 1, 256, 8)[:, 0]  # few sets, recurring: stored sorted
         engine.put(
             "recurring", [TrajectoryWrite("r", 2000, topk=pool[rng.integers(0, 8, (2000, 4))])]
         )
 
-        engine.create_namespace("wide", RouteSpec(3, 300, 4, allow_fewer=True))
+        engine.namespaces.create("wide", RouteSpec(3, 300, 4, allow_fewer=True))
         wide = _with_empty_slots(rng, uniform_topk(rng, 59, 3, 300, 4), 4)
         engine.put("wide", [TrajectoryWrite("w", 60, topk=wide, token_ids=np.arange(60))])
 
-        engine.create_namespace("single", RouteSpec(2, 16, 1))
+        engine.namespaces.create("single", RouteSpec(2, 16, 1))
         engine.put("single", [TrajectoryWrite("s", 12, topk=uniform_topk(rng, 12, 2, 16, 1))])
 
         for name, (spec, tokens) in ORDERED.items():
-            engine.create_namespace(name, spec)
+            engine.namespaces.create(name, spec)
             ids = uniform_topk(rng, tokens - 1, spec.num_layers, spec.num_experts, spec.top_k)
             ids = _with_empty_slots(rng, ids, 3)
             engine.put(name, [TrajectoryWrite("o", tokens, topk=ids, group_id="o")])

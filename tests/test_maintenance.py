@@ -11,6 +11,7 @@ import pytest
 
 from helpers import SPEC, MakeEngine, expected_ids, make_write
 from r3store.engine import Engine
+from r3store.engine.maintenance import MaintenanceOptions
 from r3store.errors import StoreError
 from r3store.policy import NamespaceSettings, Retention
 from r3store.storage.keys import SHARD_PREFIX
@@ -38,11 +39,11 @@ def check_all(engine: Engine, writes: dict[str, object]) -> None:
 
 def test_retention_by_versions(store: ObjectStore, make_engine: MakeEngine) -> None:
     engine = make_engine(store)
-    engine.create_namespace("ns", SPEC, settings(keep_versions=2))
+    engine.namespaces.create("ns", SPEC, settings(keep_versions=2))
     for v in range(4):
         engine.put("ns", [make_write(f"v{v}-{i}", policy_version=v) for i in range(2)])
-    engine.set_policy_version("ns", 3)
-    report = engine.maintenance().run()
+    engine.namespaces.set_policy_version("ns", 3)
+    report = engine.upkeep.maintenance().run()
     assert report.trajectories_dropped == 4
     kept = engine.get_batch("ns", [f"v{v}-{i}" for v in range(4) for i in range(2)])
     assert kept.missing == ["v0-0", "v0-1", "v1-0", "v1-1"]
@@ -55,9 +56,9 @@ def test_retention_by_time_to_live(tmp_path: Path) -> None:
     engine = Engine(
         LocalStore(tmp_path / "o"), Catalog(f"sqlite:///{tmp_path / 'c.db'}"), clock=clock
     )
-    engine.create_namespace("ns", SPEC, settings(ttl_seconds=3600))
+    engine.namespaces.create("ns", SPEC, settings(ttl_seconds=3600))
     engine.put("ns", [make_write("old")])
-    maintenance = engine.maintenance(clock=clock)
+    maintenance = engine.upkeep.maintenance(MaintenanceOptions(clock=clock))
     assert maintenance.run().trajectories_dropped == 0
     clock.now += 1800
     engine.put("ns", [make_write("young")])
@@ -70,10 +71,10 @@ def test_retention_by_time_to_live(tmp_path: Path) -> None:
 def test_retention_by_consumption(store: ObjectStore, make_engine: MakeEngine) -> None:
     engine = make_engine(store)
     custom = NamespaceSettings(max_times_sampled=1, retention=Retention(evict_after_sampled=True))
-    engine.create_namespace("ns", SPEC, custom)
+    engine.namespaces.create("ns", SPEC, custom)
     engine.put("ns", [make_write(f"c{i}") for i in range(4)])
     assert engine.sample("ns", 3).ids == ["c0", "c1", "c2"]
-    assert engine.maintenance().run().trajectories_dropped == 3
+    assert engine.upkeep.maintenance().run().trajectories_dropped == 3
     assert engine.get_batch("ns", ["c0", "c3"]).missing == ["c0"]
 
 
@@ -81,14 +82,14 @@ def test_compaction_keeps_live_trajectories_identical(
     store: ObjectStore, make_engine: MakeEngine
 ) -> None:
     engine = make_engine(store)
-    engine.create_namespace("ns", SPEC, settings(keep_versions=1))
+    engine.namespaces.create("ns", SPEC, settings(keep_versions=1))
     old = {f"o{i}": make_write(f"o{i}", policy_version=0) for i in range(6)}
     new = {f"n{i}": make_write(f"n{i}", policy_version=1) for i in range(2)}
     engine.put("ns", list(old.values()) + list(new.values()))  # one shard, mostly old
     [before] = [o.key for o in store.list(SHARD_PREFIX)]
-    engine.set_policy_version("ns", 1)
+    engine.namespaces.set_policy_version("ns", 1)
     clock = Clock()
-    maintenance = engine.maintenance(clock=clock, grace_seconds=60)
+    maintenance = engine.upkeep.maintenance(MaintenanceOptions(clock=clock, grace_seconds=60))
     report = maintenance.run()
     assert report.trajectories_dropped == 6
     assert report.shards_compacted == 1
@@ -110,16 +111,16 @@ def test_failed_compaction_changes_nothing(tmp_path: Path) -> None:
 
     catalog = Catalog(f"sqlite:///{tmp_path / 'c.db'}")
     engine = Engine(LocalStore(tmp_path / "o"), catalog)
-    engine.create_namespace("ns", SPEC, settings(keep_versions=1))
+    engine.namespaces.create("ns", SPEC, settings(keep_versions=1))
     writes = {f"w{i}": make_write(f"w{i}", policy_version=i // 3) for i in range(4)}
     engine.put("ns", list(writes.values()))
-    engine.set_policy_version("ns", 1)
+    engine.namespaces.set_policy_version("ns", 1)
 
     def crash(*_args: object) -> int:
         raise StoreError("the catalog went away mid-compaction")
 
     catalog.shards.replace = crash  # type: ignore[method-assign]
-    report = engine.maintenance(grace_seconds=0, orphan_seconds=0).run()
+    report = engine.upkeep.maintenance(MaintenanceOptions(grace_seconds=0, orphan_seconds=0)).run()
     assert report.shards_compacted == 0
     check_all(engine, {"w3": writes["w3"]})
     # the new shard written before the failure is an orphan: collected, nothing else is
@@ -133,7 +134,7 @@ def test_orphans_older_than_the_grace_are_collected(
 ) -> None:
     store = LocalStore(tmp_path / "o")
     engine = make_engine(store)
-    engine.create_namespace("ns", SPEC)
+    engine.namespaces.create("ns", SPEC)
     engine.put("ns", [make_write("kept")])
     catalog = make_engine.catalog()
     past = time.time() - 7200
@@ -146,7 +147,7 @@ def test_orphans_older_than_the_grace_are_collected(
     for name in ("0000000000001-old", "0000000000002-foreign"):
         path = tmp_path / "o" / SHARD_PREFIX / "ns" / f"{name}.parquet"
         os.utime(path, (past, past))
-    report = engine.maintenance(orphan_seconds=3600).run()
+    report = engine.upkeep.maintenance(MaintenanceOptions(orphan_seconds=3600)).run()
     assert report.orphans_deleted == 1
     assert report.unknown_objects == 1
     names = sorted(p.name for p in (tmp_path / "o" / SHARD_PREFIX / "ns").iterdir())
@@ -167,13 +168,13 @@ def test_retention_on_two_engines_at_once_deletes_nothing_live(tmp_path: Path, r
     url = f"sqlite:///{tmp_path / 'c.db'}"
     a, b = Engine(store, Catalog(url)), Engine(LocalStore(tmp_path / "o"), Catalog(url))
     try:
-        a.create_namespace("ns", SPEC, settings(keep_versions=1))
+        a.namespaces.create("ns", SPEC, settings(keep_versions=1))
         live = {f"l{i}": make_write(f"l{i}", policy_version=1) for i in range(3)}
         a.put("ns", [make_write(f"d{i}", policy_version=0) for i in range(5)] + list(live.values()))
-        a.set_policy_version("ns", 1)
+        a.namespaces.set_policy_version("ns", 1)
         import threading
 
-        runs = [e.maintenance(grace_seconds=0) for e in (a, b)]
+        runs = [e.upkeep.maintenance(MaintenanceOptions(grace_seconds=0)) for e in (a, b)]
         threads = [threading.Thread(target=m.run) for m in runs for _ in range(rounds)]
         for t in threads:
             t.start()
@@ -193,12 +194,12 @@ def test_rebuild_does_not_bring_back_what_retention_dropped(
     from r3store.storage.catalog import Catalog
 
     engine = make_engine(store)
-    engine.create_namespace("ns", SPEC, settings(keep_versions=1))
+    engine.namespaces.create("ns", SPEC, settings(keep_versions=1))
     # one shard, mostly live: retention drops a row that compaction leaves in place
     writes = {f"k{i}": make_write(f"k{i}", policy_version=1) for i in range(4)}
     engine.put("ns", [make_write("gone", policy_version=0), *writes.values()])
-    engine.set_policy_version("ns", 1)
-    report = engine.maintenance(grace_seconds=0).run()
+    engine.namespaces.set_policy_version("ns", 1)
+    report = engine.upkeep.maintenance(MaintenanceOptions(grace_seconds=0)).run()
     assert report.trajectories_dropped == 1
     assert report.shards_compacted == 0, "the shard is mostly live and stays"
     fresh = Catalog(f"sqlite:///{tmp_path / 'rebuilt.db'}")
@@ -210,12 +211,12 @@ def test_rebuild_does_not_bring_back_what_retention_dropped(
     tombstones = [o.key for o in store.list("tombstones/")]
     assert len(tombstones) == 1
     # once the shard holding the dropped segment is compacted away, the tombstone goes too
-    engine.update_settings("ns", settings(keep_versions=1))
-    engine.set_policy_version("ns", 2)  # now every row is stale: the shard empties
+    engine.namespaces.update_settings("ns", settings(keep_versions=1))
+    engine.namespaces.set_policy_version("ns", 2)  # now every row is stale: the shard empties
     engine.put("ns", [make_write("new", policy_version=2)])
-    first = engine.maintenance(grace_seconds=0).run()
+    first = engine.upkeep.maintenance(MaintenanceOptions(grace_seconds=0)).run()
     assert first.trajectories_dropped == 4
-    second = engine.maintenance(grace_seconds=0).run()
+    second = engine.upkeep.maintenance(MaintenanceOptions(grace_seconds=0)).run()
     assert first.tombstones_deleted + second.tombstones_deleted >= 1
     remaining = {o.key for o in store.list("tombstones/")}
     assert tombstones[0] not in remaining
@@ -228,16 +229,18 @@ def test_a_preview_changes_nothing_and_a_pass_logs_what_it_deletes(
 
     store = LocalStore(tmp_path / "o")
     engine = make_engine(store)
-    engine.create_namespace("ns", SPEC, settings(keep_versions=1))
+    engine.namespaces.create("ns", SPEC, settings(keep_versions=1))
     engine.put("ns", [make_write(f"d{i}", policy_version=0) for i in range(3)])
     engine.put("ns", [make_write("live", policy_version=1)])
-    engine.set_policy_version("ns", 1)
+    engine.namespaces.set_policy_version("ns", 1)
     objects = sorted(info.key for info in store.list())
-    maintenance = engine.maintenance(grace_seconds=0, orphan_seconds=0, cold_seconds=None)
+    maintenance = engine.upkeep.maintenance(
+        MaintenanceOptions(grace_seconds=0, orphan_seconds=0, cold_seconds=None)
+    )
     preview = maintenance.preview()
     assert preview.retention == {"ns": ["d0", "d1", "d2"]}
     assert sorted(info.key for info in store.list()) == objects
-    assert engine.count("ns") == 4
+    assert engine.namespaces.count("ns") == 4
     with caplog.at_level(logging.INFO, logger="r3store.engine.maintenance"):
         maintenance.run()  # drops the three, retires their shard and deletes it
     assert maintenance.totals.objects_deleted == 1
@@ -247,7 +250,7 @@ def test_a_preview_changes_nothing_and_a_pass_logs_what_it_deletes(
         if k.startswith(SHARD_PREFIX) and k not in {i.key for i in store.list(SHARD_PREFIX)}
     )
     assert f"deleted {shard}: retired for over the grace" in caplog.text
-    after = engine.maintenance(grace_seconds=0, orphan_seconds=0)
+    after = engine.upkeep.maintenance(MaintenanceOptions(grace_seconds=0, orphan_seconds=0))
     assert [why for _key, why in after.preview().delete] == [
         "no shard or upload that may hold its segments is left"  # the tombstone, next
     ]

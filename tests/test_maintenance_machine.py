@@ -18,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from helpers import seed_of
 from r3store.engine import Engine
-from r3store.engine.maintenance import Maintenance, MaintenanceReport
+from r3store.engine.maintenance import Maintenance, MaintenanceOptions, MaintenanceReport
 from r3store.engine.rebuild import rebuild_catalog
 from r3store.policy import NamespaceSettings, Retention
 from r3store.records import TrajectoryWrite
@@ -46,7 +46,7 @@ class MaintenanceMachine(RuleBasedStateMachine):
         self.store = LocalStore(self.dir / "objects")
         self.engine = Engine(self.store, Catalog(self.url))
         retention = Retention(keep_versions=KEEP)
-        self.engine.create_namespace("ns", SPEC, NamespaceSettings(retention=retention))
+        self.engine.namespaces.create("ns", SPEC, NamespaceSettings(retention=retention))
         self.version = 0
         self.model: dict[str, tuple[int, int]] = {}  # id: policy version, tokens
         self.catalogs = [Catalog(self.url), Catalog(self.url)]
@@ -54,11 +54,10 @@ class MaintenanceMachine(RuleBasedStateMachine):
             Maintenance(
                 self.store,
                 catalog,
-                self.engine.spec,
-                grace_seconds=0,
-                orphan_seconds=0,
-                cold_seconds=0,
-                rest_shard_bytes=4096,
+                self.engine.namespaces.spec,
+                MaintenanceOptions(
+                    grace_seconds=0, orphan_seconds=0, cold_seconds=0, rest_shard_bytes=4096
+                ),
             )
             for catalog in self.catalogs
         ]
@@ -90,7 +89,7 @@ class MaintenanceMachine(RuleBasedStateMachine):
     @rule()
     def advance(self) -> None:
         self.version += 1
-        self.engine.set_policy_version("ns", self.version)
+        self.engine.namespaces.set_policy_version("ns", self.version)
 
     @rule(
         first=st.integers(0, 1),

@@ -13,7 +13,7 @@ import pytest
 
 from helpers import SPEC, MakeEngine, expected_ids, make_write
 from r3store.engine import Engine
-from r3store.engine.maintenance import Maintenance, MaintenanceReport
+from r3store.engine.maintenance import Maintenance, MaintenanceOptions, MaintenanceReport
 from r3store.logic import rest
 from r3store.policy import NamespaceSettings, Retention
 from r3store.records import TrajectoryWrite
@@ -30,7 +30,8 @@ def _pass(engine: Engine, catalog: Catalog, **options: Any) -> Maintenance:
     calls can be hooked without touching the other pass's."""
     store = engine._store  # the same objects: another replica's view
     defaults = {"grace_seconds": 0, "orphan_seconds": 0, "cold_seconds": 0}
-    return Maintenance(store, catalog, engine.spec, **{**defaults, **options})
+    chosen = MaintenanceOptions(**{**defaults, **options})
+    return Maintenance(store, catalog, engine.namespaces.spec, chosen)
 
 
 def _before(catalog: Catalog, name: str, first: Callable[[], object]) -> list[object]:
@@ -63,7 +64,7 @@ def _exact(engine: Engine, namespace: str, writes: dict[str, Any], ids: bool = F
 def _rebuilt(engine: Engine, make_engine: MakeEngine, store: ObjectStore) -> Engine:
     engine.flush()
     fresh = make_engine(store, db="rebuilt.db")
-    fresh.rebuild()
+    fresh.upkeep.rebuild()
     return fresh
 
 
@@ -71,13 +72,16 @@ def test_a_dictionary_collected_while_a_pass_encodes_with_it_is_not_committed(
     store: ObjectStore, make_engine: MakeEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = make_engine(store)
-    engine.create_namespace("ns", REST_SPEC, KEEP_ONE)
+    engine.namespaces.create("ns", REST_SPEC, KEEP_ONE)
     old = _group_writes(version=0)
     engine.put("ns", [w for w, _ids in old.values()])
-    assert engine.maintenance(cold_seconds=0).run().dictionaries_trained == 1  # D1, version 0
+    assert (
+        engine.upkeep.maintenance(MaintenanceOptions(cold_seconds=0)).run().dictionaries_trained
+        == 1
+    )  # D1, version 0
     new = _group_writes(version=1)
     engine.put("ns", [w for w, _ids in new.values()])
-    engine.set_policy_version("ns", 1)  # version 0 is now retention's
+    engine.namespaces.set_policy_version("ns", 1)  # version 0 is now retention's
 
     at_rest = [u for u in make_engine.catalog().shards.usage("ns") if u.rest_level is not None]
     # X: a rest pass that finds no dictionary of its own for version 1 and takes D1;
@@ -86,7 +90,9 @@ def test_a_dictionary_collected_while_a_pass_encodes_with_it_is_not_committed(
     x_catalog = make_engine.catalog()
     # (version 1's rows in one merge; the shard at rest of version 0 is not small)
     x = _pass(engine, x_catalog, rest_shard_bytes=4 * at_rest[0].live_bytes)
-    y = engine.maintenance(grace_seconds=0, orphan_seconds=0, cold_seconds=None)
+    y = engine.upkeep.maintenance(
+        MaintenanceOptions(grace_seconds=0, orphan_seconds=0, cold_seconds=None)
+    )
     ran = _before(x_catalog, "shards.replace", y.run)
     report = MaintenanceReport()
     x.settle(report)  # its rest step alone: retention is Y's
@@ -96,7 +102,9 @@ def test_a_dictionary_collected_while_a_pass_encodes_with_it_is_not_committed(
     monkeypatch.undo()
 
     _exact(engine, "ns", new, ids=True)
-    engine.maintenance(cold_seconds=0, grace_seconds=0, orphan_seconds=0).run()
+    engine.upkeep.maintenance(
+        MaintenanceOptions(cold_seconds=0, grace_seconds=0, orphan_seconds=0)
+    ).run()
     _exact(engine, "ns", new, ids=True)
     rebuilt = _rebuilt(engine, make_engine, store)
     _exact(rebuilt, "ns", new, ids=True)
@@ -106,17 +114,19 @@ def test_a_dictionary_collected_while_a_pass_encodes_with_it_is_not_committed(
 def _mixed(engine: Engine) -> tuple[list[TrajectoryWrite], dict[str, TrajectoryWrite]]:
     """One shard: 8 rows of version 0 (retention's once the version moves) and 12 of 1,
     so that a copy holding all 20 is 60% live: never compacted."""
-    engine.create_namespace("ns", SPEC, KEEP_ONE)
+    engine.namespaces.create("ns", SPEC, KEEP_ONE)
     dropped = [make_write(f"old{i}", policy_version=0) for i in range(8)]
     live = {f"new{i}": make_write(f"new{i}", policy_version=1) for i in range(12)}
     engine.put("ns", [*dropped, *live.values()])
-    engine.set_policy_version("ns", 1)
+    engine.namespaces.set_policy_version("ns", 1)
     return dropped, live
 
 
 def _settle_down(engine: Engine) -> None:
     for _ in range(3):
-        engine.maintenance(cold_seconds=0, grace_seconds=0, orphan_seconds=0).run()
+        engine.upkeep.maintenance(
+            MaintenanceOptions(cold_seconds=0, grace_seconds=0, orphan_seconds=0)
+        ).run()
 
 
 def _stay_dropped(
@@ -143,7 +153,9 @@ def test_rows_retention_drops_while_a_rest_pass_copies_them_stay_dropped(
     # X copies the shard's 20 rows into a new object; before X commits, Y drops 8
     x_catalog = make_engine.catalog()
     x = _pass(engine, x_catalog)
-    y = engine.maintenance(grace_seconds=0, orphan_seconds=0, cold_seconds=None)
+    y = engine.upkeep.maintenance(
+        MaintenanceOptions(grace_seconds=0, orphan_seconds=0, cold_seconds=None)
+    )
     ran = _before(x_catalog, "shards.replace", y.run)
     report = MaintenanceReport()
     x.settle(report)  # its rest step alone: retention is Y's
@@ -162,7 +174,9 @@ def test_rows_a_rest_pass_moved_while_retention_drops_them_stay_dropped(
     # all 20 into a new shard and commits
     y_catalog = make_engine.catalog()
     y = _pass(engine, y_catalog, cold_seconds=None)
-    x = engine.maintenance(grace_seconds=0, orphan_seconds=0, cold_seconds=0)
+    x = engine.upkeep.maintenance(
+        MaintenanceOptions(grace_seconds=0, orphan_seconds=0, cold_seconds=0)
+    )
     moved = MaintenanceReport()
     ran = _before(y_catalog, "segments.delete", lambda: x.settle(moved))
     y.run()
@@ -179,10 +193,10 @@ def test_an_orphan_collected_while_its_commit_is_under_way_is_not_committed(
 
     store = LocalStore(tmp_path / "o")
     engine = make_engine(store)
-    engine.create_namespace("ns", SPEC)
+    engine.namespaces.create("ns", SPEC)
     catalog = engine._catalog
     # a commit delayed past the orphan age: collection takes the upload first
-    sweep = engine.maintenance(grace_seconds=0, orphan_seconds=0)
+    sweep = engine.upkeep.maintenance(MaintenanceOptions(grace_seconds=0, orphan_seconds=0))
     _before(catalog, "shards.commit", sweep.run)
     engine.put("ns", [make_write("slow")])  # settled again into a new shard, acknowledged
     _exact(engine, "ns", {"slow": make_write("slow")})
@@ -213,7 +227,7 @@ def test_a_namespace_deletion_that_fails_midway_is_finished_by_maintenance(
     from r3store.errors import StoreError
 
     engine = make_engine(store)
-    engine.create_namespace("ns", SPEC)
+    engine.namespaces.create("ns", SPEC)
     for i in range(3):
         engine.put("ns", [make_write(f"t{i}")])
     real = store.delete
@@ -227,10 +241,10 @@ def test_a_namespace_deletion_that_fails_midway_is_finished_by_maintenance(
 
     monkeypatch.setattr(store, "delete", fails_second)
     with pytest.raises(StoreError):
-        engine.delete_namespace("ns")
+        engine.namespaces.delete("ns")
     monkeypatch.undo()
     assert len(list(store.list("shards/"))) == 2
-    report = engine.maintenance(grace_seconds=0, orphan_seconds=0).run()
+    report = engine.upkeep.maintenance(MaintenanceOptions(grace_seconds=0, orphan_seconds=0)).run()
     assert report.unknown_objects == 0
     assert list(store.list("shards/")) == []
     assert make_engine.catalog().ledger.pending_uploads() == []

@@ -24,6 +24,7 @@ import pytest
 from helpers import SPEC, expected_ids, make_write
 from http_helpers import KEYS, ServerProcess
 from r3store.engine import Engine
+from r3store.engine.maintenance import MaintenanceOptions
 from r3store.errors import InvalidConfig, StoreError
 from r3store.storage.catalog import Catalog
 from r3store.storage.keys import IDENTITY_KEY, SHARD_PREFIX
@@ -116,7 +117,9 @@ def test_a_second_catalog_on_the_same_bucket_deletes_nothing(
         # the library, unbound, on an empty catalog: collects nothing it did not plan
         fresh = Engine(seaweed.new_store(prefix), Catalog(f"sqlite:///{tmp_path / 'x.db'}"))
         with caplog.at_level(logging.WARNING, logger="r3store.engine.maintenance"):
-            report = fresh.maintenance(orphan_seconds=0, grace_seconds=0).run()
+            report = fresh.upkeep.maintenance(
+                MaintenanceOptions(orphan_seconds=0, grace_seconds=0)
+            ).run()
         fresh.close()
         assert report.orphans_deleted == 0
         assert report.unknown_objects == len(WRITES)
@@ -135,8 +138,8 @@ def _bound_engine(tmp_path: Path, seaweed: SeaweedFS) -> tuple[Engine, str, str]
     prefix = f"t-{uuid.uuid4().hex[:16]}"
     url = f"sqlite:///{tmp_path / 'catalog.db'}"
     engine = Engine(seaweed.new_store(prefix), Catalog(url))
-    engine.bind(create=True)
-    engine.create_namespace("ns", SPEC)
+    engine.upkeep.bind(create=True)
+    engine.namespaces.create("ns", SPEC)
     return engine, prefix, url
 
 
@@ -168,15 +171,19 @@ def test_a_catalog_restored_from_a_backup_deletes_nothing_newer(
     _restore(tmp_path)
 
     restored = Engine(seaweed.new_store(prefix), Catalog(url))
-    restored.bind(create=False)  # the same catalog, older
-    report = restored.maintenance(orphan_seconds=0, grace_seconds=0).run()
+    restored.upkeep.bind(create=False)  # the same catalog, older
+    report = restored.upkeep.maintenance(
+        MaintenanceOptions(orphan_seconds=0, grace_seconds=0)
+    ).run()
     assert report.orphans_deleted == 0
     assert report.unknown_objects == 4  # the shards written after the backup: said, kept
     assert restored.get_batch("ns", list(WRITES)).missing == [w.trajectory_id for w in items[4:]]
-    restored.rebuild()  # what the warning advises: every trajectory again
+    restored.upkeep.rebuild()  # what the warning advises: every trajectory again
     batch = restored.get_batch("ns", list(WRITES))
     assert batch.missing == []
-    assert restored.maintenance(orphan_seconds=0).run().unknown_objects == 0
+    assert (
+        restored.upkeep.maintenance(MaintenanceOptions(orphan_seconds=0)).run().unknown_objects == 0
+    )
     restored.close()
 
 
@@ -282,17 +289,17 @@ def test_two_bound_catalogs_never_share_a_store(tmp_path: Path) -> None:
         return Engine(LocalStore(tmp_path / store), Catalog(f"sqlite:///{tmp_path / db}"))
 
     a, b = engine("a", "a.db"), engine("b", "b.db")
-    ids = a.bind(create=True), b.bind(create=True)
-    a.create_namespace("ns", SPEC)
+    ids = a.upkeep.bind(create=True), b.upkeep.bind(create=True)
+    a.namespaces.create("ns", SPEC)
     a.put("ns", [WRITES["t0"]])
     a.close()
     b.close()
     crossed = engine("a", "b.db")  # cluster b's catalog on cluster a's prefix
     with pytest.raises(InvalidConfig, match=f"belongs to catalog {ids[0]}.*is catalog {ids[1]}"):
-        crossed.bind(create=True)
+        crossed.upkeep.bind(create=True)
     crossed.close()
     again = engine("a", "a.db")
-    assert again.bind(create=False) == ids[0]
+    assert again.upkeep.bind(create=False) == ids[0]
     assert again.get_batch("ns", ["t0"]).missing == []
     again.close()
 
@@ -304,7 +311,7 @@ def test_a_deployment_made_before_identities_is_bound_in_place(tmp_path: Path) -
 
     url = f"sqlite:///{tmp_path / 'catalog.db'}"
     old = Engine(LocalStore(tmp_path / "objects"), Catalog(url))
-    old.create_namespace("ns", SPEC)
+    old.namespaces.create("ns", SPEC)
     old.put("ns", [WRITES["t0"]])  # no identity anywhere, as before they existed
     old.close()
     assert not (tmp_path / "objects" / IDENTITY_KEY).exists()
@@ -313,10 +320,10 @@ def test_a_deployment_made_before_identities_is_bound_in_place(tmp_path: Path) -
     # a fresh, empty catalog on that store is refused; its own catalog is bound
     other = Engine(LocalStore(tmp_path / "objects"), Catalog(f"sqlite:///{tmp_path / 'x.db'}"))
     with pytest.raises(InvalidConfig, match="holds objects but no identity"):
-        other.bind(create=True)
+        other.upkeep.bind(create=True)
     other.close()
     engine = Engine(LocalStore(tmp_path / "objects"), Catalog(url))
-    bound = engine.bind(create=False)
+    bound = engine.upkeep.bind(create=False)
     assert json.loads((tmp_path / "objects" / IDENTITY_KEY).read_bytes())["catalog"] == bound
     assert engine.get_batch("ns", ["t0"]).missing == []
     engine.close()
@@ -359,18 +366,18 @@ def test_a_backup_taken_while_an_upload_was_pending_is_refused_until_rebuilt(
 
     catalog.shards.commit = backup_first  # type: ignore[method-assign]
     engine.put("ns", [WRITES["t0"]])  # acknowledged
-    engine.maintenance().run()  # a pass after the backup counts the generation up
+    engine.upkeep.maintenance().run()  # a pass after the backup counts the generation up
     engine.close()
     _restore(tmp_path)
 
     restored = Engine(seaweed.new_store(prefix), Catalog(url))
     try:
         with pytest.raises(InvalidConfig, match=r"older than .*restored from a backup"):
-            restored.bind(create=False)
+            restored.upkeep.bind(create=False)
         # a pass anyway (the library, unbound) deletes nothing: the planned upload,
         # committed after the backup, stays
         assert restored._catalog.ledger.pending_uploads() != []
-        sweep = restored.maintenance(orphan_seconds=0, grace_seconds=0)
+        sweep = restored.upkeep.maintenance(MaintenanceOptions(orphan_seconds=0, grace_seconds=0))
         preview = sweep.preview()
         assert preview.delete == []
         assert preview.behind is not None
@@ -379,8 +386,8 @@ def test_a_backup_taken_while_an_upload_was_pending_is_refused_until_rebuilt(
         assert report.orphans_deleted == 0
         assert report.catalog_behind == 1
         assert len(list(seaweed.new_store(prefix).list(SHARD_PREFIX))) == 1
-        restored.rebuild()
-        assert restored.bind(create=False)
+        restored.upkeep.rebuild()
+        assert restored.upkeep.bind(create=False)
         assert restored.get_batch("ns", ["t0"]).missing == []
     finally:
         restored.close()
@@ -400,7 +407,7 @@ def test_replicas_binding_one_new_store_at_once_agree(
     def bind(engine: Engine) -> None:
         start.wait()
         try:
-            found.append(engine.bind(create=True))
+            found.append(engine.upkeep.bind(create=True))
         except Exception as exc:  # noqa: BLE001 - collected, asserted below
             found.append(exc)
 

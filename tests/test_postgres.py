@@ -15,6 +15,7 @@ import pytest
 from helpers import SPEC, expected_ids, make_write
 from http_helpers import KEEP_ONE_VERSION, KEYS, replicas
 from r3store.engine import Engine
+from r3store.engine.maintenance import MaintenanceOptions
 from r3store.protocol.wire import CONTENT_TYPE, decode_batch, encode_writes
 from r3store.storage.catalog import Catalog
 from r3store.testing.postgres import Postgres
@@ -31,7 +32,7 @@ def pg_url(postgres_server: Postgres) -> str:
 def test_engine_on_postgres(pg_url: str, seaweed: SeaweedFS) -> None:
     store = seaweed.new_store()
     with Engine(store, Catalog(pg_url)) as engine:
-        engine.create_namespace("ns", SPEC)
+        engine.namespaces.create("ns", SPEC)
         writes = {
             f"t{i}": make_write(f"t{i}", group_id=f"g{i % 3}", policy_version=i % 2)
             for i in range(24)
@@ -85,7 +86,7 @@ def test_two_servers_share_one_bucket_and_database(
     # retention and compaction on two replicas at once delete nothing live
     engines = [Engine(seaweed.new_store(a.prefix), Catalog(pg_url)) for _ in range(2)]
     try:
-        passes = [e.maintenance(grace_seconds=0) for e in engines]
+        passes = [e.upkeep.maintenance(MaintenanceOptions(grace_seconds=0)) for e in engines]
         threads = [threading.Thread(target=m.run) for m in passes for _ in range(2)]
         for t in threads:
             t.start()

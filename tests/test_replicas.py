@@ -17,6 +17,7 @@ import pytest
 from helpers import SPEC, expected_ids, make_write
 from http_helpers import KEEP_ONE_VERSION, KEYS, ServerProcess, replicas
 from r3store.engine import Engine, EngineConfig
+from r3store.engine.maintenance import MaintenanceOptions
 from r3store.engine.reader import ReaderConfig
 from r3store.engine.writer import WriterConfig
 from r3store.errors import Conflict
@@ -68,7 +69,7 @@ def test_a_lost_race_fails_only_the_upload_that_conflicts(
     url = f"sqlite:///{tmp_path / 'catalog.db'}"
     objects = LocalStore(tmp_path / "objects")
     other = Engine(objects, Catalog(url))
-    other.create_namespace("ns", SPEC)
+    other.namespaces.create("ns", SPEC)
     clash = make_write("x")
     theirs = clash if same_content else TrajectoryWrite("x", 9, topk=make_write("z", tokens=9).topk)
     store = BeforeShardPut(objects, lambda: other.put("ns", [theirs]))
@@ -225,12 +226,14 @@ def test_a_read_that_raced_compaction_looks_up_again(tmp_path: Path) -> None:
     catalog = Catalog(f"sqlite:///{tmp_path / 'c.db'}")
     engine = Engine(store, catalog, no_cache)
     try:
-        engine.create_namespace("ns", SPEC, NamespaceSettings(retention=Retention(keep_versions=1)))
+        engine.namespaces.create(
+            "ns", SPEC, NamespaceSettings(retention=Retention(keep_versions=1))
+        )
         writes = [make_write(f"t{i}", policy_version=int(i % 3 == 0)) for i in range(6)]
         engine.put("ns", writes)
-        engine.set_policy_version("ns", 1)
+        engine.namespaces.set_policy_version("ns", 1)
         before = {u.key for u in catalog.shards.usage()}
-        store.hook = lambda: engine.maintenance(grace_seconds=0).run()
+        store.hook = lambda: engine.upkeep.maintenance(MaintenanceOptions(grace_seconds=0)).run()
         kept = [w for w in writes if w.policy_version == 1]
         batch = engine.get_batch("ns", [w.trajectory_id for w in kept])
         assert store.hook is None  # compaction ran in between

@@ -18,6 +18,7 @@ import zstandard
 from helpers import MakeEngine
 from http_helpers import KEYS, ServerProcess
 from r3store.engine import Engine
+from r3store.engine.maintenance import MaintenanceOptions
 from r3store.logic import codec, rest
 from r3store.logic.routes import Routes, from_topk
 from r3store.policy import NamespaceSettings, Retention
@@ -88,18 +89,18 @@ def test_cold_shards_are_merged_and_compressed_again(
     store: ObjectStore, make_engine: MakeEngine
 ) -> None:
     engine = make_engine(store)
-    engine.create_namespace("ns", SPEC, NamespaceSettings(retention=Retention(keep_versions=1)))
+    engine.namespaces.create("ns", SPEC, NamespaceSettings(retention=Retention(keep_versions=1)))
     writes = _group_writes()
     for write, _ids in writes.values():  # one put each: as many shards
         engine.put("ns", [write])
-    before = engine.usage("ns")
+    before = engine.namespaces.usage("ns")
     assert before.shards == len(writes)
 
-    assert engine.maintenance().run().shards_merged == 0  # not cold yet
-    report = engine.maintenance(cold_seconds=0).run()
+    assert engine.upkeep.maintenance().run().shards_merged == 0  # not cold yet
+    report = engine.upkeep.maintenance(MaintenanceOptions(cold_seconds=0)).run()
     assert (report.shards_merged, report.shards_at_rest) == (len(writes), 1)
     assert report.dictionaries_trained == 1
-    after = engine.usage("ns")
+    after = engine.namespaces.usage("ns")
     assert after.shards == 1
     assert after.live_route_bytes + report.rest_bytes_saved == before.live_route_bytes
     assert after.live_route_bytes < 0.8 * before.live_route_bytes
@@ -112,9 +113,9 @@ def test_cold_shards_are_merged_and_compressed_again(
     assert len({e[0].spans.dictionary for e in found.values()}) == 1
 
     # a lone shard at rest is left alone; a rebuild finds every row again
-    assert engine.maintenance(cold_seconds=0).run().shards_merged == 0
+    assert engine.upkeep.maintenance(MaintenanceOptions(cold_seconds=0)).run().shards_merged == 0
     engine.flush()
-    engine.rebuild()
+    engine.upkeep.rebuild()
     _check(engine, writes)
     # the retired shards not yet deleted hold the same rows: the copies at rest are kept
     usage = make_engine.catalog().shards.usage("ns")
@@ -123,16 +124,20 @@ def test_cold_shards_are_merged_and_compressed_again(
     assert {t: e[0].created_at for t, e in again.items()} == {
         t: e[0].created_at for t, e in found.items()
     }
-    report = engine.maintenance(cold_seconds=0).run()
+    report = engine.upkeep.maintenance(MaintenanceOptions(cold_seconds=0)).run()
     assert (report.shards_merged, report.shards_retired) == (0, len(writes))
 
     # retention drops the version; its dictionary goes with its last row
     newer = _group_writes(version=1)
     engine.put("ns", [w for w, _ids in newer.values()])
-    engine.set_policy_version("ns", 1)
-    report = engine.maintenance(cold_seconds=0, grace_seconds=0, orphan_seconds=0).run()
+    engine.namespaces.set_policy_version("ns", 1)
+    report = engine.upkeep.maintenance(
+        MaintenanceOptions(cold_seconds=0, grace_seconds=0, orphan_seconds=0)
+    ).run()
     assert report.dictionaries_trained == 1  # the new version's own
-    engine.maintenance(cold_seconds=0, grace_seconds=0, orphan_seconds=0).run()
+    engine.upkeep.maintenance(
+        MaintenanceOptions(cold_seconds=0, grace_seconds=0, orphan_seconds=0)
+    ).run()
     assert len(list(store.list(DICTIONARY_PREFIX))) == 1
     _check(engine, newer)
 
@@ -142,10 +147,10 @@ def test_a_shard_at_rest_decodes_with_pyarrow_zstandard_and_its_dictionary(
 ) -> None:
     """docs/format.md, "Compression at rest", followed with third-party tools only."""
     engine = make_engine(store)
-    engine.create_namespace("ns", SPEC)
+    engine.namespaces.create("ns", SPEC)
     writes = _group_writes()
     engine.put("ns", [w for w, _ids in writes.values()])
-    engine.maintenance(cold_seconds=0, grace_seconds=0).run()
+    engine.upkeep.maintenance(MaintenanceOptions(cold_seconds=0, grace_seconds=0)).run()
     (shard,) = [o.key for o in store.list(SHARD_PREFIX)]
     table = pq.read_table(io.BytesIO(store.get(shard)))
     assert table.schema.metadata[b"r3store.rest_level"] == str(rest.REST_LEVEL).encode()

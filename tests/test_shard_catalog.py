@@ -29,7 +29,7 @@ def small_row_groups() -> EngineConfig:
 
 
 def fill(engine: Engine, n: int = 24) -> dict[str, object]:
-    engine.create_namespace("ns", SPEC)
+    engine.namespaces.create("ns", SPEC)
     writes = [
         make_write(f"t{i}", group_id=f"g{i // 4}", policy_version=i // 8, prompt_len=5)
         for i in range(n)
@@ -170,8 +170,8 @@ def test_catalog_lookups(tmp_path: Path, make_engine: MakeEngine) -> None:
     with pytest.raises(NotFound):
         catalog.namespaces.get("nope")
     with pytest.raises(Conflict):
-        engine.create_namespace("ns", RouteSpec(4, 64, 2))
-    again, created = engine.create_namespace("ns", SPEC)
+        engine.namespaces.create("ns", RouteSpec(4, 64, 2))
+    again, created = engine.namespaces.create("ns", SPEC)
     assert (again.spec, created) == (SPEC, False)
 
 
@@ -180,7 +180,7 @@ def test_rebuild_from_the_store_alone(
 ) -> None:
     engine = make_engine(store, small_row_groups())
     writes = fill(engine)
-    engine.create_namespace("empty-run", RouteSpec(2, 8, 2))
+    engine.namespaces.create("empty-run", RouteSpec(2, 8, 2))
     more = [make_write(f"u{i}") for i in range(5)]
     engine.put("ns", more)
     before = make_engine.catalog().segments.lookup(

@@ -17,6 +17,7 @@ import torch
 from helpers import make_write
 from http_helpers import KEYS, ServerProcess
 from r3store.engine import Engine
+from r3store.engine.maintenance import MaintenanceOptions
 from r3store.errors import Conflict, InvalidInput
 from r3store.policy import NamespaceSettings, Retention
 from r3store.records import TrajectoryWrite
@@ -149,7 +150,7 @@ def test_agreement_load_drift_and_predicted_routes_through_the_service(
 @pytest.fixture
 def engine(tmp_path: Path) -> Any:
     made = Engine(LocalStore(tmp_path / "objects"), Catalog(f"sqlite:///{tmp_path / 'c.db'}"))
-    made.create_namespace("ns", RouteSpec(4, 64, 4))
+    made.namespaces.create("ns", RouteSpec(4, 64, 4))
     yield made
     made.close()
 
@@ -180,7 +181,7 @@ def test_what_another_source_may_annotate(engine: Engine) -> None:
         TrajectoryWrite("v", 20, topk=other.topk, source="predicted"),
     ]
     assert [r.source for r in engine.put("ns", both)] == ["engine", "predicted"]
-    assert engine.count("ns") == 2  # trajectories, not sources
+    assert engine.namespaces.count("ns") == 2  # trajectories, not sources
 
 
 def test_a_read_serves_one_source_whole(engine: Engine) -> None:
@@ -209,7 +210,7 @@ def test_a_read_serves_one_source_whole(engine: Engine) -> None:
     assert item.source == "predicted"
     assert item.num_tokens == 30
     settings = NamespaceSettings(read_sources=["trainer"])
-    engine.update_settings("ns", settings)
+    engine.namespaces.update_settings("ns", settings)
     assert engine.get_batch("ns", ["t"]).missing == ["t"]
     sampled = engine.sample("ns", 1)
     assert sampled.ids == ["t"]
@@ -218,7 +219,7 @@ def test_a_read_serves_one_source_whole(engine: Engine) -> None:
 
 def test_retention_compaction_and_rebuild_keep_sources_together(engine: Engine) -> None:
     for v in (0, 1):
-        engine.set_policy_version("ns", v)
+        engine.namespaces.set_policy_version("ns", v)
         engine.put("ns", [make_write(f"e{v}", tokens=20, policy_version=v)])
         engine.put(
             "ns",
@@ -230,7 +231,7 @@ def test_retention_compaction_and_rebuild_keep_sources_together(engine: Engine) 
         )
     before = engine.analytics.agreement("ns", "engine", "trainer")
     loads = engine.analytics.loads("ns", "trainer")
-    report = engine.rebuild()
+    report = engine.upkeep.rebuild()
     assert report.trajectories == 4
     after = engine.analytics.agreement("ns", "engine", "trainer")
     assert [(a.policy_version, a.overlap.fraction) for a in after] == [
@@ -240,21 +241,21 @@ def test_retention_compaction_and_rebuild_keep_sources_together(engine: Engine) 
     assert [(v.policy_version, v.load.tolist()) for v in rebuilt] == [
         (v.policy_version, v.load.tolist()) for v in loads
     ]
-    engine.update_settings("ns", NamespaceSettings(retention=Retention(keep_versions=1)))
-    maintenance = engine.maintenance(grace_seconds=0, compact_below=1.01)
+    engine.namespaces.update_settings("ns", NamespaceSettings(retention=Retention(keep_versions=1)))
+    maintenance = engine.upkeep.maintenance(MaintenanceOptions(grace_seconds=0, compact_below=1.01))
     maintenance.run()
     assert engine.get_batch("ns", ["e0"], source="trainer").missing == ["e0"]
     [kept] = engine.get_batch("ns", ["e1"], source="trainer").items
     assert kept is not None
     assert kept.source == "trainer"
-    assert engine.rebuild().trajectories == 2  # the dropped trajectory stays dropped
+    assert engine.upkeep.rebuild().trajectories == 2  # the dropped trajectory stays dropped
 
 
 def test_a_catalog_made_before_sources_is_brought_up_to_date(tmp_path: Path) -> None:
     store = LocalStore(tmp_path / "objects")
     url = f"sqlite:///{tmp_path / 'c.db'}"
     with Engine(store, Catalog(url)) as engine:
-        engine.create_namespace("ns", RouteSpec(4, 64, 4))
+        engine.namespaces.create("ns", RouteSpec(4, 64, 4))
         write = make_write("t", tokens=20)
         engine.put("ns", [write])
     with sqlite3.connect(tmp_path / "c.db") as db:  # the table as it was: no source column

@@ -66,7 +66,7 @@ def test_client_encoded_routes_are_the_same_content(
     tmp_path: Path, make_engine: MakeEngine, spec: RouteSpec
 ) -> None:
     engine = make_engine(LocalStore(tmp_path / "o"))
-    engine.create_namespace("ns", spec)
+    engine.namespaces.create("ns", spec)
     writes = writes_for(spec)
     encoded = [w.encode(spec) for w in writes]
     assert all(w.encoded is not None and w.topk is None for w in encoded)
@@ -81,12 +81,12 @@ def test_client_encoded_routes_are_the_same_content(
         assert np.array_equal(got, want.to_topk()), write.trajectory_id
         if not spec.allow_fewer:
             assert np.array_equal(got, expected_ids(write, spec))
-    assert engine.count("ns") == len(writes)
+    assert engine.namespaces.count("ns") == len(writes)
 
 
 def _stored(tmp_path: Path, make_engine: MakeEngine, spec: RouteSpec) -> Engine:
     engine = make_engine(LocalStore(tmp_path / "o"))
-    engine.create_namespace("ns", spec)
+    engine.namespaces.create("ns", spec)
     return engine
 
 
@@ -192,7 +192,7 @@ def test_a_permutation_stream_must_be_a_permutation(
     bad = replace(write.encoded, order=_frame(positions.tobytes()))
     with pytest.raises(InvalidRoutes, match="token 1, layer 0: an order that is not a perm"):
         engine.put("ns", [replace(write, encoded=bad)])
-    assert engine.count("ns") == 0
+    assert engine.namespaces.count("ns") == 0
 
 
 def test_counts_all_k_are_the_same_content_as_none(tmp_path: Path, make_engine: MakeEngine) -> None:

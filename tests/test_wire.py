@@ -83,7 +83,7 @@ def test_a_wrong_layer_count_is_named() -> None:
 @pytest.mark.parametrize("fmt", list(ReadFormat))
 def test_batches_round_trip(tmp_path, fmt: ReadFormat) -> None:  # type: ignore[no-untyped-def]
     with Engine(LocalStore(tmp_path / "o"), Catalog(f"sqlite:///{tmp_path / 'c.db'}")) as engine:
-        engine.create_namespace("ns", SPEC)
+        engine.namespaces.create("ns", SPEC)
         writes = [make_write(f"t{i}", group_id="g") for i in range(3)]
         engine.put("ns", writes)
         more = make_write("t1-turn2", tokens=9)

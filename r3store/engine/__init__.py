@@ -1,8 +1,10 @@
-"""The engine: the one door to a namespace's routes (`Engine`, in `core`), and the
-parts it drives over the store and the catalog: group commit (`writer`), ranged reads
-(`reader`), retention, compaction and collection (`maintenance`), a catalog rebuilt
-from the store (`rebuild`) and statistics kept as routes arrive (`analytics`)."""
+"""The engine: the one door to a namespace's routes (`Engine`, in `core`), its parts
+(`namespaces`, `api_keys`, `analytics`, `upkeep`), and what they drive over the store
+and the catalog: group commit (`writer`), ranged reads (`reader`), retention, compaction
+and collection (`maintenance`), a catalog rebuilt from the store (`rebuild`) and
+statistics kept as routes arrive (`analytics`)."""
 
 from r3store.engine.core import EncodedPut, Engine, EngineConfig, put_row_bytes
+from r3store.engine.maintenance import MaintenanceOptions
 
-__all__ = ["EncodedPut", "Engine", "EngineConfig", "put_row_bytes"]
+__all__ = ["EncodedPut", "Engine", "EngineConfig", "MaintenanceOptions", "put_row_bytes"]

@@ -5,7 +5,7 @@ of chosen trajectories is counted from their routes as read: `stats.expert_load`
 Expert load is counted at ingest (`Engine.prepare`) and committed with the shard.
 Agreement is measured once both sources of a segment are stored: after each commit that
 stores routes of a source other than `engine`, against every other source of the same
-segment (so whichever commit lands last measures it), and again by `Engine.rebuild`.
+segment (so whichever commit lands last measures it), and again by `Engine.upkeep.rebuild`.
 """
 
 from __future__ import annotations

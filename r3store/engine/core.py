@@ -1,31 +1,36 @@
 """The engine: validated, durable, group-committed writes and batched reads.
 
     engine = Engine(LocalStore("data/objects"), Catalog("sqlite:///data/catalog.db"))
-    engine.create_namespace("run1", RouteSpec(num_layers=48, num_experts=128, top_k=8))
+    engine.namespaces.create("run1", RouteSpec(num_layers=48, num_experts=128, top_k=8))
     engine.put("run1", [TrajectoryWrite("t0", num_tokens=4096, topk=ids)])
     batch = engine.get_batch("run1", ["t0", "t1"])   # batch.missing == ["t1"]
 
 `put` returns only once the shard is stored and the catalog committed. It is safe to
 call from many threads at once; the engine packs concurrent calls into shared shards.
+
+`Engine` itself holds the data path (put, encode and commit, flush; get_batch, get,
+sample, read_plan) and what is asked of the engine as a whole (ping, close,
+writer_stats, store_description). The rest is in its parts, each a module of its own:
+`namespaces` (`Namespaces`: create, get, all, settings, policy version, delete, spec,
+count, usage), `keys` (`ApiKeys`), `analytics` (`Analytics`) and `upkeep` (`Upkeep`:
+maintenance passes, binding the store to the catalog, rebuilding the catalog).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import random
 import struct
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from r3store.catalog_types import ApiKeyRecord, NamespaceInfo, NamespaceUsage, TrajectoryEntry
+from r3store.catalog_types import NamespaceInfo, TrajectoryEntry
 from r3store.engine.analytics import Analytics
-from r3store.engine.maintenance import Maintenance
+from r3store.engine.api_keys import ApiKeys
+from r3store.engine.namespaces import Namespaces
 from r3store.engine.reader import ReaderConfig, ShardReader, plan_ranges
-from r3store.engine.rebuild import RebuildReport, rebuild_catalog
+from r3store.engine.upkeep import Upkeep
 from r3store.engine.writer import (
     GroupCommitter,
     RowKey,
@@ -36,12 +41,10 @@ from r3store.engine.writer import (
     settle_rows,
 )
 from r3store.errors import (
-    Conflict,
     CorruptShard,
     Forbidden,
     InvalidInput,
     NotFound,
-    ObjectExists,
     ObjectNotFound,
     StalePolicy,
     StoreError,
@@ -52,7 +55,6 @@ from r3store.logic.sampling import Candidate, Strategy, choose
 from r3store.logic.sources import choose_source, engine_segments, inherit
 from r3store.policy import (
     ENGINE,
-    NamespaceSettings,
     Source,
     is_stale,
     newest_accepted,
@@ -66,15 +68,12 @@ from r3store.records import (
     TrajectoryRead,
     TrajectoryWrite,
     check_id,
-    check_namespace,
     check_source,
     missing,
 )
 from r3store.spec import RouteSpec
-from r3store.storage import binding
 from r3store.storage.catalog import Catalog
-from r3store.storage.keys import TOMBSTONE_PREFIX, dictionary_key, namespace_key
-from r3store.storage.manifest import manifest, parse_manifest
+from r3store.storage.keys import dictionary_key
 from r3store.storage.shard import ShardRow
 from r3store.storage.store.base import ObjectStore
 
@@ -122,25 +121,6 @@ def _salt(write: TrajectoryWrite) -> bytes:
     )
     tail = b"" if write.source == ENGINE else write.source.encode()
     return head + hashlib.sha256(group).digest() + tail
-
-
-def _same_namespace(
-    existing: NamespaceInfo, spec: RouteSpec, settings: NamespaceSettings
-) -> NamespaceInfo:
-    """`existing`, if a request to create it with `spec` and `settings` is a repeat."""
-    differ = [
-        f"{name} {getattr(existing.spec, name)!r}, not {getattr(spec, name)!r}"
-        for name in RouteSpec.__dataclass_fields__
-        if getattr(existing.spec, name) != getattr(spec, name)
-    ]
-    have, want = existing.settings.model_dump(), settings.model_dump()
-    differ += [f"{key} {have[key]!r}, not {want[key]!r}" for key in have if have[key] != want[key]]
-    if differ:
-        raise Conflict(
-            f"namespace {existing.name!r} exists with other settings: {'; '.join(differ)} "
-            "(change settings with PUT .../settings)"
-        )
-    return existing
 
 
 def _annotating_own(
@@ -196,9 +176,12 @@ class Engine:
         self._writer = GroupCommitter(
             store, catalog, self.config.writer, on_shard=self._reader.remember, clock=clock
         )
-        self._specs: dict[str, RouteSpec] = {}
-        self._lock = threading.Lock()
-        self.analytics = Analytics(catalog, self._reader, self.spec)
+        self.namespaces = Namespaces(store, catalog, clock)
+        self.keys = ApiKeys(catalog)
+        self.analytics = Analytics(catalog, self._reader, self.namespaces.spec)
+        self.upkeep = Upkeep(
+            store, catalog, self.namespaces, self.analytics, self.config.writer.row_group_bytes
+        )
 
     def close(self) -> None:
         """Commit what is pending, then stop the threads and release connections."""
@@ -228,150 +211,6 @@ class Engine:
         """`StoreError` unless both the object store and the catalog answer."""
         self._store.ping()
         self._catalog.ping()
-
-    def count(self, namespace: str) -> int:
-        """Trajectories in the namespace."""
-        return self._catalog.segments.count(check_namespace(namespace))
-
-    def usage(self, namespace: str) -> NamespaceUsage:
-        """Trajectories by policy version, shards and their live and dead bytes."""
-        self.namespace(namespace)  # NotFound for unknown names
-        shards = self._catalog.shards.usage(namespace)
-        samplings, sampled = self._catalog.segments.sampling_totals(namespace)
-        return NamespaceUsage(
-            trajectories=self._catalog.segments.count(namespace),
-            shards=len(shards),
-            shard_bytes=sum(u.size for u in shards),
-            live_route_bytes=sum(u.live_bytes for u in shards),
-            dead_route_bytes=sum(u.route_bytes - u.live_bytes for u in shards),
-            by_policy_version=self._catalog.segments.count_by_version(namespace),
-            samplings=samplings,
-            sampled=sampled,
-        )
-
-    def add_key(self, name: str, role: str, namespaces: list[str], digest: bytes) -> None:
-        self._catalog.keys.add(name, role, namespaces, digest)
-
-    def list_keys(self, active_only: bool = False) -> list[ApiKeyRecord]:
-        return self._catalog.keys.all(active_only)
-
-    def revoke_key(self, name: str) -> None:
-        self._catalog.keys.revoke(name)
-
-    def maintenance(self, **options: Any) -> Maintenance:
-        """Retention, compaction and collection over this engine's store and catalog
-        (`grace_seconds=`, `orphan_seconds=`, `clock=`, `compact_below=`)."""
-        return Maintenance(
-            self._store,
-            self._catalog,
-            self.spec,
-            row_group_bytes=self.config.writer.row_group_bytes,
-            **options,
-        )
-
-    def bind(self, create: bool, where: str = "") -> str:
-        """Check that the store and the catalog belong together (`r3store.storage.binding`);
-        a new, empty pair is bound only when `create`. `InvalidConfig` when they do not
-        belong together; returns their id. The server and the CLI call it on open."""
-        return binding.bind(self._store, self._catalog, create=create, where=where)
-
-    def rebuild(self, progress: Callable[[int, int], None] | None = None) -> RebuildReport:
-        """Make the catalog again from the object store alone (the source of truth); the
-        catalog takes the store's identity."""
-        with self._lock:
-            self._specs.clear()
-        report = rebuild_catalog(self._store, self._catalog, progress)
-        binding.adopt(self._store, self._catalog)
-        for info in self._catalog.namespaces.all():
-            self.analytics.compare_all(info.name)
-        return report
-
-    # namespaces
-
-    def create_namespace(
-        self, name: str, spec: RouteSpec, settings: NamespaceSettings | None = None
-    ) -> tuple[NamespaceInfo, bool]:
-        """Create a namespace (one RL run) with its fixed route spec and its settings;
-        returns it and whether it was made now.
-
-        The same call again is an idempotent success (`False`); an existing namespace
-        with another spec or other settings is a `Conflict` naming what differs. The
-        manifest goes to the object store first (create-only), so a catalog rebuild
-        finds namespaces that hold no shards yet.
-        """
-        check_namespace(name)
-        settings = settings or NamespaceSettings()
-        try:
-            return _same_namespace(self._catalog.namespaces.get(name), spec, settings), False
-        except NotFound:
-            pass
-        info = NamespaceInfo(name, spec, self.clock(), 0, settings)
-        had_manifest = False
-        try:
-            self._store.put_if_absent(namespace_key(name), manifest(info))
-        except ObjectExists:  # made elsewhere just now, or a catalog that lost it
-            stored = parse_manifest(self._store.get(namespace_key(name)))
-            if stored.spec != spec:
-                raise Conflict(f"namespace {name!r} exists with another route spec") from None
-            info = dataclasses.replace(info, created_at=stored.created_at)
-            had_manifest = True
-        made, created = self._catalog.namespaces.create(name, spec, settings, info.created_at)
-        if not created:
-            return _same_namespace(made, spec, settings), False
-        if had_manifest:  # the manifest says what the catalog now holds
-            self._store.put(namespace_key(name), manifest(made))
-        return made, True
-
-    def namespace(self, name: str) -> NamespaceInfo:
-        return self._catalog.namespaces.get(check_namespace(name))
-
-    def list_namespaces(self) -> list[NamespaceInfo]:
-        return self._catalog.namespaces.all()
-
-    def update_settings(self, name: str, settings: NamespaceSettings) -> NamespaceInfo:
-        info = self._catalog.namespaces.update_settings(check_namespace(name), settings)
-        self._store.put(namespace_key(name), manifest(info))
-        return info
-
-    def set_policy_version(
-        self, name: str, version: int, max_step: int | None = None, force: bool = False
-    ) -> NamespaceInfo:
-        """The trainer's current policy version; it only moves forward, by at most
-        `max_step` (None: any distance). `force`: set it as given, back or forward (an
-        operator's repair)."""
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise InvalidInput(f"policy version must be a non-negative integer, got {version!r}")
-        info = self._catalog.namespaces.set_policy_version(
-            check_namespace(name), version, max_step, force
-        )
-        self._store.put(namespace_key(name), manifest(info))
-        return info
-
-    def delete_namespace(self, name: str) -> int:
-        """Delete a namespace, its trajectories and its objects; returns objects deleted.
-
-        The catalog forgets everything first; objects go only after that.
-        """
-        keys = self._catalog.namespaces.delete(check_namespace(name))
-        with self._lock:
-            self._specs.pop(name, None)
-        for key in keys:  # marked as deletions under way: maintenance finishes a failure
-            self._store.delete(key)
-            self._catalog.ledger.forget_upload(key)
-        tombstones = [info.key for info in self._store.list(f"{TOMBSTONE_PREFIX}{name}/")]
-        for key in tombstones:
-            self._store.delete(key)
-        self._store.delete(namespace_key(name))
-        return len(keys) + len(tombstones) + 1
-
-    def spec(self, name: str) -> RouteSpec:
-        with self._lock:
-            spec = self._specs.get(name)
-        if spec is None:
-            spec = self.namespace(name).spec
-            with self._lock:
-                self._specs[name] = spec
-        return spec
 
     # writes
 
@@ -448,7 +287,7 @@ class Engine:
         a caller can free them before the commit. `stop()` is asked before each write
         is encoded: once true (its request was answered), `StoreError` and no more
         work."""
-        info = self.namespace(namespace)
+        info = self.namespaces.get(namespace)
         seen: set[RowKey] = set()
         for write in writes:
             write.check()
@@ -585,7 +424,7 @@ class Engine:
         """The namespace, a lookup of `ids` (the segments of the source each is served
         from) that leaves out (and names in the list) trajectories older than the
         staleness window unless `include_stale`, and shows what it found to `admit`."""
-        info = self.namespace(namespace)
+        info = self.namespaces.get(namespace)
         for tid in ids:
             check_id(tid)
         wanted = info.settings.read_sources if source is None else [check_source(source)]
@@ -644,7 +483,7 @@ class Engine:
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise InvalidInput(f"n must be a positive integer, got {n!r}")
-        info = self.namespace(namespace)
+        info = self.namespaces.get(namespace)
         limit = info.settings.max_times_sampled
         floor = staleness_floor(info.policy_version, info.settings)
         rows = self._catalog.segments.sampling_candidates(namespace, floor, limit)

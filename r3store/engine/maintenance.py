@@ -99,37 +99,44 @@ class MaintenanceReport:
     dead_bytes: int = 0
 
 
+@dataclass(frozen=True)
+class MaintenanceOptions:
+    """How maintenance passes run (the steps in the module's docstring)."""
+
+    grace_seconds: float = 600.0  # retired shards are deleted once retired this long
+    orphan_seconds: float = 3600.0  # uploads never committed are deleted once this old
+    compact_below: float = 0.5  # the live share of route bytes under which a shard is rewritten
+    cold_seconds: float | None = 600.0  # shards older are merged at rest; None: never
+    rest_level: int = rest.REST_LEVEL  # the zstd level at rest
+    rest_shard_bytes: int = 64 << 20  # the routes of one shard merged at rest, at most
+    clock: Callable[[], float] = time.time
+
+
 class Maintenance:
-    """Passes over one store and its catalog; `Engine.maintenance()` makes one for the
-    engine's. `spec(namespace)` gives a namespace's route spec."""
+    """Passes over one store and its catalog; `Engine.upkeep.maintenance()` makes one
+    for the engine's. `spec(namespace)` gives a namespace's route spec."""
 
     def __init__(
         self,
         store: ObjectStore,
         catalog: Catalog,
         spec: Callable[[str], RouteSpec],
+        options: MaintenanceOptions | None = None,
         *,
         row_group_bytes: int = 1 << 20,
-        clock: Callable[[], float] = time.time,
-        compact_below: float = 0.5,
-        grace_seconds: float = 600.0,
-        orphan_seconds: float = 3600.0,
-        cold_seconds: float | None = 600.0,
-        rest_level: int = rest.REST_LEVEL,
-        rest_shard_bytes: int = 64 << 20,
     ) -> None:
-        """`cold_seconds=None` leaves shards as ingest wrote them."""
+        options = options or MaintenanceOptions()
         self.catalog = catalog
         self.store = store
         self.spec = spec
         self.row_group_bytes = row_group_bytes
-        self.clock = clock
-        self.compact_below = compact_below
-        self.grace_seconds = grace_seconds
-        self.orphan_seconds = orphan_seconds
-        self.cold_seconds = cold_seconds
-        self.rest_level = rest_level
-        self.rest_shard_bytes = rest_shard_bytes
+        self.clock = options.clock
+        self.compact_below = options.compact_below
+        self.grace_seconds = options.grace_seconds
+        self.orphan_seconds = options.orphan_seconds
+        self.cold_seconds = options.cold_seconds
+        self.rest_level = options.rest_level
+        self.rest_shard_bytes = options.rest_shard_bytes
         self.totals = MaintenanceReport()
         self._dictionaries = DictionaryCache(store)
 

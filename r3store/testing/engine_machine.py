@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from r3store.engine import Engine
+from r3store.engine.maintenance import MaintenanceOptions
 from r3store.engine.rebuild import rebuild_catalog
 from r3store.errors import Conflict, StalePolicy
 from r3store.policy import NamespaceSettings, Retention
@@ -85,7 +86,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.rebuilds = 0
         self.engine = self._open("catalog")
         self.settings = NamespaceSettings(max_policy_lag=3, retention=Retention(keep_versions=4))
-        self.engine.create_namespace("ns", SPEC, self.settings)
+        self.engine.namespaces.create("ns", SPEC, self.settings)
         self.model: dict[str, Stored] = {}
         self.version = 0
 
@@ -143,11 +144,16 @@ class EngineMachine(RuleBasedStateMachine):
     @rule(step=st.integers(1, 3))
     def new_policy(self, step: int) -> None:
         self.version += step
-        assert self.engine.set_policy_version("ns", self.version).policy_version == self.version
+        assert (
+            self.engine.namespaces.set_policy_version("ns", self.version).policy_version
+            == self.version
+        )
 
     @rule()
     def maintain(self) -> None:
-        report = self.engine.maintenance(grace_seconds=0, orphan_seconds=0).run()
+        report = self.engine.upkeep.maintenance(
+            MaintenanceOptions(grace_seconds=0, orphan_seconds=0)
+        ).run()
         keep = self.settings.retention.keep_versions
         assert keep is not None
         # older than the last `keep` versions and than the last `keep` holding routes
@@ -168,7 +174,7 @@ class EngineMachine(RuleBasedStateMachine):
         assert not report.conflicts
         assert report.trajectories == sum(len(s.segments) for s in self.model.values())
         self.engine = self._open(name)
-        assert self.engine.namespace("ns").policy_version == self.version
+        assert self.engine.namespaces.get("ns").policy_version == self.version
 
     @invariant()
     def reads_match_the_model(self) -> None:
@@ -185,7 +191,7 @@ class EngineMachine(RuleBasedStateMachine):
             ]
             assert item.routes is not None
             assert np.array_equal(item.routes.to_topk(), want.expected())
-        assert self.engine.count("ns") == len(self.model)
+        assert self.engine.namespaces.count("ns") == len(self.model)
         served = self.engine.get_batch("ns", sorted(self.model))
         stale = {
             t for t, s in self.model.items() if self._stale(min(v for _, _, v, _ in s.segments))

@@ -46,7 +46,7 @@ async def create_namespace(
     Admin (the name is in the body, so the right is checked here)."""
     keys.authorize(who, "manage", body.name)
     info, created = await deadline.run(
-        engine.create_namespace, body.name, body.spec.to_spec(), body.settings
+        engine.namespaces.create, body.name, body.spec.to_spec(), body.settings
     )
     if not created:
         response.status_code = 200
@@ -58,7 +58,7 @@ async def list_namespaces(
     engine: EngineDep, who: PrincipalDep, deadline: DeadlineDep
 ) -> NamespaceList:
     """The namespaces this key may see."""
-    infos = await deadline.run(engine.list_namespaces)
+    infos = await deadline.run(engine.namespaces.all)
     return NamespaceList(
         namespaces=[NamespacePublic.of(i) for i in infos if who.may("describe", i.name)]
     )
@@ -69,8 +69,8 @@ async def describe_namespace(
     engine: EngineDep, deadline: DeadlineDep, namespace: str = NamespacePath
 ) -> NamespacePublic:
     """Spec, settings, current policy version and trajectory count."""
-    info = await deadline.run(engine.namespace, namespace)
-    count = await deadline.run(engine.count, namespace)
+    info = await deadline.run(engine.namespaces.get, namespace)
+    count = await deadline.run(engine.namespaces.count, namespace)
     return NamespacePublic.of(info, count)
 
 
@@ -79,7 +79,7 @@ async def delete_namespace(
     engine: EngineDep, deadline: DeadlineDep, namespace: str = NamespacePath
 ) -> NamespaceDeleted:
     """Delete a namespace, its trajectories and its objects. Admin."""
-    deleted = await deadline.run(engine.delete_namespace, namespace)
+    deleted = await deadline.run(engine.namespaces.delete, namespace)
     return NamespaceDeleted(name=namespace, objects_deleted=deleted)
 
 
@@ -93,7 +93,9 @@ async def update_settings(
     namespace: str = NamespacePath,
 ) -> NamespacePublic:
     """Replace the staleness, sampling and retention settings. Admin."""
-    return NamespacePublic.of(await deadline.run(engine.update_settings, namespace, body))
+    return NamespacePublic.of(
+        await deadline.run(engine.namespaces.update_settings, namespace, body)
+    )
 
 
 @router.put(
@@ -116,7 +118,7 @@ async def set_policy_version(
     if body.force:
         keys.authorize(who, "manage", namespace)
     info = await deadline.run(
-        engine.set_policy_version,
+        engine.namespaces.set_policy_version,
         namespace,
         body.policy_version,
         settings.max_policy_step,

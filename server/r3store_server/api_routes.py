@@ -137,7 +137,7 @@ async def upload(
     Retry-After; a slow store answers 503 with Retry-After (the upload may still land:
     retry it). Writer or admin.
     """
-    spec = await deadline.run(engine.spec, namespace)
+    spec = await deadline.run(engine.namespaces.spec, namespace)
     body, reservation = await deadline.wait(
         read_body(request, settings.max_body_bytes, budget, settings.request_timeout / 2, who.name),
         "reading the body",
@@ -256,7 +256,7 @@ async def read_batch(
     """
 
     def fetch() -> Response:
-        spec = engine.spec(namespace)
+        spec = engine.namespaces.spec(namespace)
         if body.layers is not None:
             spec.check_layers(body.layers)  # refused before anything is read
         batch = engine.get_batch(
@@ -315,7 +315,7 @@ async def sample(
     Reader or admin."""
 
     def take() -> Response:
-        spec = engine.spec(namespace)
+        spec = engine.namespaces.spec(namespace)
         batch = engine.sample(
             namespace,
             body.n,

@@ -143,7 +143,7 @@ async def trajectory_loads(
     `R3STORE_MAX_READ_BYTES` of them, as a read in format `ids` would hold (413)."""
 
     def answer() -> TrajectoryLoadsModel:
-        spec = engine.spec(namespace)
+        spec = engine.namespaces.spec(namespace)
         limit = read_limit(spec, ReadFormat.IDS, settings.max_read_bytes, len(body.ids))
         batch = engine.get_batch(
             namespace,

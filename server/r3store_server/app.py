@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 
 import r3store
 from r3store.engine import Engine
-from r3store.engine.maintenance import Maintenance
+from r3store.engine.maintenance import Maintenance, MaintenanceOptions
 from r3store.errors import StoreError
 from r3store.policy import NamespaceSettings, Retention
 from r3store.protocol import models
@@ -97,7 +97,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     keyring = KeyRing.from_settings(settings)
 
     def attach(app: FastAPI, eng: Engine) -> Maintenance:
-        keyring.attach(lambda: eng.list_keys(active_only=True))
+        keyring.attach(lambda: eng.keys.all(active_only=True))
         app.state.metrics.watch(eng)
         app.state.metrics.watch_namespaces(eng, settings.metrics_interval)
         log.info("r3store serving on %s", eng.store_description)
@@ -109,11 +109,13 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
                 "R3STORE_UI_SECRET is not set: status-page sessions end when this server "
                 "restarts and do not carry over to other replicas"
             )
-        maintenance = app.state.maintenance = eng.maintenance(
-            grace_seconds=settings.maintenance_grace,
-            orphan_seconds=settings.maintenance_orphan_age,
-            cold_seconds=settings.maintenance_cold_age,
-            rest_level=settings.maintenance_rest_level,
+        maintenance = app.state.maintenance = eng.upkeep.maintenance(
+            MaintenanceOptions(
+                grace_seconds=settings.maintenance_grace,
+                orphan_seconds=settings.maintenance_orphan_age,
+                cold_seconds=settings.maintenance_cold_age,
+                rest_level=settings.maintenance_rest_level,
+            )
         )
         app.state.metrics.watch_maintenance(maintenance)
         app.state.engine = eng

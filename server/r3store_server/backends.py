@@ -44,7 +44,7 @@ def build_store(settings: Settings) -> ObjectStore:
 
 def build_engine(settings: Settings) -> Engine:
     """The engine over the store and catalog the settings name, not yet bound (the
-    caller checks that they belong together: `Engine.bind`)."""
+    caller checks that they belong together: `Engine.upkeep.bind`)."""
     if settings.embedded or settings.catalog_url is None:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
     catalog = Catalog(settings.resolved_catalog_url(), timeout=settings.catalog_timeout)
@@ -78,11 +78,11 @@ def open_engine(settings: Settings, create: bool) -> Engine:
 
 
 def bound(engine: Engine, settings: Settings, create: bool) -> Engine:
-    """`engine` once bound to its store (`Engine.bind`: a store that belongs to another
+    """`engine` once bound to its store (`Engine.upkeep.bind`: a store that belongs to another
     catalog, or a catalog older than its store, is refused; a new, empty pair is bound
     only when `create`); closed when refused."""
     try:
-        engine.bind(create=create, where=f"the catalog {settings.catalog_description()}")
+        engine.upkeep.bind(create=create, where=f"the catalog {settings.catalog_description()}")
     except BaseException:
         engine.close()
         raise

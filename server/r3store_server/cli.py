@@ -39,6 +39,7 @@ from pydantic import ValidationError
 
 import r3store
 from r3store.engine import Engine
+from r3store.engine.maintenance import MaintenanceOptions
 from r3store.errors import InvalidConfig, R3StoreError
 from r3store.logic import stats as stats_lib
 from r3store.logic.rest import REST_LEVEL
@@ -89,10 +90,10 @@ def _namespace(info: Any, count: int | None = None) -> dict[str, Any]:
 
 
 def stats(engine: Engine, name: str | None, experts: bool = False) -> dict[str, Any]:
-    names = [name] if name else [n.name for n in engine.list_namespaces()]
+    names = [name] if name else [n.name for n in engine.namespaces.all()]
     out: dict[str, Any] = {}
     for ns in names:
-        usage = engine.usage(ns)
+        usage = engine.namespaces.usage(ns)
         out[ns] = {
             **usage.__dict__,
             "by_policy_version": {str(v): n for v, n in usage.by_policy_version.items()},
@@ -143,10 +144,10 @@ def keys(engine: Engine, args: argparse.Namespace) -> Any:
     if args.action == "create":
         key = secrets.token_urlsafe(32)
         namespaces = args.namespace or ["*"]
-        engine.add_key(args.name, args.role, namespaces, digest(key))
+        engine.keys.add(args.name, args.role, namespaces, digest(key))
         return {"name": args.name, "role": args.role, "namespaces": namespaces, "key": key}
     if args.action == "revoke":
-        engine.revoke_key(args.name)
+        engine.keys.revoke(args.name)
         return {"name": args.name, "revoked": True}
     return [
         {
@@ -155,7 +156,7 @@ def keys(engine: Engine, args: argparse.Namespace) -> Any:
             "namespaces": k.namespaces,
             "revoked": k.revoked_at is not None,
         }
-        for k in engine.list_keys()
+        for k in engine.keys.all()
     ]
 
 
@@ -635,11 +636,13 @@ def open_engine(settings: Settings, init: bool, bind: bool = True) -> Engine:
 
 def maintain(engine: Engine, args: argparse.Namespace) -> Any:
     """One maintenance pass now, or with `--dry-run` what one would do."""
-    maintenance = engine.maintenance(
-        grace_seconds=args.grace,
-        orphan_seconds=args.orphan_age,
-        cold_seconds=args.cold_age,
-        rest_level=args.rest_level,
+    maintenance = engine.upkeep.maintenance(
+        MaintenanceOptions(
+            grace_seconds=args.grace,
+            orphan_seconds=args.orphan_age,
+            cold_seconds=args.cold_age,
+            rest_level=args.rest_level,
+        )
     )
     if not args.dry_run:
         return maintenance.run(_progress("shards")).__dict__
@@ -667,12 +670,14 @@ def run(args: argparse.Namespace, settings: Settings) -> Any:
     engine = open_engine(settings, args.init, bind=args.command != "rebuild")
     try:
         if args.command == "rebuild":
-            return engine.rebuild(_progress("rebuild")).__dict__
+            return engine.upkeep.rebuild(_progress("rebuild")).__dict__
         if args.command == "namespaces":
             if args.action == "list":
-                return [_namespace(n) for n in engine.list_namespaces()]
+                return [_namespace(n) for n in engine.namespaces.all()]
             if args.action == "show":
-                return _namespace(engine.namespace(args.name), engine.count(args.name))
+                return _namespace(
+                    engine.namespaces.get(args.name), engine.namespaces.count(args.name)
+                )
             if args.action == "create":
                 spec = RouteSpec(
                     args.layers,
@@ -682,16 +687,16 @@ def run(args: argparse.Namespace, settings: Settings) -> Any:
                     args.allow_fewer,
                     args.model,
                 )
-                info, created = engine.create_namespace(args.name, spec)
+                info, created = engine.namespaces.create(args.name, spec)
                 return {"created": created, **_namespace(info)}  # False: it existed, the same
             if not args.yes:
                 raise SystemExit(f"this deletes {args.name!r} and all its routes: pass --yes")
-            return {"name": args.name, "objects_deleted": engine.delete_namespace(args.name)}
+            return {"name": args.name, "objects_deleted": engine.namespaces.delete(args.name)}
         if args.command == "policy":
-            return _namespace(engine.set_policy_version(args.name, args.version))
+            return _namespace(engine.namespaces.set_policy_version(args.name, args.version))
         if args.command == "settings":
-            current = engine.namespace(args.name).settings
-            return _namespace(engine.update_settings(args.name, changed(current, args)))
+            current = engine.namespaces.get(args.name).settings
+            return _namespace(engine.namespaces.update_settings(args.name, changed(current, args)))
         if args.command == "stats":
             return stats(engine, args.name, args.experts)
         if args.command == "keys":

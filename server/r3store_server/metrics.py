@@ -197,7 +197,7 @@ class _NamespaceCollector(Collector):
         agreement: GaugeMetricFamily,
         drift: GaugeMetricFamily,
     ) -> None:
-        for info in self._engine.list_namespaces():
+        for info in self._engine.namespaces.all():
             try:
                 self._namespace(info, trajectories, version, imbalance, agreement, drift)
             except NotFound:  # deleted since it was listed
@@ -214,7 +214,7 @@ class _NamespaceCollector(Collector):
     ) -> None:
         analytics = self._engine.analytics
         ns = info.name
-        trajectories.add_metric([ns], self._engine.count(ns))
+        trajectories.add_metric([ns], self._engine.namespaces.count(ns))
         version.add_metric([ns], info.policy_version)
         for source in SOURCES:
             loads = analytics.loads(ns, source, newest=1)

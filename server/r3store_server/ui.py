@@ -245,8 +245,8 @@ async def front(
 
     def gather() -> list[NamespaceRow]:
         return [
-            NamespaceRow(info, engine.usage(info.name))
-            for info in engine.list_namespaces()
+            NamespaceRow(info, engine.namespaces.usage(info.name))
+            for info in engine.namespaces.all()
             if who.may("read", info.name)
         ]
 
@@ -279,14 +279,14 @@ async def namespace(
         return _refused(exc, request, _sent_something(request, key, bearer), then)
 
     def gather() -> NamespaceDetail:
-        info = engine.namespace(namespace)
+        info = engine.namespaces.get(namespace)
         analytics = engine.analytics
         pairs = [(a, b) for i, a in enumerate(SOURCES) for b in SOURCES[i + 1 :]]
         loads: dict[str, list[VersionLoad]] = {
             source: analytics.loads(namespace, source) for source in SOURCES
         }
         return NamespaceDetail(
-            NamespaceRow(info, engine.usage(namespace)),
+            NamespaceRow(info, engine.namespaces.usage(namespace)),
             loads,
             {pair: analytics.agreement(namespace, *pair) for pair in pairs},
             {
