@@ -19,6 +19,10 @@ new, empty embedded store unless asked (`--init`).
 
 Every command takes `--json` for scripts. Long operations show progress on stderr when
 it is a terminal.
+
+One module over 500 lines: each command is a short function over the engine's parts
+and the argument parser that names them all; split, the parser would import every
+piece back.
 """
 
 from __future__ import annotations
