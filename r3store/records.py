@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import unicodedata
 from collections.abc import Container, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -254,6 +254,9 @@ class Batch:
     missing: list[str]
     stale: list[str]
     layers: tuple[int, ...] | None = None  # the spec's layers the routes hold; None: all
+    # streams read as stored (`Engine.get_batch(as_stored=True)`): the dictionaries they
+    # need, by digest
+    dictionaries: codec.Dictionaries = field(default_factory=dict)
 
     @property
     def found(self) -> list[TrajectoryRead]:

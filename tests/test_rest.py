@@ -8,6 +8,7 @@ import io
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -22,7 +23,8 @@ from r3store.engine.maintenance import MaintenanceOptions
 from r3store.logic import codec, rest
 from r3store.logic.routes import Routes, from_topk
 from r3store.policy import NamespaceSettings, Retention
-from r3store.records import TrajectoryWrite
+from r3store.protocol.wire import ReadFormat, encode_batch
+from r3store.records import Batch, TrajectoryWrite
 from r3store.spec import RouteSpec
 from r3store.storage.catalog import Catalog
 from r3store.storage.keys import DICTIONARY_PREFIX, SHARD_PREFIX
@@ -83,6 +85,47 @@ def _check(engine: Engine, writes: dict[str, tuple[TrajectoryWrite, np.ndarray]]
             assert codec.self_contained(segment.encoded)
             parts.append(codec.decode(segment.encoded, SPEC, segment.num_tokens))
         assert np.array_equal(Routes.concat(parts).to_topk(), writes[tid][1]), tid
+    _answers_decode_once(engine, list(writes), stored)
+
+
+def _answers_decode_once(engine: Engine, ids: list[str], portable: Batch) -> None:
+    """The server's answers, made from rows as stored (`as_stored`), are those made from
+    streams made portable first, byte for byte, in every format; and each segment
+    crosses the codec once: one decode per segment for `ids`, `mask` and a layer read."""
+    as_stored = engine.get_batch("ns", ids, decode=False, as_stored=True)
+    segments = sum(len(item.segments) for item in as_stored.found)
+    real, calls, depth = codec.decode, [0], [0]
+
+    def counted(*args: Any, **kwargs: Any) -> Routes:
+        calls[0] += depth[0] == 0  # a segment's decode, not the prefix's inside it
+        depth[0] += 1
+        try:
+            return real(*args, **kwargs)
+        finally:
+            depth[0] -= 1
+
+    for fmt, layers in [
+        (ReadFormat.ENCODED, None),
+        (ReadFormat.IDS, None),
+        (ReadFormat.MASK, None),
+        (ReadFormat.ENCODED, [1, 5]),
+    ]:
+        want = encode_batch(portable, SPEC, fmt, layers=layers)
+        codec.decode = counted  # type: ignore[assignment]
+        calls[0] = 0
+        try:
+            got = encode_batch(as_stored, SPEC, fmt, layers=layers)
+        finally:
+            codec.decode = real  # type: ignore[assignment]
+        assert got == want, fmt
+        at_rest = sum(
+            not codec.self_contained(s.encoded)
+            for item in as_stored.found
+            for s in item.segments
+            if s.encoded is not None
+        )
+        expected = at_rest if (fmt, layers) == (ReadFormat.ENCODED, None) else segments
+        assert calls[0] == expected, (fmt, layers, calls[0], expected)
 
 
 def test_cold_shards_are_merged_and_compressed_again(

@@ -18,6 +18,7 @@ maintenance passes, binding the store to the catalog, rebuilding the catalog).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 import struct
@@ -364,13 +365,17 @@ class Engine:
         include_stale: bool = False,
         source: Source | None = None,
         admit: Callable[[list[TrajectoryEntry]], None] | None = None,
+        as_stored: bool = False,
     ) -> Batch:
         """Routes of `ids`, in the order asked.
 
         Missing ids are named in `Batch.missing`; trajectories with a segment older than
         the staleness window are named in `Batch.stale` instead of being served, unless
         `include_stale`. With `decode=False` each item carries its segments' stored
-        streams instead of decoded `Routes`, for callers that forward them.
+        streams instead of decoded `Routes`, for callers that forward them: streams that
+        decode alone, or with `as_stored` the streams as stored (a row at rest may need
+        a dictionary, in `Batch.dictionaries`, or continue a shared prefix), for a
+        caller that decodes each once itself (`protocol.answers.encode_batch`).
 
         Each trajectory is served from one route source: `source` when given (ids that
         hold no routes of it for all their tokens are missing), else the first of the
@@ -380,9 +385,10 @@ class Engine:
         the read by raising (an answer too large, say).
         """
         info, current, stale = self._lookup(namespace, ids, include_stale, source, admit)
-        reads = self._read(current, info.spec, decode)
+        reads = self._read(current, info.spec, decode, as_stored)
         items: list[TrajectoryRead | None] = [reads.get(tid) for tid in ids]
-        return Batch(list(ids), items, missing(ids, reads, stale), stale)
+        batch = Batch(list(ids), items, missing(ids, reads, stale), stale)
+        return self._with_dictionaries(namespace, batch) if as_stored else batch
 
     def read_plan(
         self,
@@ -472,6 +478,7 @@ class Engine:
         decode: bool = True,
         seed: int | None = None,
         admit: Callable[[list[TrajectoryEntry]], None] | None = None,
+        as_stored: bool = False,
     ) -> Batch:
         """Take up to `n` trajectories for training, within the staleness window.
 
@@ -494,24 +501,43 @@ class Engine:
             found = self._served(namespace, chosen, wanted)
             admit([s for segments in found.values() for s in segments])
         taken = self._catalog.segments.mark_sampled(namespace, chosen, limit)
-        reads = self._read(lambda: self._served(namespace, taken, wanted), info.spec, decode)
+        reads = self._read(
+            lambda: self._served(namespace, taken, wanted), info.spec, decode, as_stored
+        )
         missed = [tid for tid in taken if tid not in reads]  # none of `read_sources` held
-        return Batch(taken, [reads.get(tid) for tid in taken], missed, [])
+        batch = Batch(taken, [reads.get(tid) for tid in taken], missed, [])
+        return self._with_dictionaries(namespace, batch) if as_stored else batch
+
+    def _with_dictionaries(self, namespace: str, batch: Batch) -> Batch:
+        """`batch` with the dictionaries its stored streams need (read and cached once
+        per namespace and digest)."""
+        digests = {
+            s.encoded.dictionary
+            for item in batch.found
+            for s in item.segments
+            if s.encoded is not None and s.encoded.dictionary is not None
+        }
+        if not digests:
+            return batch
+        return dataclasses.replace(
+            batch, dictionaries=self._reader.dictionaries.many(namespace, digests)
+        )
 
     def _read(
         self,
         lookup: Callable[[], dict[str, list[TrajectoryEntry]]],
         spec: RouteSpec,
         decode: bool,
+        as_stored: bool = False,
     ) -> dict[str, TrajectoryRead]:
         """Read what `lookup` finds. A shard that vanished between the lookup and the
         read (compaction moved its rows, and its grace ran out) means the catalog has
         moved on: look up again, once."""
         try:
-            return self._reader.read(lookup(), spec, decode=decode)
+            return self._reader.read(lookup(), spec, decode=decode, as_stored=as_stored)
         except ObjectNotFound:
             pass
         try:
-            return self._reader.read(lookup(), spec, decode=decode)
+            return self._reader.read(lookup(), spec, decode=decode, as_stored=as_stored)
         except ObjectNotFound as exc:
             raise CorruptShard(f"the catalog names a shard that is missing: {exc}") from exc

@@ -78,7 +78,11 @@ class ShardReader:
         return self._store.get(key, byte_range)
 
     def read(
-        self, found: dict[str, list[TrajectoryEntry]], spec: RouteSpec, decode: bool = True
+        self,
+        found: dict[str, list[TrajectoryEntry]],
+        spec: RouteSpec,
+        decode: bool = True,
+        as_stored: bool = False,
     ) -> dict[str, TrajectoryRead]:
         """Fetch, and unless `decode` is False decode, the segments of catalog entries.
         Undecoded reads hold streams that decode alone: a segment stored with a
@@ -121,6 +125,7 @@ class ShardReader:
                 dictionaries,
                 decode,
                 portable=True,
+                as_stored=as_stored,
             )
 
         return {item.trajectory_id: item for item in self._pool.map(finish, found.values())}

@@ -267,12 +267,17 @@ def portable(
 
 
 def layer_subset(
-    encoded: EncodedRoutes, spec: RouteSpec, num_tokens: int, layers: Sequence[int]
+    encoded: EncodedRoutes,
+    spec: RouteSpec,
+    num_tokens: int,
+    layers: Sequence[int],
+    dictionary: Dictionary | None = None,
 ) -> EncodedRoutes:
     """The streams of `layers` only (indices into the spec's layers), encoded again at
     level 1 for `spec.narrowed(len(layers))`: what a rank whose routers see those
-    layers reads. Digest and token ids unchanged (they name the stored segment)."""
-    routes = decode(encoded, spec, num_tokens)
+    layers reads. Digest and token ids unchanged (they name the stored segment).
+    `dictionary`: the one stored streams need (`portable`'s)."""
+    routes = decode(encoded, spec, num_tokens, dictionary)
     chosen = list(layers)
     counts = None if routes.layer_counts is None else routes.layer_counts[chosen]
     subset = Routes(np.ascontiguousarray(routes.layers[chosen]), counts)

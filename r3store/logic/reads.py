@@ -22,14 +22,21 @@ def read_of(
     dictionaries: Dictionaries,
     decode: bool,
     portable: bool = False,
+    as_stored: bool = False,
 ) -> TrajectoryRead:
     """One trajectory from its segments' `(start, num_tokens, policy_version)` and
     stored streams: decoded, or as streams when `decode` is False. Streams handed out
     decode alone: those that need a dictionary or a shared prefix are encoded again
-    (`codec.portable`) when `portable`, else the trajectory is decoded."""
+    (`codec.portable`) when `portable`, else the trajectory is decoded. `as_stored`:
+    the streams as they are (for a caller that decodes them once itself, with
+    `dictionaries`)."""
 
     def dictionary(digest: bytes | None) -> Dictionary | None:
         return None if digest is None else dictionaries.get(digest)
+
+    if not decode and as_stored:
+        reads = [SegmentRead(*seg, s, s.digest) for seg, s in zip(segments, encoded, strict=True)]
+        return assemble(reads, identity, source=source)
 
     if not decode and portable:
         encoded = [

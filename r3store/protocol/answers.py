@@ -85,8 +85,10 @@ def encode_batch(
     """A read response: one row per stored segment, trajectories in the order asked;
     with `layers` (checked: `RouteSpec.check_layers`), their routes only.
 
-    `batch` must come from `Engine.get_batch(..., decode=False)` (stored streams).
-    `stop()` is asked before each segment is decoded: once true (the request was
+    `batch` must come from `Engine.get_batch(..., decode=False)` (stored streams; with
+    `as_stored=True`, rows at rest as stored, with `batch.dictionaries`: each crosses
+    the codec once here, decoded for `ids` and `mask`, encoded again to decode alone
+    for `encoded`). `stop()` is asked before each segment is decoded: once true (the request was
     answered meanwhile), `StoreError` is raised and nothing more is decoded.
     """
     cols: dict[str, list[Any]] = {
@@ -128,16 +130,19 @@ def encode_batch(
             cols["digest"].append(segment.digest or stored.digest)
             if stop is not None and stop():
                 raise StoreError("the read was answered before its routes were encoded")
+            need = None if stored.dictionary is None else batch.dictionaries.get(stored.dictionary)
             if fmt is ReadFormat.ENCODED:
                 if chosen is not None:
-                    stored = codec.layer_subset(stored, spec, segment.num_tokens, chosen)
+                    stored = codec.layer_subset(stored, spec, segment.num_tokens, chosen, need)
+                else:  # streams at rest need a dictionary or a shared prefix: not sent
+                    stored = codec.portable(stored, spec, segment.num_tokens, need)
                 cols["route_transform"].append(int(stored.transform))
                 cols["route_ids"].append(stored.ids)
                 cols["route_counts"].append(stored.counts)
                 cols["route_order"].append(stored.order)
                 cols["token_ids"].append(stored.tokens)
                 continue
-            routes = codec.decode(stored, spec, segment.num_tokens)
+            routes = codec.decode(stored, spec, segment.num_tokens, need)
             if chosen is not None:
                 counts_of = routes.layer_counts
                 routes = Routes(

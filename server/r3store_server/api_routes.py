@@ -266,6 +266,7 @@ async def read_batch(
             include_stale=body.include_stale,
             source=body.source,
             admit=read_limit(spec, body.format, settings.max_read_bytes, len(body.ids)),
+            as_stored=True,  # each row decoded once, by encode_batch
         )
         return _answer(batch, spec, body.format, metrics, deadline, body.layers)
 
@@ -324,6 +325,7 @@ async def sample(
             decode=False,
             seed=body.seed,
             admit=read_limit(spec, body.format, settings.max_read_bytes, body.n),
+            as_stored=True,
         )
         return _answer(batch, spec, body.format, metrics, deadline)
 
