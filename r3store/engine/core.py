@@ -14,6 +14,10 @@ writer_stats, store_description). The rest is in its parts, each a module of its
 `namespaces` (`Namespaces`: create, get, all, settings, policy version, delete, spec,
 count, usage), `keys` (`ApiKeys`), `analytics` (`Analytics`) and `upkeep` (`Upkeep`:
 maintenance passes, binding the store to the catalog, rebuilding the catalog).
+
+One module over 500 lines: what is left is the data path itself, whose write half
+(check, settle, encode, commit) and read half (lookup, staleness, sources, reads with
+one retry) share the namespace's checks and the catalog lookups.
 """
 
 from __future__ import annotations
