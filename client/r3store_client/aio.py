@@ -18,8 +18,6 @@ used in; make one per loop (per Ray actor).
 from __future__ import annotations
 
 import asyncio
-import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -36,8 +34,8 @@ from r3store_client.writer import (
     Delivery,
     Pause,
     Pending,
+    Queued,
     WriterReport,
-    take_batch,
     write_size,
 )
 
@@ -174,18 +172,12 @@ class AsyncRolloutWriter:
     ) -> None:
         self.client = client
         self.namespace = namespace
-        self.batch_size = batch_size
-        self.batch_bytes = batch_bytes
-        self.max_pending_bytes = max_pending_bytes
-        self.linger = linger
         self._delivery = Delivery(client.base_url, retry_backoff)
         self.report = self._delivery.report
-        self._queue: deque[Pending[asyncio.Future[RouteRef]]] = deque()
-        self._pending_bytes = 0
-        self._inflight = 0
+        self._held: Queued[asyncio.Future[RouteRef]] = Queued(
+            batch_size, batch_bytes, max_pending_bytes, linger
+        )
         self._changed = asyncio.Condition()
-        self._closing = False
-        self._deadline: float | None = None
         self._task: asyncio.Task[None] | None = None
 
     async def submit(
@@ -195,23 +187,17 @@ class AsyncRolloutWriter:
         full. The future's result is its route ref once stored."""
         size = write_size(trajectory)
         async with self._changed:
-            if self._closing:
+            if self._held.closing:
                 raise R3StoreError("the writer is closed")
-
-            def room() -> bool:
-                used = self._pending_bytes
-                return not used or used + size <= self.max_pending_bytes
-
-            if not room():
+            if not self._held.room(size):
                 if not block:
                     raise Backpressure("the writer's queue is full")
-                if not await self._until(room, timeout):
+                if not await self._until(lambda: self._held.room(size), timeout):
                     raise Backpressure("the writer's queue stayed full")
             if self._task is None:
                 self._task = asyncio.get_running_loop().create_task(self._run())
             pending = Pending(trajectory, size, asyncio.get_running_loop().create_future())
-            self._queue.append(pending)
-            self._pending_bytes += size
+            self._held.add(pending)
             self._changed.notify_all()
         return pending.future
 
@@ -224,20 +210,17 @@ class AsyncRolloutWriter:
         """Wait until everything queued is acknowledged or refused; False on timeout."""
         async with self._changed:
             self._changed.notify_all()
-            return await self._until(lambda: not self._queue and not self._inflight, timeout)
+            return await self._until(self._held.idle, timeout)
 
     async def close(self, timeout: float | None = 60.0) -> WriterReport:
         """Send what is queued (up to `timeout` seconds), stop, and return the report."""
         await self.flush(timeout)
         async with self._changed:
-            self._closing = True
-            self._deadline = time.monotonic()
+            self._held.close()
             self._changed.notify_all()
         if self._task is not None:
             await self._task
-        left = list(self._queue)
-        self._queue.clear()
-        self._delivery.unsent(left)
+        self._delivery.unsent(self._held.drain())
         return self.report
 
     async def __aenter__(self) -> AsyncRolloutWriter:
@@ -247,17 +230,14 @@ class AsyncRolloutWriter:
         await self.close()
 
     async def _take(self) -> list[Pending[asyncio.Future[RouteRef]]] | None:
+        held = self._held
         async with self._changed:
-            await self._changed.wait_for(lambda: bool(self._queue) or self._closing)
-            if not self._queue:
+            await self._changed.wait_for(lambda: bool(held.items) or held.closing)
+            if not held.items:
                 return None
-            if len(self._queue) < self.batch_size and not self._closing:
-                await self._until(  # let a batch gather
-                    lambda: len(self._queue) >= self.batch_size or self._closing, self.linger
-                )
-            batch = take_batch(self._queue, self.batch_size, self.batch_bytes)
-            self._inflight += len(batch)
-            return batch
+            if held.gathering():
+                await self._until(lambda: not held.gathering(), held.linger)  # a batch gathers
+            return held.take()
 
     async def _run(self) -> None:
         while True:
@@ -266,10 +246,7 @@ class AsyncRolloutWriter:
                 return
             leftover = await self._send(batch)
             async with self._changed:
-                self._inflight -= len(batch)
-                for item in reversed(leftover):  # unsent (closing): back to the queue front
-                    self._queue.appendleft(item)
-                self._pending_bytes -= sum(p.size for p in batch) - sum(p.size for p in leftover)
+                self._held.returned(batch, leftover)
                 self._changed.notify_all()
             if leftover:
                 return
@@ -283,7 +260,7 @@ class AsyncRolloutWriter:
         return True
 
     def _give_up(self) -> bool:
-        return self._closing and self._deadline is not None and time.monotonic() >= self._deadline
+        return self._held.give_up()
 
     async def _send(self, batch: list[Pending[Any]]) -> list[Pending[Any]]:
         """Deliver a batch; returns what could not be sent before closing."""
@@ -299,7 +276,7 @@ class AsyncRolloutWriter:
             outcome, error = None, None
             if isinstance(step, Pause):
                 async with self._changed:  # a wait that close() cuts short
-                    await self._until(lambda: self._closing, step.seconds)
+                    await self._until(lambda: self._held.closing, step.seconds)
                 continue
             assert isinstance(step, Attempt)
             try:

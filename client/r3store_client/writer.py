@@ -203,18 +203,12 @@ class RolloutWriter:
     ) -> None:
         self.client = client
         self.namespace = namespace
-        self.batch_size = batch_size
-        self.batch_bytes = batch_bytes
-        self.max_pending_bytes = max_pending_bytes
-        self.linger = linger
         self._delivery = Delivery(client.base_url, retry_backoff)
         self.report = self._delivery.report
-        self._queue: deque[Pending[Future[RouteRef]]] = deque()
-        self._pending_bytes = 0
-        self._inflight = 0
+        self._held: Queued[Future[RouteRef]] = Queued(
+            batch_size, batch_bytes, max_pending_bytes, linger
+        )
         self._cond = threading.Condition()
-        self._closing = False
-        self._deadline: float | None = None
         self._thread = threading.Thread(target=self._run, name="r3store-writer", daemon=True)
         self._thread.start()
 
@@ -226,9 +220,9 @@ class RolloutWriter:
         size = write_size(trajectory)
         limit = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            if self._closing:
+            if self._held.closing:
                 raise R3StoreError("the writer is closed")
-            while self._pending_bytes and self._pending_bytes + size > self.max_pending_bytes:
+            while not self._held.room(size):
                 if not block:
                     raise Backpressure("the writer's queue is full")
                 left = None if limit is None else limit - time.monotonic()
@@ -236,8 +230,7 @@ class RolloutWriter:
                     raise Backpressure("the writer's queue stayed full")
                 self._cond.wait(left)
             pending = Pending(trajectory, size, Future[RouteRef]())
-            self._queue.append(pending)
-            self._pending_bytes += size
+            self._held.add(pending)
             self._cond.notify_all()
         return pending.future
 
@@ -246,7 +239,7 @@ class RolloutWriter:
         limit = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             self._cond.notify_all()
-            while self._queue or self._inflight:
+            while not self._held.idle():
                 left = None if limit is None else limit - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -257,13 +250,11 @@ class RolloutWriter:
         """Send what is queued (up to `timeout` seconds), stop, and return the report."""
         self.flush(timeout)
         with self._cond:
-            self._closing = True
-            self._deadline = time.monotonic()
+            self._held.close()
             self._cond.notify_all()
         self._thread.join()
         with self._cond:
-            left = list(self._queue)
-            self._queue.clear()
+            left = self._held.drain()
         self._delivery.unsent(left)
         return self.report
 
@@ -275,15 +266,13 @@ class RolloutWriter:
 
     def _take(self) -> list[Pending[Future[RouteRef]]] | None:
         with self._cond:
-            while not self._queue:
-                if self._closing:
+            while not self._held.items:
+                if self._held.closing:
                     return None
                 self._cond.wait()
-            if len(self._queue) < self.batch_size and not self._closing:
-                self._cond.wait(self.linger)  # let a batch gather
-            batch = take_batch(self._queue, self.batch_size, self.batch_bytes)
-            self._inflight += len(batch)
-            return batch
+            if self._held.gathering():
+                self._cond.wait(self._held.linger)  # let a batch gather
+            return self._held.take()
 
     def _run(self) -> None:
         while True:
@@ -292,19 +281,14 @@ class RolloutWriter:
                 return
             leftover = self._send(batch)
             with self._cond:
-                self._inflight -= len(batch)
-                for item in reversed(leftover):  # unsent (closing): back to the queue front
-                    self._queue.appendleft(item)
-                self._pending_bytes -= sum(p.size for p in batch) - sum(p.size for p in leftover)
+                self._held.returned(batch, leftover)
                 self._cond.notify_all()
             if leftover:
                 return
 
     def _give_up(self) -> bool:
         with self._cond:
-            return (
-                self._closing and self._deadline is not None and time.monotonic() >= self._deadline
-            )
+            return self._held.give_up()
 
     def _send(self, batch: list[Pending[Any]]) -> list[Pending[Any]]:
         """Deliver a batch, blocking; returns what could not be sent before closing."""
@@ -328,14 +312,69 @@ class RolloutWriter:
                 error = exc
 
 
-def take_batch(queue: deque[Pending[F]], size: int, max_bytes: int) -> list[Pending[F]]:
-    """Up to `size` queued writes from the front, of at most `max_bytes` (one at least)."""
-    batch: list[Pending[F]] = []
-    total = 0
-    while queue and len(batch) < size:
-        if batch and total + queue[0].size > max_bytes:
-            break
-        item = queue.popleft()
-        batch.append(item)
-        total += item.size
-    return batch
+class Queued(Generic[F]):
+    """What a writer holds: its queue of writes, their bytes, how many are being sent,
+    and whether it is closing. Both writers keep one, under their own lock (a thread's
+    condition, or an asyncio condition): nothing here locks or waits."""
+
+    def __init__(
+        self, batch_size: int, batch_bytes: int, max_pending_bytes: int, linger: float
+    ) -> None:
+        self.batch_size = batch_size
+        self.batch_bytes = batch_bytes
+        self.max_pending_bytes = max_pending_bytes
+        self.linger = linger
+        self.items: deque[Pending[F]] = deque()
+        self.bytes = 0
+        self.inflight = 0
+        self.closing = False
+        self.deadline: float | None = None
+
+    def room(self, size: int) -> bool:
+        """Whether a write of `size` bytes fits (one always does into an empty queue)."""
+        return not self.bytes or self.bytes + size <= self.max_pending_bytes
+
+    def add(self, pending: Pending[F]) -> None:
+        self.items.append(pending)
+        self.bytes += pending.size
+
+    def gathering(self) -> bool:
+        """Whether to linger for more writes before sending a batch."""
+        return len(self.items) < self.batch_size and not self.closing
+
+    def take(self) -> list[Pending[F]]:
+        """Up to `batch_size` queued writes from the front, of at most `batch_bytes`
+        (one at least), counted as being sent."""
+        batch: list[Pending[F]] = []
+        total = 0
+        while self.items and len(batch) < self.batch_size:
+            if batch and total + self.items[0].size > self.batch_bytes:
+                break
+            item = self.items.popleft()
+            batch.append(item)
+            total += item.size
+        self.inflight += len(batch)
+        return batch
+
+    def returned(self, batch: Sequence[Pending[F]], leftover: Sequence[Pending[F]]) -> None:
+        """A batch delivered: what could not be sent (closing) goes back to the front."""
+        self.inflight -= len(batch)
+        for item in reversed(leftover):
+            self.items.appendleft(item)
+        self.bytes -= sum(p.size for p in batch) - sum(p.size for p in leftover)
+
+    def idle(self) -> bool:
+        return not self.items and not self.inflight
+
+    def close(self) -> None:
+        """Stop taking writes; what is still unsent from now on is given up."""
+        self.closing = True
+        self.deadline = time.monotonic()
+
+    def give_up(self) -> bool:
+        return self.closing and self.deadline is not None and time.monotonic() >= self.deadline
+
+    def drain(self) -> list[Pending[F]]:
+        left = list(self.items)
+        self.items.clear()
+        return left
