@@ -13,7 +13,11 @@
     ├── NotFound                 a namespace, trajectory or object that does not exist
     │   └── ObjectNotFound       an object store key that does not exist
     ├── Conflict                 the same id with other content, or an existing name
-    │   └── ObjectExists         a create-only put whose key already exists
+    │   ├── ObjectExists         a create-only put whose key already exists
+    │   ├── LeaseClosed          a lease no longer open: released, fenced or undone
+    │   │   ├── LeaseCommitted   a lease committed already (the commit stands)
+    │   │   └── LeaseExpired     a lease past its expiry (its trajectories went back)
+    │   └── Fenced               a lease or checkpoint of an epoch before a resume
     ├── RefMismatch              a route ref whose content is no longer stored as named
     ├── StalePolicy              routes older than the namespace's staleness window
     ├── Backpressure             the write buffer is full; retry later
@@ -93,6 +97,31 @@ class Conflict(R3StoreError):
 
 class ObjectExists(Conflict):
     code = "object_exists"
+
+
+class LeaseClosed(Conflict):
+    """A lease that can no longer be committed, released or renewed; nothing changed."""
+
+    code = "lease_closed"
+
+
+class LeaseCommitted(LeaseClosed):
+    """A lease committed before: its consumption is counted once, and stands."""
+
+    code = "lease_committed"
+
+
+class LeaseExpired(LeaseClosed):
+    """A lease past its expiry: its trajectories returned to the pool uncounted."""
+
+    code = "lease_expired"
+
+
+class Fenced(Conflict):
+    """A lease or checkpoint of the trainer's incarnation before the namespace resumed
+    (an older epoch): refused, so that a zombie rank cannot consume for the resumed run."""
+
+    code = "fenced"
 
 
 class RefMismatch(R3StoreError):

@@ -43,6 +43,13 @@ class Retention(BaseModel):
     evict_after_sampled: bool = Field(
         False, description="drop a trajectory once it was sampled max_times_sampled times"
     )
+    keep_checkpoints: int | None = Field(
+        3,
+        ge=1,
+        le=MAX_TIMES_SAMPLED,
+        description="keep the newest N step checkpoints (routes consumed after the oldest "
+        "kept one are kept for a resume); None: keep every checkpoint",
+    )
 
 
 class NamespaceSettings(BaseModel):

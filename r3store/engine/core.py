@@ -12,7 +12,8 @@ call from many threads at once; the engine packs concurrent calls into shared sh
 sample, read_plan) and what is asked of the engine as a whole (ping, close,
 writer_stats, store_description). The rest is in its parts, each a module of its own:
 `namespaces` (`Namespaces`: create, get, all, settings, policy version, delete, spec,
-count, usage), `keys` (`ApiKeys`), `analytics` (`Analytics`) and `upkeep` (`Upkeep`:
+count, usage), `consumption` (`Consumption`: leases, step checkpoints, resume), `keys`
+(`ApiKeys`), `analytics` (`Analytics`) and `upkeep` (`Upkeep`:
 maintenance passes, binding the store to the catalog, rebuilding the catalog).
 
 One module over 500 lines: what is left is the data path itself, whose write half
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import random
 import struct
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from r3store.catalog_types import NamespaceInfo, TrajectoryEntry
 from r3store.engine.analytics import Analytics
 from r3store.engine.api_keys import ApiKeys
+from r3store.engine.consumption import Consumption, admitting
 from r3store.engine.namespaces import Namespaces
 from r3store.engine.reader import ReaderConfig, ShardReader, plan_ranges
 from r3store.engine.upkeep import Upkeep
@@ -56,7 +57,7 @@ from r3store.errors import (
 )
 from r3store.logic import codec, stats, streams
 from r3store.logic.routes import Routes
-from r3store.logic.sampling import Candidate, Strategy, choose
+from r3store.logic.sampling import Strategy
 from r3store.logic.sources import choose_source, engine_segments, inherit
 from r3store.policy import (
     ENGINE,
@@ -183,6 +184,7 @@ class Engine:
         )
         self.namespaces = Namespaces(store, catalog, clock)
         self.keys = ApiKeys(catalog)
+        self.consumption = Consumption(catalog, self.namespaces, clock)
         self.analytics = Analytics(catalog, self._reader, self.namespaces.spec)
         self.upkeep = Upkeep(
             store, catalog, self.namespaces, self.analytics, self.config.writer.row_group_bytes
@@ -483,28 +485,35 @@ class Engine:
         seed: int | None = None,
         admit: Callable[[list[TrajectoryEntry]], None] | None = None,
         as_stored: bool = False,
+        holder: str | None = None,
     ) -> Batch:
-        """Take up to `n` trajectories for training, within the staleness window.
+        """Take up to `n` trajectories for training, within the staleness window, and
+        count them at once (a lease committed as it is taken: `consumption.lease` holds
+        them until the trainer commits instead).
 
         FIFO takes the oldest first, UNIFORM uniformly at random; `whole_groups` never
         splits a prompt group. Each taken trajectory counts one sampling; once it has
-        been sampled `max_times_sampled` times it is no longer offered. `admit` sees
-        the chosen trajectories' segments before any is counted or read, and may
-        refuse the sample by raising (nothing is counted then).
+        been sampled `max_times_sampled` times it is no longer offered. Trajectories an
+        open lease holds are not offered. `admit` sees the chosen trajectories'
+        segments before any is counted or read, and may refuse the sample by raising
+        (nothing is counted then).
         """
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise InvalidInput(f"n must be a positive integer, got {n!r}")
-        info = self.namespaces.get(namespace)
-        limit = info.settings.max_times_sampled
-        floor = staleness_floor(info.policy_version, info.settings)
-        rows = self._catalog.segments.sampling_candidates(namespace, floor, limit)
-        candidates = [Candidate(tid, group, created) for tid, group, created in rows]
-        chosen = choose(candidates, n, strategy, whole_groups, random.Random(seed))
-        wanted = info.settings.read_sources
+        wanted = self.namespaces.get(namespace).settings.read_sources
+        check = None
         if admit is not None:
-            found = self._served(namespace, chosen, wanted)
-            admit([s for segments in found.values() for s in segments])
-        taken = self._catalog.segments.mark_sampled(namespace, chosen, limit)
+            check = admitting(lambda ids: self._served(namespace, ids, wanted), admit)
+        lease = self.consumption.lease(
+            namespace,
+            n=n,
+            strategy=strategy,
+            whole_groups=whole_groups,
+            seed=seed,
+            admit=check,
+            holder=holder,
+            commit=True,
+        )
+        taken = list(lease.trajectory_ids)
+        info = self.namespaces.get(namespace)
         reads = self._read(
             lambda: self._served(namespace, taken, wanted), info.spec, decode, as_stored
         )

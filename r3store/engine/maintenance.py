@@ -8,7 +8,10 @@ One pass (`Maintenance.run`), for every namespace:
    than `ttl_seconds` ago; or sampled `max_times_sampled` times when
    `evict_after_sampled`) leave the catalog,
    after a tombstone naming their segments is stored (`tombstones/`), so a catalog
-   rebuild does not bring them back from shards not yet compacted.
+   rebuild does not bring them back from shards not yet compacted. Never those an open
+   lease holds or that were consumed after the namespace's oldest kept checkpoint (a
+   resume hands them out again: `Leases.protected`). Leases closed a day ago are
+   forgotten, except those a kept checkpoint may still undo.
 2. Compaction: a shard whose live route bytes fell below `compact_below` of the route
    bytes it was written with is rewritten with only its live rows (same content
    digests) under a key planned in the catalog first; the catalog switches to the new
@@ -76,6 +79,8 @@ from r3store.storage.tombstone import read_tombstone, tombstone
 
 log = logging.getLogger(__name__)
 
+LEASE_HISTORY_SECONDS = 86400.0  # closed leases are kept this long (a late commit is told why)
+
 
 def _reader(data: memoryview) -> Callable[[Span], bytes]:
     return lambda span: bytes(data[span.offset : span.end])
@@ -84,6 +89,8 @@ def _reader(data: memoryview) -> Callable[[Span], bytes]:
 @dataclass
 class MaintenanceReport:
     trajectories_dropped: int = 0
+    trajectories_kept: int = 0  # retention's, kept for a lease or a checkpoint
+    leases_forgotten: int = 0
     shards_compacted: int = 0
     shards_retired: int = 0
     objects_deleted: int = 0
@@ -144,7 +151,10 @@ class Maintenance:
         """One pass; `progress(done, total)` is called per shard considered."""
         report = MaintenanceReport()
         for info in self.catalog.namespaces.all():
-            report.trajectories_dropped += self.apply_retention(info.name)
+            report.trajectories_dropped += self.apply_retention(info.name, report)
+            report.leases_forgotten += self.catalog.leases.prune(
+                info.name, self.clock() - LEASE_HISTORY_SECONDS
+            )
         self.compact(report, progress)
         self.settle(report, progress)
         self.collect(report)
@@ -159,6 +169,8 @@ class Maintenance:
             "rest_bytes_saved",
             "dictionaries_trained",
             "trajectories_dropped",
+            "trajectories_kept",
+            "leases_forgotten",
             "shards_compacted",
             "shards_retired",
             "objects_deleted",
@@ -185,8 +197,13 @@ class Maintenance:
         sampled = info.settings.max_times_sampled if retention.evict_after_sampled else None
         return self.catalog.segments.retention_victims(namespace, floor, cutoff, sampled)
 
-    def apply_retention(self, namespace: str) -> int:
+    def apply_retention(self, namespace: str, report: MaintenanceReport | None = None) -> int:
         victims = self._victims(namespace)
+        if victims:
+            kept = self.catalog.leases.protected(namespace, self.clock())
+            if report is not None:
+                report.trajectories_kept += sum(1 for v in victims if v in kept)
+            victims = [v for v in victims if v not in kept]
         if victims:
             # the store first: a catalog rebuild must not bring these back from shards
             # that still hold them

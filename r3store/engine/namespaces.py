@@ -117,6 +117,13 @@ class Namespaces:
         self._store.put(namespace_key(name), manifest(info))
         return info
 
+    def write_manifest(self, name: str) -> NamespaceInfo:
+        """Write the namespace's manifest again from the catalog (after a change made
+        there, such as a resume setting the policy version back)."""
+        info = self.get(name)
+        self._store.put(namespace_key(name), manifest(info))
+        return info
+
     def delete(self, name: str) -> int:
         """Delete a namespace, its trajectories and its objects; returns objects deleted.
 

@@ -25,7 +25,15 @@ import numpy as np
 import pytest
 
 from r3store.catalog_types import ShardInfo, TrajectoryEntry
-from r3store.errors import Conflict, InvalidInput, NotFound
+from r3store.errors import (
+    Conflict,
+    Fenced,
+    InvalidInput,
+    LeaseClosed,
+    LeaseCommitted,
+    LeaseExpired,
+    NotFound,
+)
 from r3store.logic import stats as stats_lib
 from r3store.logic.spans import RouteSpans, Span
 from r3store.policy import NamespaceSettings
@@ -210,10 +218,17 @@ class CatalogTests(ABC):
         catalog.namespaces.create("ns", SPEC)
         entries = [entry("a", "s1", version=1), entry("b", "s1", version=0)]
         self.commit(catalog, shard("s1", 2), entries)
-        candidates = catalog.segments.sampling_candidates("ns", 1, None)
-        assert [c[0] for c in candidates] == ["a"]
-        assert catalog.segments.mark_sampled("ns", ["a", "b"], 1) == ["a", "b"]
-        assert catalog.segments.mark_sampled("ns", ["a"], 1) == []
+        seen: list[list[str]] = []
+
+        def every(rows: list[tuple[str, str | None, float]]) -> list[str]:
+            seen.append(sorted(r[0] for r in rows))
+            return [r[0] for r in rows]
+
+        take = dict(max_times=1, seconds=60.0, now=10.0, commit=True)
+        done = catalog.leases.take("ns", every, min_version=1, **take)  # type: ignore[arg-type]
+        assert (seen, done.trajectory_ids, done.seq) == ([["a"]], ("a",), 1)
+        catalog.leases.take("ns", every, min_version=None, **take)  # type: ignore[arg-type]
+        assert seen[-1] == ["b"]  # a was sampled its one time
         self.raw_execute(
             catalog, "UPDATE trajectories SET times_sampled = 5 WHERE trajectory_id = 'b'"
         )
@@ -223,11 +238,80 @@ class CatalogTests(ABC):
             ("a", 1),
             ("b", 5),
         ]
+        assert self.raw_query(catalog, "SELECT consumed FROM namespaces") == [(2,)]
         assert catalog.segments.sampling_totals("ns") == (6, 2)
-        assert catalog.segments.sampling_candidates("ns", None, 1) == []
+        catalog.leases.take("ns", every, min_version=None, **take)  # type: ignore[arg-type]
+        assert seen[-1] == []
         assert catalog.segments.retention_victims("ns", 1, None, None) == ["b"]
         assert catalog.segments.retention_victims("ns", None, None, 5) == ["b"]
         assert catalog.segments.retention_victims("ns", None, 2.0, None) == ["a", "b"]
+
+    def test_leases_hold_count_once_and_resume(self, catalog: Catalog) -> None:
+        catalog.namespaces.create("ns", SPEC)
+        ids = [f"t{i}" for i in range(4)]
+        entries = [entry(t, "s1", created=float(i)) for i, t in enumerate(ids)]
+        self.commit(catalog, shard("s1", 4), entries)
+
+        def oldest(k: int) -> Any:
+            return lambda rows: [r[0] for r in sorted(rows, key=lambda r: r[2])[:k]]
+
+        def times() -> dict[str, int]:
+            rows = self.raw_query(catalog, "SELECT trajectory_id, times_sampled FROM trajectories")
+            return dict(rows)
+
+        opts = dict(min_version=None, max_times=1)
+        first = catalog.leases.take("ns", oldest(2), seconds=5.0, now=100.0, **opts)  # type: ignore[arg-type]
+        assert (first.trajectory_ids, first.epoch) == (("t0", "t1"), 0)
+        second = catalog.leases.take("ns", oldest(2), seconds=5.0, now=101.0, **opts)  # type: ignore[arg-type]
+        assert second.trajectory_ids == ("t2", "t3")  # t0, t1 are held
+        assert times() == dict.fromkeys(ids, 0)  # nothing counted before a commit
+        assert self.raw_query(
+            catalog, "SELECT state, expires_at FROM leases WHERE lease_id = ?", [first.lease_id]
+        ) == [("open", 105.0)]
+        committed = catalog.leases.commit("ns", first.lease_id, now=102.0)
+        assert (committed.seq, times()["t0"], times()["t1"]) == (1, 1, 1)
+        with pytest.raises(LeaseCommitted):
+            catalog.leases.commit("ns", first.lease_id, now=102.5)
+        with pytest.raises(LeaseExpired):  # second expired at 106: t2, t3 went back
+            catalog.leases.commit("ns", second.lease_id, now=106.0)
+        assert times()["t2"] == 0
+        assert [x.lease_id for x in catalog.leases.open("ns", 105.9)] == [second.lease_id]
+        assert catalog.leases.open("ns", 106.0) == []
+        point = catalog.leases.checkpoint("ns", 1, now=107.0)
+        assert (point.step, point.consumed, point.epoch) == (1, 1, 0)
+        assert catalog.leases.checkpoint("ns", 1, now=107.5) == point  # a repeat
+        third = catalog.leases.take("ns", oldest(2), seconds=5.0, now=108.0, **opts)  # type: ignore[arg-type]
+        assert third.trajectory_ids == ("t2", "t3")
+        catalog.leases.commit("ns", third.lease_id, now=109.0)
+        assert catalog.leases.protected("ns", now=109.0) == {"t2", "t3"}
+        with pytest.raises(Conflict):  # step 1 again, with other consumption
+            catalog.leases.checkpoint("ns", 1, now=109.5)
+        catalog.leases.checkpoint("ns", 2, now=110.0)
+        zombie = catalog.leases.take("ns", oldest(1), seconds=50.0, now=110.0, **opts)  # type: ignore[arg-type]
+        assert zombie.trajectory_ids == ()  # every trajectory was sampled its one time
+        done = catalog.leases.resume("ns", 1, now=111.0)
+        assert (done.epoch, done.leases_undone, done.samplings_undone) == (1, 1, 2)
+        assert (done.leases_fenced, done.checkpoints_dropped) == (1, [2])
+        assert times() == {"t0": 1, "t1": 1, "t2": 0, "t3": 0}
+        assert self.raw_query(catalog, "SELECT epoch FROM namespaces") == [(1,)]
+        with pytest.raises(Fenced):
+            catalog.leases.commit("ns", zombie.lease_id, now=112.0)
+        with pytest.raises(Fenced):
+            catalog.leases.commit("ns", third.lease_id, now=112.0)  # undone by the resume
+        with pytest.raises(Fenced):
+            catalog.leases.take("ns", oldest(1), seconds=5.0, now=112.0, epoch=0, **opts)  # type: ignore[arg-type]
+        again = catalog.leases.take("ns", oldest(2), seconds=5.0, now=112.0, epoch=1, **opts)  # type: ignore[arg-type]
+        assert again.trajectory_ids == ("t2", "t3")  # what the checkpoint implies
+        released = catalog.leases.release("ns", again.lease_id, now=113.0)
+        assert released.state == "released"
+        with pytest.raises(LeaseClosed):
+            catalog.leases.renew("ns", again.lease_id, 5.0, now=113.5)
+        assert [c.step for c in catalog.leases.checkpoints("ns")] == [1]
+        assert catalog.leases.prune("ns", before=1000.0) >= 3
+        assert [c.step for c in catalog.leases.checkpoints("ns")] == [1]
+        catalog.leases.delete_checkpoint("ns", 1)
+        with pytest.raises(NotFound):
+            catalog.leases.resume("ns", 1, now=114.0)
 
     def test_deleting_segments(self, catalog: Catalog) -> None:
         catalog.namespaces.create("ns", SPEC)

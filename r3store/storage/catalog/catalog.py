@@ -3,11 +3,11 @@
     catalog = Catalog("sqlite:///catalog.db")   # upgrades the schema on open
     catalog.namespaces.get("ns"); catalog.segments.lookup("ns", ids)
     catalog.shards.commit(...); catalog.keys.all(); catalog.stats.agreements(...)
-    catalog.ledger.identity()
+    catalog.ledger.identity(); catalog.leases.take(...); catalog.leases.resume("ns", 10, now)
 
 The object store is the source of truth: `r3store.engine.rebuild` can make the catalog
-again from the shards alone (policy versions, settings, sampling counts and API keys
-live only here).
+again from the shards alone (policy versions, settings, sampling counts, leases,
+checkpoints and API keys live only here).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 from r3store.storage.catalog import migrate
 from r3store.storage.catalog.database import Database
 from r3store.storage.catalog.keys import Keys
+from r3store.storage.catalog.leases import Leases
 from r3store.storage.catalog.ledger import Ledger
 from r3store.storage.catalog.namespaces import Namespaces
 from r3store.storage.catalog.segments import Segments
@@ -32,6 +33,7 @@ class Catalog:
     keys: Keys
     stats: Stats
     ledger: Ledger
+    leases: Leases
 
     def __init__(self, url: str, timeout: float = 10.0, upgrade: bool = True) -> None:
         """Open the catalog at `url` (any SQLAlchemy URL; SQLite and PostgreSQL are
@@ -55,6 +57,7 @@ class Catalog:
         self.keys = Keys(self.db)
         self.stats = Stats(self.db)
         self.ledger = Ledger(self.db)
+        self.leases = Leases(self.db)
 
     def ping(self) -> None:
         """Raises `StoreError` when the database does not answer."""

@@ -8,8 +8,9 @@ once:
 
 - an empty database: the tables are created and the revision recorded;
 - a catalog made before migrations, with no `alembic_version`: stamped at the revision
-  whose schema it has exactly (`0001`), or, when it is older than that (made before
-  route sources, compression at rest, the ledger), brought up to it by revision `0001`;
+  whose schema it has exactly (`0001`, or the newest), or, when it is older than that
+  (made before route sources, compression at rest, the ledger), brought up to it by
+  revision `0001`; then upgraded;
 - a catalog at an older revision: upgraded;
 - a catalog at a revision this code does not know (written by a newer r3store):
   refused with `InvalidConfig`, naming both revisions, and left untouched.
@@ -32,6 +33,7 @@ from alembic.util.exc import CommandError
 from sqlalchemy.engine import Connection
 
 from r3store.errors import InvalidConfig
+from r3store.storage.catalog import tables
 from r3store.storage.catalog.database import Database
 
 MIGRATIONS = Path(__file__).parent / "migrations"
@@ -50,6 +52,7 @@ class Plan:
     current: str | None  # the recorded revision; None: none recorded
     head: str  # the newest revision this code knows
     action: str  # NOTHING, CREATE, STAMP or UPGRADE
+    stamp: str | None = None  # STAMP: the revision whose schema the catalog has
 
     def describe(self) -> str:
         current = self.current or "none recorded"
@@ -58,12 +61,14 @@ class Plan:
         if self.action == CREATE:
             return f"an empty database: create the catalog's tables at revision {self.head}"
         if self.action == STAMP:
+            if self.stamp == self.head:
+                return (
+                    "a catalog with no recorded revision and the newest schema: record "
+                    f"revision {self.head} (alembic_version)"
+                )
             return (
                 f"a catalog made before migrations with the schema of revision "
-                f"{BEFORE_MIGRATIONS}: record that revision, then upgrade to {self.head}"
-                if self.head != BEFORE_MIGRATIONS
-                else "a catalog made before migrations with the newest schema: record "
-                f"revision {self.head} (alembic_version)"
+                f"{self.stamp}: record that revision, then upgrade to {self.head}"
             )
         return f"upgrade the catalog's schema from revision {current} to {self.head}"
 
@@ -113,12 +118,20 @@ def _state(conn: Connection) -> Plan:
     frozen = _frozen(BEFORE_MIGRATIONS)
     if not present & set(frozen.tables):
         return Plan(None, newest, CREATE)
-    exact = all(
+    if _has_exactly(inspector, present, tables.metadata):
+        return Plan(None, newest, STAMP, newest)
+    if _has_exactly(inspector, present, frozen):
+        return Plan(None, newest, STAMP, BEFORE_MIGRATIONS)
+    return Plan(None, newest, UPGRADE)
+
+
+def _has_exactly(inspector: sa.Inspector, present: set[str], metadata: sa.MetaData) -> bool:
+    """Whether the database holds `metadata`'s tables with exactly their columns."""
+    return all(
         name in present
         and [c["name"] for c in inspector.get_columns(name)] == [c.name for c in table.columns]
-        for name, table in frozen.tables.items()
+        for name, table in metadata.tables.items()
     )
-    return Plan(None, newest, STAMP if exact else UPGRADE)
 
 
 def plan(db: Database) -> Plan:
@@ -141,7 +154,8 @@ def upgrade(db: Database) -> Plan:
             return found
         config = _config(conn)
         if found.action == STAMP:
-            command.stamp(config, BEFORE_MIGRATIONS)
+            assert found.stamp is not None
+            command.stamp(config, found.stamp)
         command.upgrade(config, "head")
     return found
 

@@ -106,48 +106,6 @@ class Segments:
             total, sampled = conn.execute(query).one()
         return int(total), int(sampled)
 
-    def sampling_candidates(
-        self, namespace: str, min_version: int | None, max_times: int | None
-    ) -> list[tuple[str, str | None, float]]:
-        """(id, group, created) of trajectories whose every segment is at or above
-        `min_version` and that were sampled fewer than `max_times` times."""
-        t = trajectories
-        oldest = (
-            sa.select(t.c.trajectory_id, sa.func.min(t.c.policy_version).label("oldest"))
-            .where(t.c.namespace == namespace, t.c.source == ENGINE)
-            .group_by(t.c.trajectory_id)
-            .subquery()
-        )
-        query = (
-            sa.select(t.c.trajectory_id, t.c.group_id, t.c.created_at)
-            .join(oldest, oldest.c.trajectory_id == t.c.trajectory_id)
-            .where(t.c.namespace == namespace, t.c.start == 0, t.c.source == ENGINE)
-        )
-        if min_version is not None:
-            query = query.where(oldest.c.oldest >= min_version)
-        if max_times is not None:
-            query = query.where(t.c.times_sampled < max_times)
-        with self._db.connect() as conn:
-            return [(r.trajectory_id, r.group_id, r.created_at) for r in conn.execute(query)]
-
-    def mark_sampled(self, namespace: str, ids: Sequence[str], max_times: int | None) -> list[str]:
-        """Count one more sampling of each id still under `max_times`; returns those ids."""
-        t = trajectories
-        taken = []
-        with self._db.begin() as conn:
-            for tid in ids:
-                query = t.update().where(
-                    t.c.namespace == namespace,
-                    t.c.trajectory_id == tid,
-                    t.c.start == 0,
-                    t.c.source == ENGINE,
-                )
-                if max_times is not None:
-                    query = query.where(t.c.times_sampled < max_times)
-                if conn.execute(query.values(times_sampled=t.c.times_sampled + 1)).rowcount:
-                    taken.append(tid)
-        return taken
-
     def retention_victims(
         self,
         namespace: str,

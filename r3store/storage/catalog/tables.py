@@ -6,6 +6,8 @@
 - `expert_load`, `route_agreement`: statistics (`r3store.storage.catalog.stats`).
 - `catalog_meta`, `uploads`, `dictionaries`: the ledger of what this catalog owns in the
   store (`r3store.storage.catalog.ledger`).
+- `leases`, `lease_items`, `checkpoints` (and the namespace's `epoch` and `consumed`):
+  consumption by trainers (`r3store.storage.catalog.leases`).
 
 These are the tables as the code reads and writes them now; a database gets them through
 the migrations (`r3store.storage.catalog.migrations`), which hold their own frozen copy.
@@ -27,6 +29,10 @@ namespaces = sa.Table(
     sa.Column("settings", sa.Text, nullable=False),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("policy_version", sa.BigInteger, nullable=False),
+    # the trainer's incarnation (one more at each resume) and the number of the last
+    # committed consumption
+    sa.Column("epoch", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("consumed", sa.BigInteger, nullable=False, server_default="0"),
 )
 
 
@@ -154,4 +160,45 @@ dictionaries = sa.Table(
     sa.Column("digest", sa.LargeBinary(16), primary_key=True),
     sa.Column("policy_version", sa.BigInteger, nullable=False),
     sa.Column("used_at", sa.Float, nullable=False),
+)
+
+
+leases = sa.Table(
+    "leases",
+    metadata,
+    sa.Column("namespace", sa.String(128), primary_key=True),
+    sa.Column("lease_id", sa.String(32), primary_key=True),
+    sa.Column("epoch", sa.BigInteger, nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),  # r3store.leases.LeaseState
+    sa.Column("size", sa.Integer, nullable=False),
+    sa.Column("holder", sa.String(64)),  # the key that took it (None: no keys)
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("expires_at", sa.Float, nullable=False),
+    sa.Column("closed_at", sa.Float),
+    sa.Column("seq", sa.BigInteger),  # its place in the namespace's consumption, once committed
+    sa.Index("ix_leases_state", "namespace", "state"),
+    sa.Index("ix_leases_seq", "namespace", "seq"),
+)
+
+
+lease_items = sa.Table(
+    "lease_items",
+    metadata,
+    sa.Column("namespace", sa.String(128), primary_key=True),
+    sa.Column("lease_id", sa.String(32), primary_key=True),
+    sa.Column("position", sa.Integer, primary_key=True),
+    sa.Column("trajectory_id", sa.String(256), nullable=False),
+    sa.Index("ix_lease_items_trajectory", "namespace", "trajectory_id"),
+)
+
+
+checkpoints = sa.Table(
+    "checkpoints",
+    metadata,
+    sa.Column("namespace", sa.String(128), primary_key=True),
+    sa.Column("step", sa.BigInteger, primary_key=True),
+    sa.Column("epoch", sa.BigInteger, nullable=False),
+    sa.Column("consumed", sa.BigInteger, nullable=False),  # the namespace's, when recorded
+    sa.Column("policy_version", sa.BigInteger, nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
 )
