@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from r3store.leases import Checkpoint, Lease, Resumed
     from r3store.refs import RouteRef
     from r3store_client.aio import AsyncClient, AsyncRolloutWriter
     from r3store_client.client import Client, Retry
@@ -21,7 +22,10 @@ if TYPE_CHECKING:
 __all__ = [
     "AsyncClient",
     "AsyncRolloutWriter",
+    "Checkpoint",
     "Client",
+    "Lease",
+    "Resumed",
     "Retry",
     "RolloutWriter",
     "RouteRef",
@@ -31,6 +35,9 @@ _WHERE = {
     "AsyncClient": "r3store_client.aio",
     "AsyncRolloutWriter": "r3store_client.aio",
     "RouteRef": "r3store.refs",
+    "Lease": "r3store.leases",
+    "Checkpoint": "r3store.leases",
+    "Resumed": "r3store.leases",
     "Client": "r3store_client.client",
     "Retry": "r3store_client.client",
     "RolloutWriter": "r3store_client.writer",

@@ -146,6 +146,20 @@ class AsyncClient(Calls):
     resolve = awaiting(Calls._resolve)
     sample = awaiting(Calls._sample)
 
+    # leases, checkpoints and resume (r3store_client.lease_calls)
+
+    lease = awaiting(Calls._lease)
+    read_lease = awaiting(Calls._read_lease)
+    commit = awaiting(Calls._commit)
+    release = awaiting(Calls._release)
+    renew = awaiting(Calls._renew)
+    get_lease = awaiting(Calls._get_lease)
+    leases = awaiting(Calls._leases)
+    checkpoint = awaiting(Calls._checkpoint)
+    checkpoints = awaiting(Calls._checkpoints)
+    delete_checkpoint = awaiting(Calls._delete_checkpoint)
+    resume = awaiting(Calls._resume)
+
     # statistics
     expert_load = awaiting(Calls._expert_load)
     agreement = awaiting(Calls._agreement)

@@ -66,6 +66,7 @@ from r3store.protocol.wire import CONTENT_TYPE, ReadFormat, decode_batch, encode
 from r3store.records import Batch, PutResult, TrajectoryWrite
 from r3store.refs import RouteRef, by_source, resolve
 from r3store.spec import RouteSpec
+from r3store_client.lease_calls import LeaseCalls
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -237,9 +238,9 @@ def _differing(name: str, stored: RouteSpec, asked: RouteSpec) -> None:
         )
 
 
-class Calls:
+class Calls(LeaseCalls):
     """The client's state and its calls, for a transport to run (`Client`,
-    `AsyncClient`)."""
+    `AsyncClient`); the lease calls are in `r3store_client.lease_calls`."""
 
     def __init__(
         self,

@@ -118,6 +118,20 @@ class Client(Calls):
     resolve = blocking(Calls._resolve)
     sample = blocking(Calls._sample)
 
+    # leases, checkpoints and resume (r3store_client.lease_calls)
+
+    lease = blocking(Calls._lease)
+    read_lease = blocking(Calls._read_lease)
+    commit = blocking(Calls._commit)
+    release = blocking(Calls._release)
+    renew = blocking(Calls._renew)
+    get_lease = blocking(Calls._get_lease)
+    leases = blocking(Calls._leases)
+    checkpoint = blocking(Calls._checkpoint)
+    checkpoints = blocking(Calls._checkpoints)
+    delete_checkpoint = blocking(Calls._delete_checkpoint)
+    resume = blocking(Calls._resume)
+
     # statistics
     expert_load = blocking(Calls._expert_load)
     agreement = blocking(Calls._agreement)

@@ -142,10 +142,15 @@ class Consumption:
         self._namespaces.get(namespace)
         return self._catalog.leases.get(namespace, check_lease_id(lease_id))
 
-    def commit(self, namespace: str, lease_id: str) -> Lease:
-        """Count the lease's trajectories as sampled once (see `Leases.commit`)."""
+    def commit(self, namespace: str, lease_id: str, token: str | None = None) -> Lease:
+        """Count the lease's trajectories as sampled once (see `Leases.commit`); `token`
+        (32 hex digits, a retry sends the same) makes a retried commit succeed again."""
         self._namespaces.get(namespace)
-        return self._catalog.leases.commit(namespace, check_lease_id(lease_id), self._clock())
+        if token is not None:
+            check_lease_id(token)
+        return self._catalog.leases.commit(
+            namespace, check_lease_id(lease_id), self._clock(), token
+        )
 
     def release(self, namespace: str, lease_id: str) -> Lease:
         self._namespaces.get(namespace)

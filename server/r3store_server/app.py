@@ -20,6 +20,7 @@ from r3store.errors import StoreError
 from r3store.policy import NamespaceSettings, Retention
 from r3store.protocol import models
 from r3store_server import (
+    api_leases,
     api_namespaces,
     api_routes,
     api_stats,
@@ -201,7 +202,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         rate=settings.body_min_rate,
     )
     app.middleware("http")(observe)
-    routers = (operations, api_namespaces, api_routes, api_stats, ui)
+    routers = (operations, api_namespaces, api_routes, api_leases, api_stats, ui)
     for router in (module.router for module in routers):
         app.include_router(router)
     return app

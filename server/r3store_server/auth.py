@@ -1,7 +1,8 @@
 """API keys with roles, scoped to namespaces, kept only as SHA-256 digests.
 
 Roles: `writer` (rollout workers: upload, and annotate what they uploaded), `reader`
-(read and sample), `trainer` (a reader that also moves the policy version forward),
+(read, sample and lease), `trainer` (a reader that also moves the policy version
+forward, records step checkpoints and resumes from them),
 `admin` (everything: namespaces, settings, forced policy versions, annotating any
 trajectory, `/metrics`). A request sends its key as `Authorization: Bearer <key>` or
 `X-API-Key: <key>`. Unknown keys are counted per client address (`FailedKeys`): past
@@ -27,15 +28,25 @@ log = logging.getLogger("r3store.server")
 
 # The rights: `describe` (list and describe namespaces), `write` (upload; routes of
 # another source only for trajectories the same key wrote), `read` (batch reads, plans,
-# sampling, statistics, the status page), `policy` (move the policy version forward, a
-# bounded step at a time), `manage` (create, delete and configure namespaces; set the
+# sampling, leases, statistics, the status page), `policy` (move the policy version
+# forward, a bounded step at a time), `checkpoint` (record, delete and resume from step
+# checkpoints), `manage` (create, delete and configure namespaces; set the
 # policy version with `force`), `annotate` (routes of another source for any
 # trajectory), `operate` (`/metrics`). docs/api.md's role table says the same.
 ROLES: dict[Role, set[str]] = {
     "writer": {"write", "describe"},
     "reader": {"read", "describe"},
-    "trainer": {"read", "describe", "policy"},
-    "admin": {"write", "read", "describe", "policy", "manage", "annotate", "operate"},
+    "trainer": {"read", "describe", "policy", "checkpoint"},
+    "admin": {
+        "write",
+        "read",
+        "describe",
+        "policy",
+        "checkpoint",
+        "manage",
+        "annotate",
+        "operate",
+    },
 }
 
 

@@ -244,13 +244,22 @@ class Leases:
                 _count(conn, namespace, dict.fromkeys(chosen, 1), +1)
         return lease
 
-    def commit(self, namespace: str, lease_id: str, now: float) -> Lease:
+    def commit(self, namespace: str, lease_id: str, now: float, token: str | None = None) -> Lease:
         """Count one sampling of each of the lease's trajectories, once: a lease
-        committed before answers `LeaseCommitted`; one released, expired or of an
-        earlier epoch is refused too. Nothing changes when refused."""
+        committed before answers `LeaseCommitted` (unless committed with the same
+        `token`: a retry of that commit, answered as it was); one released, expired or
+        of an earlier epoch is refused too. Nothing changes when refused."""
         with self._db.begin() as conn:
             ns = _lock(conn, namespace)
             lease = _get(conn, namespace, lease_id)
+            if lease.state is LeaseState.COMMITTED and token is not None:
+                stored = conn.execute(
+                    sa.select(leases.c.commit_token).where(
+                        leases.c.namespace == namespace, leases.c.lease_id == lease_id
+                    )
+                ).scalar()
+                if stored == token:
+                    return lease
             why = refusal(lease, ns.epoch, now, "commit")
             if why is not None:
                 raise why
@@ -262,7 +271,9 @@ class Leases:
             conn.execute(
                 leases.update()
                 .where(leases.c.namespace == namespace, leases.c.lease_id == lease_id)
-                .values(state=LeaseState.COMMITTED.value, closed_at=now, seq=seq)
+                .values(
+                    state=LeaseState.COMMITTED.value, closed_at=now, seq=seq, commit_token=token
+                )
             )
         return dataclasses.replace(lease, state=LeaseState.COMMITTED, closed_at=now, seq=seq)
 

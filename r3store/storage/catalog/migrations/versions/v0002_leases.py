@@ -35,6 +35,7 @@ leases = sa.Table(
     sa.Column("expires_at", sa.Float, nullable=False),
     sa.Column("closed_at", sa.Float),
     sa.Column("seq", sa.BigInteger),
+    sa.Column("commit_token", sa.String(32)),  # what the commit was sent with (its retries)
     sa.Index("ix_leases_state", "namespace", "state"),
     sa.Index("ix_leases_seq", "namespace", "seq"),
 )

@@ -1,0 +1,219 @@
+"""Consumption by trainers: leases, step checkpoints and resume (docs/api.md, "Leases and
+checkpoints"). Taking, reading, committing and releasing leases is a reader's (as
+sampling is); checkpoints and resume are a trainer's or an admin's."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Path
+
+from r3store.leases import LEASE_ID, MAX_STEP
+from r3store.protocol.consumption import (
+    CheckpointDeleted,
+    CheckpointList,
+    CheckpointModel,
+    CheckpointRequest,
+    CommitRequest,
+    LeaseList,
+    LeaseModel,
+    LeaseRequest,
+    RenewRequest,
+    ResumedModel,
+)
+from r3store.protocol.models import NAME_PATTERN
+from r3store_server.deps import DeadlineDep, EngineDep, PrincipalDep, allowed
+from r3store_server.errors import ERROR_RESPONSES
+
+router = APIRouter(prefix="/v1/namespaces", tags=["leases"], responses=ERROR_RESPONSES)
+NamespacePath = Path(pattern=NAME_PATTERN, description="the namespace")
+LeasePath = Path(pattern=LEASE_ID.pattern, description="the lease")
+StepPath = Path(ge=0, le=MAX_STEP, description="the trainer step")
+
+
+@router.post(
+    "/{namespace}/leases",
+    status_code=201,
+    response_model=LeaseModel,
+    dependencies=[allowed("read")],
+)
+async def take_lease(
+    body: LeaseRequest,
+    engine: EngineDep,
+    who: PrincipalDep,
+    deadline: DeadlineDep,
+    namespace: str = NamespacePath,
+) -> LeaseModel:
+    """Lease up to `n` trajectories (chosen as a sample chooses them) or exactly
+    `trajectory_ids` (409 unless each is free: stored, not stale, under the sampling cap,
+    held by no open lease) for `seconds`. Nothing is counted until the commit; the
+    ranks read their slices with `routes/batch`. `epoch`: refused (409 `fenced`) once
+    the namespace resumed since. Not idempotent (the client does not retry it)."""
+
+    def take() -> LeaseModel:
+        lease = engine.consumption.lease(
+            namespace,
+            n=body.n,
+            trajectory_ids=body.trajectory_ids,
+            strategy=body.strategy,
+            whole_groups=body.whole_groups,
+            seed=body.seed,
+            seconds=body.seconds,
+            epoch=body.epoch,
+            holder=who.name,
+        )
+        return LeaseModel.of(lease)
+
+    return await deadline.run(take, what="the lease")
+
+
+@router.get("/{namespace}/leases", response_model=LeaseList, dependencies=[allowed("read")])
+async def open_leases(
+    engine: EngineDep, deadline: DeadlineDep, namespace: str = NamespacePath
+) -> LeaseList:
+    """The namespace's open, unexpired leases, oldest first, and its epoch."""
+
+    def listed() -> LeaseList:
+        found = engine.consumption.open_leases(namespace)
+        epoch = engine.consumption.epoch(namespace)
+        return LeaseList(epoch=epoch, leases=[LeaseModel.of(lease) for lease in found])
+
+    return await deadline.run(listed)
+
+
+@router.get(
+    "/{namespace}/leases/{lease_id}", response_model=LeaseModel, dependencies=[allowed("read")]
+)
+async def get_lease(
+    engine: EngineDep,
+    deadline: DeadlineDep,
+    namespace: str = NamespacePath,
+    lease_id: str = LeasePath,
+) -> LeaseModel:
+    """A lease and its state (an open one past its expiry reads as open: see
+    `expires_at`); 404 once forgotten (a day after it closed)."""
+    return LeaseModel.of(await deadline.run(engine.consumption.get, namespace, lease_id))
+
+
+@router.post(
+    "/{namespace}/leases/{lease_id}/commit",
+    response_model=LeaseModel,
+    dependencies=[allowed("read")],
+)
+async def commit_lease(
+    engine: EngineDep,
+    deadline: DeadlineDep,
+    body: CommitRequest | None = None,
+    namespace: str = NamespacePath,
+    lease_id: str = LeasePath,
+) -> LeaseModel:
+    """Count each of the lease's trajectories as sampled once (after the trainer's step).
+    409 `lease_committed` when committed before (unless with the same `token`: a retry,
+    answered again), `lease_expired` past its expiry, `lease_closed` when released,
+    `fenced` for a lease of an epoch before a resume; nothing changes then."""
+    token = None if body is None else body.token
+    lease = await deadline.run(engine.consumption.commit, namespace, lease_id, token)
+    return LeaseModel.of(lease)
+
+
+@router.post(
+    "/{namespace}/leases/{lease_id}/release",
+    response_model=LeaseModel,
+    dependencies=[allowed("read")],
+)
+async def release_lease(
+    engine: EngineDep,
+    deadline: DeadlineDep,
+    namespace: str = NamespacePath,
+    lease_id: str = LeasePath,
+) -> LeaseModel:
+    """Give the lease's trajectories back to the pool uncounted (a step abandoned)."""
+    return LeaseModel.of(await deadline.run(engine.consumption.release, namespace, lease_id))
+
+
+@router.post(
+    "/{namespace}/leases/{lease_id}/renew",
+    response_model=LeaseModel,
+    dependencies=[allowed("read")],
+)
+async def renew_lease(
+    body: RenewRequest,
+    engine: EngineDep,
+    deadline: DeadlineDep,
+    namespace: str = NamespacePath,
+    lease_id: str = LeasePath,
+) -> LeaseModel:
+    """Hold an open, unexpired lease `seconds` from now (a long step)."""
+    lease = await deadline.run(engine.consumption.renew, namespace, lease_id, body.seconds)
+    return LeaseModel.of(lease)
+
+
+@router.post(
+    "/{namespace}/checkpoints",
+    response_model=CheckpointModel,
+    dependencies=[allowed("checkpoint")],
+)
+async def checkpoint(
+    body: CheckpointRequest,
+    engine: EngineDep,
+    deadline: DeadlineDep,
+    namespace: str = NamespacePath,
+) -> CheckpointModel:
+    """Record the namespace's consumption at trainer `step` (after its commit), keeping
+    the newest `retention.keep_checkpoints`. The same step again with nothing consumed
+    since answers the same checkpoint; a step at or before the newest with other
+    consumption, 409. `epoch`: refused (409 `fenced`) once resumed since. Trainer or
+    admin."""
+    point = await deadline.run(engine.consumption.checkpoint, namespace, body.step, body.epoch)
+    return CheckpointModel.of(point)
+
+
+@router.get(
+    "/{namespace}/checkpoints", response_model=CheckpointList, dependencies=[allowed("read")]
+)
+async def checkpoints(
+    engine: EngineDep, deadline: DeadlineDep, namespace: str = NamespacePath
+) -> CheckpointList:
+    """The namespace's checkpoints by step, and its epoch."""
+
+    def listed() -> CheckpointList:
+        found = engine.consumption.checkpoints(namespace)
+        epoch = engine.consumption.epoch(namespace)
+        return CheckpointList(epoch=epoch, checkpoints=[CheckpointModel.of(c) for c in found])
+
+    return await deadline.run(listed)
+
+
+@router.delete(
+    "/{namespace}/checkpoints/{step}",
+    response_model=CheckpointDeleted,
+    dependencies=[allowed("checkpoint")],
+)
+async def delete_checkpoint(
+    engine: EngineDep,
+    deadline: DeadlineDep,
+    namespace: str = NamespacePath,
+    step: int = StepPath,
+) -> CheckpointDeleted:
+    """Forget a checkpoint (routes only it kept become retention's again). Trainer or
+    admin."""
+    await deadline.run(engine.consumption.delete_checkpoint, namespace, step)
+    return CheckpointDeleted(namespace=namespace, step=step)
+
+
+@router.post(
+    "/{namespace}/checkpoints/{step}/resume",
+    response_model=ResumedModel,
+    dependencies=[allowed("checkpoint")],
+)
+async def resume(
+    engine: EngineDep,
+    deadline: DeadlineDep,
+    namespace: str = NamespacePath,
+    step: int = StepPath,
+) -> ResumedModel:
+    """After a crash: the namespace's consumption returns to its checkpoint at `step`.
+    Leases committed after it are undone (their trajectories available again, in the
+    same FIFO order), open ones fenced, later checkpoints dropped, the policy version
+    set back to the checkpoint's, and the epoch moves on (leases and checkpoints of the
+    earlier epoch are refused). Not idempotent: each resume starts a new epoch. Trainer
+    or admin."""
+    return ResumedModel.of(await deadline.run(engine.consumption.resume, namespace, step))
