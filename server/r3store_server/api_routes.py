@@ -305,15 +305,17 @@ async def read_plan(
 async def sample(
     body: SampleRequest,
     engine: EngineDep,
+    who: PrincipalDep,
     settings: SettingsDep,
     metrics: MetricsDep,
     deadline: DeadlineDep,
     namespace: str = NamespacePath,
 ) -> Response:
     """Take up to `n` trajectories within the staleness window (FIFO or uniform,
-    optionally whole prompt groups); each counts toward `max_times_sampled`. Not
-    idempotent: a failed sample may have counted (the client does not retry it).
-    Reader or admin."""
+    optionally whole prompt groups) and held by no open lease; each counts toward
+    `max_times_sampled` at once (a lease committed as taken: take a lease instead to
+    count only after the step). Not idempotent: a failed sample may have counted (the
+    client does not retry it). Reader or admin."""
 
     def take() -> Response:
         spec = engine.namespaces.spec(namespace)
@@ -326,6 +328,7 @@ async def sample(
             seed=body.seed,
             admit=read_limit(spec, body.format, settings.max_read_bytes, body.n),
             as_stored=True,
+            holder=who.name,
         )
         return _answer(batch, spec, body.format, metrics, deadline)
 
