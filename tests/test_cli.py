@@ -14,11 +14,20 @@ import numpy as np
 import pytest
 
 from helpers import make_write
+from r3store.spec import RouteSpec
 from r3store.testing.seaweedfs import SeaweedFS
 from r3store_server.backends import build_engine
 from r3store_server.settings import Settings
 
-SETTINGS = ("max_lag", "max_times_sampled", "keep_versions", "ttl", "evict_after_sampled")
+SPEC4 = RouteSpec(num_layers=4, num_experts=8, top_k=2)  # the `local` fixture's
+SETTINGS = (
+    "max_lag",
+    "max_times_sampled",
+    "keep_versions",
+    "ttl",
+    "evict_after_sampled",
+    "keep_checkpoints",
+)
 
 
 @pytest.fixture
@@ -305,3 +314,112 @@ def test_maintain_dry_run_shows_a_pass_and_changes_nothing(env: dict[str, str]) 
     assert cli("stats", "ns")["ns"]["trajectories"] == 4  # type: ignore[index]
     done = cli("maintain", "--grace", "0", "--orphan-age", "0")
     assert done["trajectories_dropped"] == 3  # type: ignore[index]
+
+
+def test_checkpoints_and_leases_commands(local: Path) -> None:
+    """`checkpoints list`, `leases`, `checkpoints resume` and `checkpoints delete` on a
+    real catalog: what a trainer consumed under leases, checkpointed at steps 10 and 20,
+    resumed to step 10."""
+    engine = build_engine(Settings())
+    try:
+        engine.put("run1", [make_write(f"t{i}", SPEC4) for i in range(6)])
+        consumption = engine.consumption
+        first = consumption.lease("run1", n=2, holder="trainer")
+        consumption.commit("run1", first.lease_id)
+        consumption.checkpoint("run1", 10)
+        second = consumption.lease("run1", n=3, holder="trainer")
+        consumption.commit("run1", second.lease_id)
+        consumption.checkpoint("run1", 20)
+        held = consumption.lease("run1", n=1, holder="trainer", seconds=600)
+    finally:
+        engine.close()
+    listed = cli("checkpoints", "list", "run1")
+    assert listed["epoch"] == 0  # type: ignore[index]
+    assert [(c["step"], c["consumed"], c["epoch"]) for c in listed["checkpoints"]] == [  # type: ignore[index]
+        (10, 1, 0),
+        (20, 2, 0),
+    ]
+    shown = run_cli("checkpoints", "list", "run1").stdout.splitlines()
+    assert shown[:3] == ["namespace: run1", "epoch: 0", "checkpoints:"]
+    assert shown[3].split() == ["STEP", "EPOCH", "CONSUMED", "POLICY-VERSION", "CREATED-AT"]
+    assert shown[4].split()[:4] == ["10", "0", "1", "0"]
+    assert shown[4].endswith(" UTC")
+    [lease] = cli("leases", "run1")["leases"]  # type: ignore[index]
+    assert lease["lease_id"] == held.lease_id
+    assert (lease["holder"], lease["size"], lease["epoch"]) == ("trainer", 1, 0)
+    assert 0 < lease["expires_in_seconds"] <= 600
+    people = run_cli("leases", "run1").stdout.splitlines()
+    assert people[3].split()[:4] == ["LEASE-ID", "HOLDER", "SIZE", "EPOCH"]
+    assert people[4].split()[:4] == [held.lease_id, "trainer", "1", "0"]
+    assert re.search(r"\b9m \d+(\.\d)?s$|\b10m$", people[4]), people[4]
+
+    refused = run_cli("checkpoints", "resume", "run1", "10")
+    assert refused.returncode == 1
+    assert "--yes" in refused.stderr
+    assert cli("checkpoints", "list", "run1")["epoch"] == 0  # type: ignore[index]
+    done = cli("checkpoints", "resume", "run1", "10", "--yes")
+    assert done == {
+        "namespace": "run1",
+        "step": 10,
+        "epoch": 1,
+        "policy_version": 0,
+        "leases_undone": 1,
+        "samplings_undone": 3,
+        "leases_fenced": 1,
+        "checkpoints_dropped": [20],
+    }
+    assert cli("leases", "run1") == {"namespace": "run1", "epoch": 1, "leases": []}
+    assert run_cli("leases", "run1").stdout.splitlines()[2] == "leases: none"
+    again = run_cli("checkpoints", "resume", "run1", "20", "--yes")
+    assert again.returncode == 1
+    assert "no checkpoint at step 20 in namespace 'run1' (it has: 10)" in again.stderr
+    assert cli("checkpoints", "delete", "run1", "10") == {
+        "namespace": "run1",
+        "step": 10,
+        "deleted": True,
+    }
+    assert cli("checkpoints", "list", "run1")["checkpoints"] == []  # type: ignore[index]
+    assert "checkpoints: none" in run_cli("checkpoints", "list", "run1").stdout
+
+
+def test_checkpoint_and_lease_commands_refuse_clearly(local: Path) -> None:
+    for args in (
+        ("checkpoints", "list", "nothing"),
+        ("checkpoints", "delete", "nothing", "1"),
+        ("checkpoints", "resume", "nothing", "1", "--yes"),
+        ("leases", "nothing"),
+    ):
+        refused = run_cli(*args)
+        assert refused.returncode == 1, args
+        assert refused.stderr.splitlines()[-1] == "r3store: NotFound: no namespace 'nothing'"
+    missing = run_cli("checkpoints", "delete", "run1", "5")
+    assert missing.returncode == 1
+    assert "no checkpoint at step 5 in namespace 'run1'" in missing.stderr
+    for wrong in ("-1", "two", str(2**63)):
+        bad = run_cli("checkpoints", "resume", "run1", wrong, "--yes")
+        assert bad.returncode == 2
+        assert "argument step: expected a step, a whole number from 0 to 2^63 - 1" in bad.stderr
+        assert "Traceback" not in bad.stderr
+
+
+def test_keep_checkpoints_is_a_setting(local: Path) -> None:
+    def kept(*value: str) -> object:
+        answer = cli("settings", "run1", *value)
+        return answer["settings"]["retention"]["keep_checkpoints"]  # type: ignore[index]
+
+    assert kept() == 3  # the default, unchanged by a settings call that names nothing
+    assert kept("--keep-checkpoints", "5") == 5
+    assert kept("--max-lag", "2") == 5  # kept when another option changes
+    assert kept("--keep-checkpoints", "none") is None
+    refused = run_cli("settings", "run1", "--keep-checkpoints", "0")
+    assert refused.returncode == 2
+    assert "argument --keep-checkpoints: expected none or a whole number from 1" in refused.stderr
+    assert kept("--keep-checkpoints", "2") == 2
+    engine = build_engine(Settings())
+    try:
+        for step in (1, 2, 3):
+            engine.consumption.checkpoint("run1", step)
+    finally:
+        engine.close()
+    steps = [c["step"] for c in cli("checkpoints", "list", "run1")["checkpoints"]]  # type: ignore[index]
+    assert steps == [2, 3]

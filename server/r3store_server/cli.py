@@ -9,9 +9,14 @@ new, empty embedded store unless asked (`--init`).
     r3store policy run1 --version 12
     r3store settings run1 --max-lag 2 --keep-versions 4 --ttl 86400
     r3store settings run1 --max-lag none     # only what is given changes; none clears
+    r3store settings run1 --keep-checkpoints 5
     r3store stats [run1]
     r3store stats run1 --experts  # expert load, agreement between sources, drift
     r3store maintain            # retention, compaction and collection, now
+    r3store checkpoints list run1            # the trainer's step checkpoints, its epoch
+    r3store checkpoints resume run1 120 --yes   # consumption back to step 120's
+    r3store checkpoints delete run1 100
+    r3store leases run1                      # open leases: holder, size, expiry
     r3store keys create trainer --role trainer --namespace run1   # shows the key once
     r3store keys revoke trainer
     r3store rebuild --yes       # the catalog again, from the object store alone
@@ -45,6 +50,7 @@ import r3store
 from r3store.engine import Engine
 from r3store.engine.maintenance import MaintenanceOptions
 from r3store.errors import InvalidConfig, R3StoreError
+from r3store.leases import MAX_STEP
 from r3store.logic import stats as stats_lib
 from r3store.logic.rest import REST_LEVEL
 from r3store.policy import (
@@ -170,6 +176,7 @@ SETTINGS_FLAGS = {  # option: where it lives in NamespaceSettings
     "keep_versions": ("retention", "keep_versions"),
     "ttl": ("retention", "ttl_seconds"),
     "evict_after_sampled": ("retention", "evict_after_sampled"),
+    "keep_checkpoints": ("retention", "keep_checkpoints"),
 }
 
 
@@ -200,6 +207,63 @@ def _settings_error(exc: ValidationError) -> str:
     message = first["msg"][:1].lower() + first["msg"][1:]
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return f"{flags[0] if flags else '.'.join(loc)}: {message} (got {first['input']!r}){more}"
+
+
+def checkpoints(engine: Engine, args: argparse.Namespace) -> Any:
+    """A namespace's step checkpoints (and its epoch); deleting one; resuming to one."""
+    consumption, ns = engine.consumption, args.name
+    if args.action == "delete":
+        consumption.delete_checkpoint(ns, args.step)
+        return {"namespace": ns, "step": args.step, "deleted": True}
+    if args.action == "resume":
+        if not args.yes:
+            raise SystemExit(
+                f"this undoes what {ns!r} consumed after step {args.step}'s checkpoint, fences "
+                "off its open leases and drops its later checkpoints: pass --yes"
+            )
+        return consumption.resume(ns, args.step).to_dict()
+    found = consumption.checkpoints(ns)
+    return {
+        "namespace": ns,
+        "epoch": consumption.epoch(ns),
+        "checkpoints": [
+            {k: v for k, v in point.to_dict().items() if k != "namespace"} for point in found
+        ],
+    }
+
+
+def leases(engine: Engine, ns: str) -> dict[str, Any]:
+    """A namespace's open, unexpired leases, oldest first, and its epoch."""
+    found = engine.consumption.open_leases(ns)
+    now = engine.clock()
+    return {
+        "namespace": ns,
+        "epoch": engine.consumption.epoch(ns),
+        "leases": [
+            {
+                "lease_id": lease.lease_id,
+                "holder": lease.holder,
+                "size": len(lease.trajectory_ids),
+                "epoch": lease.epoch,
+                "created_at": lease.created_at,
+                "expires_in_seconds": round(max(lease.expires_at - now, 0.0), 1),
+            }
+            for lease in found
+        ],
+    }
+
+
+def _step(text: str) -> int:
+    """An argparse type: a trainer step, a whole number from 0 to 2^63 - 1."""
+    try:
+        value: int | None = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value <= MAX_STEP:
+        raise argparse.ArgumentTypeError(
+            f"expected a step, a whole number from 0 to 2^63 - 1; got {text!r}"
+        )
+    return value
 
 
 def _optional(kind: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -519,6 +583,42 @@ def parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         help="drop a trajectory once sampled max-times-sampled times",
     )
+    settings.add_argument(
+        "--keep-checkpoints",
+        type=_optional(_whole(1, MAX_TIMES_SAMPLED)),
+        metavar="N",
+        help="keep the newest N step checkpoints (1 or more; routes consumed after the "
+        "oldest kept one are kept for a resume); none: every checkpoint",
+    )
+
+    cps = sub.add_parser(
+        "checkpoints", parents=[common], help="list, delete or resume from step checkpoints"
+    )
+    cps_sub = cps.add_subparsers(dest="action", required=True, metavar="ACTION")
+    cps_list = cps_sub.add_parser(
+        "list", parents=[common], help="a namespace's checkpoints by step, and its epoch"
+    )
+    cps_list.add_argument("name", help="the namespace")
+    cps_delete = cps_sub.add_parser(
+        "delete",
+        parents=[common],
+        help="forget a checkpoint (routes only it kept become retention's again)",
+    )
+    cps_resume = cps_sub.add_parser(
+        "resume",
+        parents=[common],
+        help="return a namespace's consumption to a checkpoint: undo what was committed "
+        "after it, fence open leases, drop later checkpoints, start a new epoch",
+    )
+    for action in (cps_delete, cps_resume):
+        action.add_argument("name", help="the namespace")
+        action.add_argument("step", type=_step, help="the checkpoint's trainer step")
+    cps_resume.add_argument("--yes", action="store_true", help="really resume")
+
+    held = sub.add_parser(
+        "leases", parents=[common], help="a namespace's open leases: holder, size, expiry"
+    )
+    held.add_argument("name", help="the namespace")
 
     st = sub.add_parser("stats", parents=[common], help="trajectories, bytes, per policy version")
     st.add_argument("name", nargs="?", help="the namespace; default: all")
@@ -575,8 +675,9 @@ def parser() -> argparse.ArgumentParser:
         "--role",
         choices=["writer", "reader", "trainer", "admin"],
         required=True,
-        help="writer: upload; reader: read and sample; trainer: a reader that also sets "
-        "the policy version; admin: everything",
+        help="writer: upload; reader: read, sample and lease; trainer: a reader that also "
+        "sets the policy version and records and resumes from step checkpoints; admin: "
+        "everything",
     )
     make.add_argument(
         "--namespace", action="append", help="a namespace it may use (repeatable); default: all"
@@ -705,6 +806,10 @@ def run(args: argparse.Namespace, settings: Settings) -> Any:
             return stats(engine, args.name, args.experts)
         if args.command == "keys":
             return keys(engine, args)
+        if args.command == "checkpoints":
+            return checkpoints(engine, args)
+        if args.command == "leases":
+            return leases(engine, args.name)
         return maintain(engine, args)
     finally:
         engine.close()
