@@ -7,6 +7,9 @@ sent give; and no Python `None`. Screenshots are kept in test-artifacts/."""
 
 from __future__ import annotations
 
+import html
+import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +21,7 @@ from browser import Browser
 from http_helpers import KEYS, ServerProcess
 from r3store.catalog_types import NamespaceInfo, NamespaceUsage
 from r3store.engine.analytics import VersionAgreement, VersionDrift, VersionLoad
+from r3store.leases import Checkpoint, Lease, LeaseState
 from r3store.logic.stats import Overlap
 from r3store.policy import NamespaceSettings
 from r3store.records import TrajectoryWrite
@@ -25,7 +29,15 @@ from r3store.spec import RouteSpec
 from r3store.testing.synthetic import skewed_topk
 from r3store_client import Client
 from r3store_server.ui_charts import axis, cell_size, int_ticks, shade, tick_label
-from r3store_server.ui_render import NamespaceDetail, NamespaceRow, login_page, namespace_page
+from r3store_server.ui_render import (
+    Activity,
+    Consumption,
+    NamespaceDetail,
+    NamespaceRow,
+    login_page,
+    namespace_page,
+    overview,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
@@ -525,6 +537,73 @@ def test_another_site_cannot_sign_a_browser_in_with_its_key(
         site.server_close()
 
 
+def cells(page: str, css: str) -> list[list[str]]:
+    """The text of each row's cells of the page's `table.css` (headings first)."""
+    [table] = re.findall(rf"<table class='{css}'>(.*?)</table>", page)
+    rows = re.findall(r"<tr>(.*?)</tr>", table)
+    return [
+        [
+            html.unescape(re.sub(r"<[^>]+>", "", c))
+            for c in re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", row)
+        ]
+        for row in rows
+    ]
+
+
+def test_the_page_shows_checkpoints_and_open_leases(
+    served: tuple[ServerProcess, dict],
+) -> None:
+    """A trainer's checkpoint and open lease on namespace `other`, as its page shows them
+    (to the reader scoped to it): the epoch, the checkpoint's step, consumption number,
+    policy version and time, the lease's id prefix, holder, size and expiry; the
+    namespace's `keep_checkpoints`."""
+    server, _ = served
+    with Client(server.url, api_key=KEYS["admin"]) as admin:
+        routes = np.tile(np.array([0, 1], np.int32), (8, SPEC.num_layers, 1))
+        admin.put("other", [TrajectoryWrite(f"c{i}", 9, topk=routes) for i in range(4)])
+    with Client(server.url, api_key=KEYS["trainer"]) as trainer:
+        taken = trainer.lease("other", n=2)
+        trainer.commit(taken)
+        point = trainer.checkpoint("other", 7)
+        held = trainer.lease("other", n=1, seconds=3600)
+    try:
+        with httpx.Client(base_url=server.url) as http:
+            page = http.get("/ui/namespaces/other", headers={"X-API-Key": KEYS["other"]})
+        assert page.status_code == 200
+        facts = dict((row[0], row[1]) for row in cells(page.text, "facts")[1:])
+        assert facts["epoch"] == "0"
+        assert facts["checkpoints kept"] == "the newest 3"
+        head, *rows = cells(page.text, "checkpoints")
+        assert head == ["step", "consumed", "policy version", "epoch", "when"]
+        [[step, consumed, version, epoch, when]] = rows
+        assert (step, consumed, version, epoch) == ("7", "1", str(point.policy_version), "0")
+        assert when.startswith(time.strftime("%Y-%m-%d", time.localtime(point.created_at)))
+        head, *rows = cells(page.text, "leases")
+        assert head == ["lease", "holder", "trajectories", "expires in"]
+        [[prefix, holder, size, expires]] = rows
+        assert (prefix, holder, size) == (held.lease_id[:8], "trainer", "1")
+        assert re.fullmatch(r"59 min \d+ s|1 h", expires), expires
+        assert f"title='{held.lease_id}'" in page.text
+        assert "None" not in page.text
+    finally:
+        with Client(server.url, api_key=KEYS["trainer"]) as trainer:
+            trainer.release(held)
+
+
+def test_the_maintenance_table_counts_what_leases_kept() -> None:
+    from r3store_server.ui_render import _remaining
+
+    assert [_remaining(s) for s in (7505.5, 598.2, 45, 0.4, -3, 90000)] == [
+        "2 h 5 min", "9 min 58 s", "45 s", "0 s", "0 s", "1 d 1 h"
+    ]  # fmt: skip
+    activity = Activity({"trajectories_dropped": 5, "trajectories_kept": 3, "leases_forgotten": 2})
+    page = overview([], activity, "0")
+    rows = dict((row[0], row[1]) for row in cells(page, "activity")[1:])
+    assert rows["trajectories dropped by retention"] == "5"
+    assert rows["trajectories retention kept for a lease or a checkpoint"] == "3"
+    assert rows["closed leases forgotten"] == "2"
+
+
 def test_names_are_escaped() -> None:
     """What a page shows of names and messages is HTML-escaped."""
     hostile = "<script>alert(1)</script>"
@@ -533,11 +612,13 @@ def test_names_are_escaped() -> None:
     usage = NamespaceUsage(1, 1, 100, 10, 0, {0: 1, 1: 1})
     load = np.array([[3, 1, 0, 0], [0, 0, 0, 0]], np.int64)
     overlap = Overlap(np.array([2, 0], np.int64), np.array([4, 0], np.int64))
+    lease = Lease(hostile, "ab" * 16, 0, LeaseState.OPEN, ("t",), 0.0, 60.0, holder=hostile)
     detail = NamespaceDetail(
         NamespaceRow(info, usage),
         {hostile: [VersionLoad(0, 4, load), VersionLoad(1, 4, load)]},
         {(hostile, "trainer"): [VersionAgreement(1, 1, 4, overlap)]},
         {hostile: [VersionDrift(0, 1, [0.0, None])]},
+        Consumption(0, [Checkpoint(hostile, 1, 0, 0, 0, 0.0)], [lease], 0.0),
     )
     for page in (namespace_page(detail, 6), login_page(hostile, hostile)):
         assert "<script" not in page

@@ -1,6 +1,6 @@
 """The status page at /ui: namespaces, agreement between route sources and drift over
 policy versions, load imbalance per layer, expert-load heatmaps per policy version,
-retention and compaction activity.
+retention and compaction activity, a trainer's step checkpoints and open leases.
 
 Server-side HTML and SVG (`ui_render`), no script and no asset from elsewhere. Same
 keys as the API, with the `read` right: sent as a header, or typed once into the login
@@ -48,6 +48,7 @@ from r3store_server.deps import (
 )
 from r3store_server.ui_render import (
     Activity,
+    Consumption,
     NamespaceDetail,
     NamespaceRow,
     login_page,
@@ -294,6 +295,12 @@ async def namespace(
                 for source in SOURCES
                 if len(loads[source]) > 1
             },
+            Consumption(
+                engine.consumption.epoch(namespace),
+                engine.consumption.checkpoints(namespace),
+                engine.consumption.open_leases(namespace),
+                engine.clock(),
+            ),
         )
 
     gzip = _takes_gzip(request)

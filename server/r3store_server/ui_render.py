@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from r3store.catalog_types import NamespaceInfo, NamespaceUsage
 from r3store.engine.analytics import VersionAgreement, VersionDrift, VersionLoad
+from r3store.leases import Checkpoint, Lease
 from r3store.logic import stats
 from r3store.policy import Retention
 from r3store_server.ui_charts import (
@@ -54,11 +55,23 @@ class NamespaceRow:
 
 
 @dataclass(frozen=True)
+class Consumption:
+    """A namespace's consumption by trainers: its epoch, step checkpoints (by step) and
+    open leases (oldest first), as of `now`."""
+
+    epoch: int = 0
+    checkpoints: Sequence[Checkpoint] = ()
+    leases: Sequence[Lease] = ()
+    now: float = 0.0
+
+
+@dataclass(frozen=True)
 class NamespaceDetail:
     row: NamespaceRow
     loads: dict[str, list[VersionLoad]]  # by source
     agreements: dict[tuple[str, str], list[VersionAgreement]]
     drift: dict[str, list[VersionDrift]]  # by source
+    consumption: Consumption = field(default_factory=Consumption)
 
 
 @dataclass(frozen=True)
@@ -153,6 +166,8 @@ def _activity(activity: Activity | None) -> str:
         return "<h2>Retention and compaction</h2><p class=muted>Maintenance is off.</p>"
     labels = {
         "trajectories_dropped": "trajectories dropped by retention",
+        "trajectories_kept": "trajectories retention kept for a lease or a checkpoint",
+        "leases_forgotten": "closed leases forgotten",
         "shards_compacted": "shards compacted",
         "objects_deleted": "objects deleted",
         "orphans_deleted": "orphaned uploads deleted",
@@ -194,6 +209,68 @@ def _retention(retention: Retention) -> str:
     if retention.evict_after_sampled:
         parts.append("until sampled the most times allowed")
     return "keeps " + ", ".join(parts) if parts else "keeps everything (never drops)"
+
+
+def _kept_checkpoints(retention: Retention) -> str:
+    if retention.keep_checkpoints is None:
+        return "every one"
+    return f"the newest {retention.keep_checkpoints}"
+
+
+def _remaining(seconds: float) -> str:
+    """A time left, in its two largest units: `2 h 5 min`, `9 min 58 s`, `45 s`."""
+    left = max(int(seconds), 0)
+    parts = [(left // 86400, "d"), (left % 86400 // 3600, "h"), (left % 3600 // 60, "min")]
+    parts.append((left % 60, "s"))
+    shown = [f"{n} {unit}" for n, unit in parts if n]
+    return " ".join(shown[:2]) or "0 s"
+
+
+def _when(stamp: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(stamp))
+
+
+def _consumption(held: Consumption) -> str:
+    """The trainer's checkpoints and open leases."""
+    points = (
+        _table(
+            ["step", "consumed", "policy version", "epoch", "when"],
+            [
+                [
+                    str(c.step),
+                    str(c.consumed),
+                    str(c.policy_version),
+                    str(c.epoch),
+                    _when(c.created_at),
+                ]
+                for c in held.checkpoints
+            ],
+            "checkpoints",
+        )
+        if held.checkpoints
+        else "<p class=muted>No checkpoint.</p>"
+    )
+    leases = (
+        _table(
+            ["lease", "holder", "trajectories", "expires in"],
+            [
+                [
+                    f"<code title='{_e(lease.lease_id)}'>{_e(lease.lease_id[:8])}</code>",
+                    _e(lease.holder or "-"),
+                    str(len(lease.trajectory_ids)),
+                    _remaining(lease.expires_at - held.now),
+                ]
+                for lease in held.leases
+            ],
+            "leases",
+        )
+        if held.leases
+        else "<p class=muted>No open lease.</p>"
+    )
+    return (
+        f"<p>Epoch {held.epoch} (one more at each resume).</p>"
+        f"<h3>Checkpoints</h3>{points}<h3>Open leases</h3>{leases}"
+    )
 
 
 def _recent(rows: list[list[str]], shown: int, what: str) -> str:
@@ -400,6 +477,8 @@ def namespace_page(detail: NamespaceDetail, last: int) -> str:
             ["max policy lag", _or_none(settings.max_policy_lag, "none (never stale)")],
             ["max times sampled", _or_none(settings.max_times_sampled, "none (no limit)")],
             ["retention", _e(_retention(settings.retention))],
+            ["checkpoints kept", _e(_kept_checkpoints(settings.retention))],
+            ["epoch", str(detail.consumption.epoch)],
             ["samplings / sampled", f"{usage.samplings} / {usage.sampled}"],
             ["read sources", _e(", ".join(settings.read_sources))],
         ],
@@ -444,7 +523,9 @@ def namespace_page(detail: NamespaceDetail, last: int) -> str:
     )
     body = (
         f"{SIGN_OUT}<p><a href='/ui'>all namespaces</a></p><h1>{_e(info.name)}</h1>{facts}"
-        "<h2>Agreement between route sources</h2>"
+        "<h2>Trainer checkpoints and leases</h2>"
+        + _consumption(detail.consumption)
+        + "<h2>Agreement between route sources</h2>"
         + agreement
         + "<h2>Router drift</h2>"
         + drifting
