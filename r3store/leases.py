@@ -31,7 +31,8 @@ class LeaseState(StrEnum):
     RELEASED = "released"  # given back uncounted
     FENCED = "fenced"  # open when its namespace resumed: given back, never committable
     UNDONE = "undone"  # committed, then undone by a resume to an earlier checkpoint
-    EXPIRED = "expired"  # open past its expiry (what an open lease reads as, once past it)
+    EXPIRED = "expired"  # past its expiry: given back uncounted (an open lease past its
+    # expiry reads as expired before the catalog marks it so)
 
 
 @dataclass(frozen=True)

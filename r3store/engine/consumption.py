@@ -132,7 +132,7 @@ class Consumption:
             min_version=staleness_floor(info.policy_version, info.settings),
             max_times=info.settings.max_times_sampled,
             seconds=seconds,
-            now=self._clock(),
+            now=self._clock,
             epoch=epoch,
             holder=holder,
             commit=commit,
@@ -148,20 +148,16 @@ class Consumption:
         self._namespaces.get(namespace)
         if token is not None:
             check_lease_id(token)
-        return self._catalog.leases.commit(
-            namespace, check_lease_id(lease_id), self._clock(), token
-        )
+        return self._catalog.leases.commit(namespace, check_lease_id(lease_id), self._clock, token)
 
     def release(self, namespace: str, lease_id: str) -> Lease:
         self._namespaces.get(namespace)
-        return self._catalog.leases.release(namespace, check_lease_id(lease_id), self._clock())
+        return self._catalog.leases.release(namespace, check_lease_id(lease_id), self._clock)
 
     def renew(self, namespace: str, lease_id: str, seconds: float) -> Lease:
         self._namespaces.get(namespace)
         seconds = check_lease_seconds(seconds)
-        return self._catalog.leases.renew(
-            namespace, check_lease_id(lease_id), seconds, self._clock()
-        )
+        return self._catalog.leases.renew(namespace, check_lease_id(lease_id), seconds, self._clock)
 
     def open_leases(self, namespace: str) -> list[Lease]:
         self._namespaces.get(namespace)
@@ -178,7 +174,7 @@ class Consumption:
         return self._catalog.leases.checkpoint(
             namespace,
             check_step(step),
-            self._clock(),
+            self._clock,
             epoch,
             info.settings.retention.keep_checkpoints,
         )
@@ -195,7 +191,7 @@ class Consumption:
         """Return the namespace's consumption to its checkpoint at `step` (see
         `Leases.resume`); the manifest records the policy version it goes back to."""
         self._namespaces.get(namespace)
-        done = self._catalog.leases.resume(namespace, check_step(step), self._clock())
+        done = self._catalog.leases.resume(namespace, check_step(step), self._clock)
         self._namespaces.write_manifest(namespace)
         return done
 

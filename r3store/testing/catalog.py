@@ -275,8 +275,10 @@ class CatalogTests(ABC):
         with pytest.raises(LeaseExpired):  # second expired at 106: t2, t3 went back
             catalog.leases.commit("ns", second.lease_id, now=106.0)
         assert times()["t2"] == 0
-        assert [x.lease_id for x in catalog.leases.open("ns", 105.9)] == [second.lease_id]
-        assert catalog.leases.open("ns", 106.0) == []
+        assert self.raw_query(  # the refused commit marked it expired, once and for all
+            catalog, "SELECT state, closed_at FROM leases WHERE lease_id = ?", [second.lease_id]
+        ) == [("expired", 106.0)]
+        assert catalog.leases.open("ns", 105.9) == []
         point = catalog.leases.checkpoint("ns", 1, now=107.0)
         assert (point.step, point.consumed, point.epoch) == (1, 1, 0)
         assert catalog.leases.checkpoint("ns", 1, now=107.5) == point  # a repeat

@@ -39,10 +39,15 @@ from r3store.storage.catalog.tables import (
 # (trajectory id, group id, first stored at) of a trajectory a lease may take
 Candidate = tuple[str, str | None, float]
 Pick = Callable[[list[Candidate]], list[str]]
+# the time of a change: a clock, read once the namespace is locked (a wait for the lock
+# must not stretch a lease past its expiry), or a fixed time (tests)
+Now = float | Callable[[], float]
 
 
-def _lock(conn: Connection, namespace: str) -> Any:
-    """Lock the namespace's row for the transaction; returns it."""
+def _lock(conn: Connection, namespace: str, now: Now) -> tuple[Any, float]:
+    """Lock the namespace's row for the transaction; returns it and the time then, after
+    marking the leases due by then expired (so that a replica whose clock is behind
+    cannot commit a lease whose trajectories another replica already gave out again)."""
     done = conn.execute(
         namespaces.update()
         .where(namespaces.c.name == namespace)
@@ -50,7 +55,18 @@ def _lock(conn: Connection, namespace: str) -> Any:
     )
     if done.rowcount == 0:
         raise NotFound(f"no namespace {namespace!r}")
-    return conn.execute(sa.select(namespaces).where(namespaces.c.name == namespace)).one()
+    at = now() if callable(now) else now
+    conn.execute(
+        leases.update()
+        .where(
+            leases.c.namespace == namespace,
+            leases.c.state == LeaseState.OPEN.value,
+            leases.c.expires_at <= at,
+        )
+        .values(state=LeaseState.EXPIRED.value, closed_at=leases.c.expires_at)
+    )
+    row = conn.execute(sa.select(namespaces).where(namespaces.c.name == namespace)).one()
+    return row, at
 
 
 def _held(namespace: str, now: float) -> sa.Select[Any]:
@@ -175,7 +191,7 @@ class Leases:
         min_version: int | None,
         max_times: int | None,
         seconds: float,
-        now: float,
+        now: Now,
         epoch: int | None = None,
         holder: str | None = None,
         commit: bool = False,
@@ -186,7 +202,7 @@ class Leases:
         `epoch`, when given, must be the namespace's (`Fenced` otherwise). `pick` may
         raise to refuse; nothing is changed then."""
         with self._db.begin() as conn:
-            ns = _lock(conn, namespace)
+            ns, now = _lock(conn, namespace, now)
             if epoch is not None and epoch != ns.epoch:
                 raise Fenced(
                     f"epoch {epoch} is not namespace {namespace!r}'s ({ns.epoch}): it resumed "
@@ -244,13 +260,13 @@ class Leases:
                 _count(conn, namespace, dict.fromkeys(chosen, 1), +1)
         return lease
 
-    def commit(self, namespace: str, lease_id: str, now: float, token: str | None = None) -> Lease:
+    def commit(self, namespace: str, lease_id: str, now: Now, token: str | None = None) -> Lease:
         """Count one sampling of each of the lease's trajectories, once: a lease
         committed before answers `LeaseCommitted` (unless committed with the same
         `token`: a retry of that commit, answered as it was); one released, expired or
-        of an earlier epoch is refused too. Nothing changes when refused."""
+        of an earlier epoch is refused too. Nothing is counted when refused."""
         with self._db.begin() as conn:
-            ns = _lock(conn, namespace)
+            ns, at = _lock(conn, namespace, now)
             lease = _get(conn, namespace, lease_id)
             if lease.state is LeaseState.COMMITTED and token is not None:
                 stored = conn.execute(
@@ -260,50 +276,56 @@ class Leases:
                 ).scalar()
                 if stored == token:
                     return lease
-            why = refusal(lease, ns.epoch, now, "commit")
-            if why is not None:
-                raise why
-            seq = ns.consumed + 1
-            conn.execute(
-                namespaces.update().where(namespaces.c.name == namespace).values(consumed=seq)
-            )
-            _count(conn, namespace, dict.fromkeys(lease.trajectory_ids, 1), +1)
-            conn.execute(
-                leases.update()
-                .where(leases.c.namespace == namespace, leases.c.lease_id == lease_id)
-                .values(
-                    state=LeaseState.COMMITTED.value, closed_at=now, seq=seq, commit_token=token
+            why = refusal(lease, ns.epoch, at, "commit")
+            if why is None:
+                seq = ns.consumed + 1
+                conn.execute(
+                    namespaces.update().where(namespaces.c.name == namespace).values(consumed=seq)
                 )
-            )
-        return dataclasses.replace(lease, state=LeaseState.COMMITTED, closed_at=now, seq=seq)
+                _count(conn, namespace, dict.fromkeys(lease.trajectory_ids, 1), +1)
+                conn.execute(
+                    leases.update()
+                    .where(leases.c.namespace == namespace, leases.c.lease_id == lease_id)
+                    .values(
+                        state=LeaseState.COMMITTED.value, closed_at=at, seq=seq, commit_token=token
+                    )
+                )
+                lease = dataclasses.replace(
+                    lease, state=LeaseState.COMMITTED, closed_at=at, seq=seq
+                )
+        if why is not None:  # raised once the expiry it may have marked is committed
+            raise why
+        return lease
 
-    def release(self, namespace: str, lease_id: str, now: float) -> Lease:
+    def release(self, namespace: str, lease_id: str, now: Now) -> Lease:
         """Give the lease's trajectories back uncounted."""
         return self._close(namespace, lease_id, now, "release")
 
-    def renew(self, namespace: str, lease_id: str, seconds: float, now: float) -> Lease:
+    def renew(self, namespace: str, lease_id: str, seconds: float, now: Now) -> Lease:
         """Hold the lease `seconds` from now (an open, unexpired lease only)."""
         return self._close(namespace, lease_id, now, "renew", seconds)
 
     def _close(
-        self, namespace: str, lease_id: str, now: float, action: str, seconds: float = 0.0
+        self, namespace: str, lease_id: str, now: Now, action: str, seconds: float = 0.0
     ) -> Lease:
         with self._db.begin() as conn:
-            ns = _lock(conn, namespace)
+            ns, at = _lock(conn, namespace, now)
             lease = _get(conn, namespace, lease_id)
-            why = refusal(lease, ns.epoch, now, action)
-            if why is not None:
-                raise why
-            if action == "renew":
-                values: dict[str, Any] = {"expires_at": now + seconds}
-            else:
-                values = {"state": LeaseState.RELEASED.value, "closed_at": now}
-            conn.execute(
-                leases.update()
-                .where(leases.c.namespace == namespace, leases.c.lease_id == lease_id)
-                .values(**values)
-            )
-            return _get(conn, namespace, lease_id)
+            why = refusal(lease, ns.epoch, at, action)
+            if why is None:
+                if action == "renew":
+                    values: dict[str, Any] = {"expires_at": at + seconds}
+                else:
+                    values = {"state": LeaseState.RELEASED.value, "closed_at": at}
+                conn.execute(
+                    leases.update()
+                    .where(leases.c.namespace == namespace, leases.c.lease_id == lease_id)
+                    .values(**values)
+                )
+                lease = _get(conn, namespace, lease_id)
+        if why is not None:
+            raise why
+        return lease
 
     def get(self, namespace: str, lease_id: str) -> Lease:
         with self._db.connect() as conn:
@@ -342,7 +364,7 @@ class Leases:
         self,
         namespace: str,
         step: int,
-        now: float,
+        now: Now,
         epoch: int | None = None,
         keep: int | None = None,
     ) -> Checkpoint:
@@ -351,7 +373,7 @@ class Leases:
         the same checkpoint; steps go forward (a step at or before the newest is a
         `Conflict`)."""
         with self._db.begin() as conn:
-            ns = _lock(conn, namespace)
+            ns, now = _lock(conn, namespace, now)
             if epoch is not None and epoch != ns.epoch:
                 raise Fenced(
                     f"epoch {epoch} is not namespace {namespace!r}'s ({ns.epoch}): a trainer "
@@ -397,13 +419,13 @@ class Leases:
         if done.rowcount == 0:
             raise NotFound(f"no checkpoint at step {step} in namespace {namespace!r}")
 
-    def resume(self, namespace: str, step: int, now: float) -> Resumed:
+    def resume(self, namespace: str, step: int, now: Now) -> Resumed:
         """Return the namespace's consumption to its checkpoint at `step`: every lease
         committed after it is undone (its samplings taken back), open leases are fenced
         off (their trajectories return), later checkpoints are dropped, the policy
         version goes back to the checkpoint's, and the epoch moves on one."""
         with self._db.begin() as conn:
-            ns = _lock(conn, namespace)
+            ns, now = _lock(conn, namespace, now)
             c = checkpoints
             row = conn.execute(
                 sa.select(c).where(c.c.namespace == namespace, c.c.step == step)
