@@ -295,7 +295,8 @@ class CatalogTests(ABC):
         assert (done.epoch, done.leases_undone, done.samplings_undone) == (1, 1, 2)
         assert (done.leases_fenced, done.checkpoints_dropped) == (1, [2])
         assert times() == {"t0": 1, "t1": 1, "t2": 0, "t3": 0}
-        assert self.raw_query(catalog, "SELECT epoch FROM namespaces") == [(1,)]
+        assert self.raw_query(catalog, "SELECT epoch, consumed FROM namespaces") == [(1, 1)]
+        assert catalog.leases.checkpoint("ns", 1, now=111.5) == point  # nothing since
         with pytest.raises(Fenced):
             catalog.leases.commit("ns", zombie.lease_id, now=112.0)
         with pytest.raises(Fenced):

@@ -9,7 +9,8 @@ and a commit racing its expiry either counts or returns the trajectories, never 
 
 A committed lease gets the namespace's next consumption number (`seq`); a checkpoint
 records the number it had reached, so resuming to it undoes exactly the leases
-numbered after it. Sampling counts stay in `trajectories.times_sampled`.
+numbered after it that are still committed (and sets the count back to it: the undone
+leases' numbers are given again). Sampling counts stay in `trajectories.times_sampled`.
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ def _lock(conn: Connection, namespace: str, now: Now) -> tuple[Any, float]:
     return row, at
 
 
-def _held(namespace: str, now: float) -> sa.Select[Any]:
-    """The trajectories of the namespace's open, unexpired leases."""
+def _leased(namespace: str, *where: sa.ColumnElement[bool]) -> sa.Select[Any]:
+    """The trajectories of the namespace's leases that match `where`."""
     return (
         sa.select(lease_items.c.trajectory_id)
         .join(
@@ -80,12 +81,13 @@ def _held(namespace: str, now: float) -> sa.Select[Any]:
                 leases.c.lease_id == lease_items.c.lease_id,
             ),
         )
-        .where(
-            lease_items.c.namespace == namespace,
-            leases.c.state == LeaseState.OPEN.value,
-            leases.c.expires_at > now,
-        )
+        .where(lease_items.c.namespace == namespace, *where)
     )
+
+
+def _held(namespace: str, now: float) -> sa.Select[Any]:
+    """The trajectories of the namespace's open, unexpired leases."""
+    return _leased(namespace, leases.c.state == LeaseState.OPEN.value, leases.c.expires_at > now)
 
 
 def _candidates(
@@ -423,7 +425,8 @@ class Leases:
         """Return the namespace's consumption to its checkpoint at `step`: every lease
         committed after it is undone (its samplings taken back), open leases are fenced
         off (their trajectories return), later checkpoints are dropped, the policy
-        version goes back to the checkpoint's, and the epoch moves on one."""
+        version and the consumption count go back to the checkpoint's, and the epoch
+        moves on one (so the same step checkpointed again is the same checkpoint)."""
         with self._db.begin() as conn:
             ns, now = _lock(conn, namespace, now)
             c = checkpoints
@@ -478,7 +481,7 @@ class Leases:
             conn.execute(
                 namespaces.update()
                 .where(namespaces.c.name == namespace)
-                .values(epoch=epoch, policy_version=point.policy_version)
+                .values(epoch=epoch, policy_version=point.policy_version, consumed=point.consumed)
             )
         return Resumed(
             namespace,
@@ -504,20 +507,10 @@ class Leases:
                 )
             ).scalar()
             if oldest is not None:
-                query = (
-                    sa.select(lease_items.c.trajectory_id)
-                    .join(
-                        leases,
-                        sa.and_(
-                            leases.c.namespace == lease_items.c.namespace,
-                            leases.c.lease_id == lease_items.c.lease_id,
-                        ),
-                    )
-                    .where(
-                        lease_items.c.namespace == namespace,
-                        leases.c.state == LeaseState.COMMITTED.value,
-                        leases.c.seq > oldest,
-                    )
+                query = _leased(
+                    namespace,
+                    leases.c.state == LeaseState.COMMITTED.value,
+                    leases.c.seq > oldest,
                 )
                 found.update(conn.execute(query).scalars())
         return found
