@@ -121,6 +121,7 @@ def test_expired_and_released_leases_give_their_trajectories_back(
         client.commit(released)
     assert client.leases(namespace)[1] == [short]
     time.sleep(0.5)
+    assert client.get_lease(short).state == LeaseState.EXPIRED  # before anything marks it
     with pytest.raises(LeaseExpired, match="expired"):
         client.commit(short)
     with pytest.raises(LeaseExpired):

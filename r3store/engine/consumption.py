@@ -16,6 +16,7 @@ commits after it is refused (`Fenced`).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable, Sequence
 
@@ -31,6 +32,7 @@ from r3store.leases import (
     check_lease_seconds,
     check_step,
 )
+from r3store.logic.leasing import state_at
 from r3store.logic.sampling import Candidate, Strategy, choose
 from r3store.policy import staleness_floor
 from r3store.records import check_id
@@ -139,8 +141,10 @@ class Consumption:
         )
 
     def get(self, namespace: str, lease_id: str) -> Lease:
+        """The lease as it stands now (open past its expiry reads as expired)."""
         self._namespaces.get(namespace)
-        return self._catalog.leases.get(namespace, check_lease_id(lease_id))
+        lease = self._catalog.leases.get(namespace, check_lease_id(lease_id))
+        return dataclasses.replace(lease, state=state_at(lease, self._clock()))
 
     def commit(self, namespace: str, lease_id: str, token: str | None = None) -> Lease:
         """Count the lease's trajectories as sampled once (see `Leases.commit`); `token`

@@ -153,7 +153,9 @@ class Maintenance:
         for info in self.catalog.namespaces.all():
             report.trajectories_dropped += self.apply_retention(info.name, report)
             report.leases_forgotten += self.catalog.leases.prune(
-                info.name, self.clock() - LEASE_HISTORY_SECONDS
+                info.name,
+                self.clock() - LEASE_HISTORY_SECONDS,
+                info.settings.retention.keep_checkpoints,
             )
         self.compact(report, progress)
         self.settle(report, progress)

@@ -312,7 +312,13 @@ class CatalogTests(ABC):
         assert [c.step for c in catalog.leases.checkpoints("ns")] == [1]
         assert catalog.leases.prune("ns", before=1000.0) >= 3
         assert [c.step for c in catalog.leases.checkpoints("ns")] == [1]
-        catalog.leases.delete_checkpoint("ns", 1)
+        for step in (2, 3):
+            catalog.leases.checkpoint("ns", step, now=113.6)
+        catalog.leases.prune("ns", before=0.0, keep=1)  # keep_checkpoints lowered to 1
+        assert [c.step for c in catalog.leases.checkpoints("ns")] == [3]
+        catalog.leases.delete_checkpoint("ns", 3)
+        with pytest.raises(NotFound):
+            catalog.leases.delete_checkpoint("ns", 3)
         with pytest.raises(NotFound):
             catalog.leases.resume("ns", 1, now=114.0)
 

@@ -173,6 +173,21 @@ def _get(conn: Connection, namespace: str, lease_id: str) -> Lease:
     return _lease_of(row, _items(conn, namespace, lease_id))
 
 
+def _trim(conn: Connection, namespace: str, keep: int | None) -> None:
+    """Delete all but the namespace's newest `keep` checkpoints (None: keep all)."""
+    if keep is None:
+        return
+    c = checkpoints
+    kept = (
+        sa.select(c.c.step)
+        .where(c.c.namespace == namespace)
+        .order_by(c.c.step.desc())
+        .limit(keep)
+        .scalar_subquery()
+    )
+    conn.execute(c.delete().where(c.c.namespace == namespace, c.c.step.not_in(kept)))
+
+
 def _checkpoint_of(row: Any) -> Checkpoint:
     return Checkpoint(
         row.namespace, row.step, row.epoch, row.consumed, row.policy_version, row.created_at
@@ -396,15 +411,7 @@ class Leases:
                 )
             made = Checkpoint(namespace, step, ns.epoch, ns.consumed, ns.policy_version, now)
             conn.execute(c.insert().values(**made.to_dict()))
-            if keep is not None:
-                kept = (
-                    sa.select(c.c.step)
-                    .where(c.c.namespace == namespace)
-                    .order_by(c.c.step.desc())
-                    .limit(keep)
-                    .scalar_subquery()
-                )
-                conn.execute(c.delete().where(c.c.namespace == namespace, c.c.step.not_in(kept)))
+            _trim(conn, namespace, keep)
         return made
 
     def checkpoints(self, namespace: str) -> list[Checkpoint]:
@@ -417,6 +424,7 @@ class Leases:
     def delete_checkpoint(self, namespace: str, step: int) -> None:
         c = checkpoints
         with self._db.begin() as conn:
+            _lock(conn, namespace, 0.0)
             done = conn.execute(c.delete().where(c.c.namespace == namespace, c.c.step == step))
         if done.rowcount == 0:
             raise NotFound(f"no checkpoint at step {step} in namespace {namespace!r}")
@@ -515,9 +523,14 @@ class Leases:
                 found.update(conn.execute(query).scalars())
         return found
 
-    def prune(self, namespace: str, before: float) -> int:
-        """Forget leases closed (or expired) before `before`, except committed ones a kept
-        checkpoint may still undo; returns leases forgotten."""
+    def prune(self, namespace: str, before: float, keep: int | None = None) -> int:
+        """Keep only the newest `keep` checkpoints (a lowered setting takes effect here
+        too), then forget leases closed (or expired) before `before`, except committed
+        ones a kept checkpoint may still undo; returns leases forgotten."""
+        if keep is not None:
+            with self._db.begin() as conn:
+                _lock(conn, namespace, before)
+                _trim(conn, namespace, keep)
         with self._db.connect() as conn:
             oldest = conn.execute(
                 sa.select(sa.func.min(checkpoints.c.consumed)).where(
