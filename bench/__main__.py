@@ -1,4 +1,4 @@
-"""Run the benchmarks: `python -m bench [--quick] [--only codec,rest,...,replay,ray,async]`."""
+"""Run the benchmarks: `python -m bench [--quick] [--only codec,rest,...,leases,ray,async]`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from bench import (
     engine_bench,
     hardening_bench,
     http_bench,
+    lease_bench,
     memory_bench,
     replay_bench,
     rest_bench,
@@ -30,7 +31,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     parser.add_argument(
         "--only",
-        default="codec,rest,engine,http,datapath,catalog,memory,hardening,abuse,replay,ray,async",
+        default="codec,rest,engine,http,datapath,catalog,memory,hardening,abuse,leases,replay,ray,async",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -69,6 +70,13 @@ def main() -> None:
     if "abuse" in sections:
         print("abuse (a fresh server per attack, a bystander asking /healthz) ...", flush=True)
         more, detail = abuse_bench.run(quick=args.quick)
+        figures += more
+        details.update(detail)
+    if "leases" in sections:
+        print(
+            "leases (a trainer and its server SIGKILLed, resumed from checkpoints) ...", flush=True
+        )
+        more, detail = lease_bench.run(quick=args.quick)
         figures += more
         details.update(detail)
     if "replay" in sections:
