@@ -63,13 +63,15 @@ checkpoints = sa.Table(
 
 
 def upgrade() -> None:
-    op.add_column(
-        "namespaces", sa.Column("epoch", sa.BigInteger, nullable=False, server_default="0")
-    )
-    op.add_column(
-        "namespaces", sa.Column("consumed", sa.BigInteger, nullable=False, server_default="0")
-    )
-    metadata.create_all(op.get_bind())
+    bind = op.get_bind()
+    # a catalog with no recorded revision, upgraded from 0001, may have some of these
+    present = {c["name"] for c in sa.inspect(bind).get_columns("namespaces")}
+    for name in ("epoch", "consumed"):
+        if name not in present:
+            op.add_column(
+                "namespaces", sa.Column(name, sa.BigInteger, nullable=False, server_default="0")
+            )
+    metadata.create_all(bind)
 
 
 def downgrade() -> None:
