@@ -1,4 +1,4 @@
-"""Run the benchmarks: `python -m bench [--quick] [--only codec,rest,...,leases,ray,async]`."""
+"""Run the benchmarks: `python -m bench [--quick] [--only codec,rest,...,leases,ray,async,grpo]`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from bench import (
     codec_bench,
     datapath_bench,
     engine_bench,
+    grpo_bench,
     hardening_bench,
     http_bench,
     lease_bench,
@@ -31,7 +32,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     parser.add_argument(
         "--only",
-        default="codec,rest,engine,http,datapath,catalog,memory,hardening,abuse,leases,replay,ray,async",
+        default="codec,rest,engine,http,datapath,catalog,memory,hardening,abuse,leases,replay,ray,async"
+        ",grpo",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -92,6 +94,11 @@ def main() -> None:
     if "async" in sections:
         print("async (asyncio ingest beside threaded ingest, one server) ...", flush=True)
         figures += async_bench.run(quick=args.quick)
+    if "grpo" in sections:
+        print("grpo (a GRPO loop through the service, with and without R3) ...", flush=True)
+        more, detail = grpo_bench.run(quick=args.quick)
+        figures += more
+        details.update(detail)
     print()
     print_table(figures)
     write_json(figures, args.out, time.perf_counter() - started, details)
