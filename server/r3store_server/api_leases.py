@@ -88,8 +88,8 @@ async def get_lease(
     namespace: str = NamespacePath,
     lease_id: str = LeasePath,
 ) -> LeaseModel:
-    """A lease and its state (an open one past its expiry reads as open: see
-    `expires_at`); 404 once forgotten (a day after it closed)."""
+    """A lease and its state (past its expiry: `expired`); 404 once forgotten (a day
+    after it closed)."""
     return LeaseModel.of(await deadline.run(engine.consumption.get, namespace, lease_id))
 
 
