@@ -14,7 +14,7 @@
     │   └── ObjectNotFound       an object store key that does not exist
     ├── Conflict                 the same id with other content, or an existing name
     │   ├── ObjectExists         a create-only put whose key already exists
-    │   ├── LeaseClosed          a lease no longer open: released, fenced or undone
+    │   ├── LeaseClosed          a lease no longer open: released (or as below)
     │   │   ├── LeaseCommitted   a lease committed already (the commit stands)
     │   │   └── LeaseExpired     a lease past its expiry (its trajectories went back)
     │   └── Fenced               a lease or checkpoint of an epoch before a resume

@@ -30,7 +30,7 @@ from r3store.testing.synthetic import uniform_topk
 SPEC = RouteSpec(num_layers=2, num_experts=8, top_k=2)
 KEEP = 2  # policy versions retention keeps
 STEPS = ["whole", "rest", "no rest"]
-HOOKS = ["shards.replace", "segments.delete", "shards.retire_empty", "shards.forget"]
+HOOKS = ["shards.replace", "leases.drop", "shards.retire_empty", "shards.forget"]
 
 
 def routes(tid: str, tokens: int) -> np.ndarray:

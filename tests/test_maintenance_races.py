@@ -178,7 +178,7 @@ def test_rows_a_rest_pass_moved_while_retention_drops_them_stay_dropped(
         MaintenanceOptions(grace_seconds=0, orphan_seconds=0, cold_seconds=0)
     )
     moved = MaintenanceReport()
-    ran = _before(y_catalog, "segments.delete", lambda: x.settle(moved))
+    ran = _before(y_catalog, "leases.drop", lambda: x.settle(moved))
     y.run()
     assert ran
     assert moved.shards_at_rest == 1

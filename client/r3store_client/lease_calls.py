@@ -18,7 +18,15 @@ import secrets
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from r3store.leases import DEFAULT_LEASE_SECONDS, Checkpoint, Lease, Resumed, check_step
+from r3store.errors import LeaseClosed
+from r3store.leases import (
+    DEFAULT_LEASE_SECONDS,
+    Checkpoint,
+    Lease,
+    LeaseState,
+    Resumed,
+    check_step,
+)
 from r3store.logic.sampling import Strategy
 from r3store.policy import Source
 from r3store.protocol.consumption import (
@@ -116,8 +124,15 @@ class LeaseCalls:
         return LeaseModel.model_validate(answer).lease()
 
     def _release(self, lease: Lease) -> Call[Lease]:
-        """Give the lease's trajectories back uncounted (a step abandoned)."""
-        answer = yield from self._json("POST", self._lease_path(lease, "release"))
+        """Give the lease's trajectories back uncounted (a step abandoned). A lease
+        released already (a retry whose first answer was lost) is answered as it is."""
+        try:
+            answer = yield from self._json("POST", self._lease_path(lease, "release"))
+        except LeaseClosed:
+            now = yield from self._get_lease(lease)
+            if now.state is not LeaseState.RELEASED:
+                raise
+            return now
         return LeaseModel.model_validate(answer).lease()
 
     def _renew(self, lease: Lease, seconds: float = DEFAULT_LEASE_SECONDS) -> Call[Lease]:

@@ -34,14 +34,15 @@ from r3store.leases import (
 )
 from r3store.logic.leasing import state_at
 from r3store.logic.sampling import Candidate, Strategy, choose
-from r3store.policy import staleness_floor
+from r3store.logic.sources import choose_source
+from r3store.policy import Source, staleness_floor
 from r3store.records import check_id
 from r3store.storage.catalog import Catalog
+from r3store.storage.catalog.leases import Admit, Pick
 from r3store.storage.catalog.leases import Candidate as Row
-from r3store.storage.catalog.leases import Pick
 
-MAX_LEASE_SIZE = 1 << 20  # trajectories in one lease
-Admit = Callable[[Sequence[str]], None]
+MAX_LEASE_SIZE = 1 << 20  # trajectories one lease takes
+MAX_NAMED = 10_000  # trajectories one lease names
 
 
 def _sampled(n: int, strategy: Strategy, whole_groups: bool, seed: int | None) -> Pick:
@@ -100,8 +101,9 @@ class Consumption:
         whole groups), or exactly `trajectory_ids` (`Conflict` unless each is stored,
         within the staleness window, under `max_times_sampled` and held by no open
         lease), for `seconds`. `epoch`: the caller's, refused (`Fenced`) when the
-        namespace resumed since. `admit` sees the chosen ids before anything is
-        recorded and may refuse by raising. `commit`: counted at once (a sample)."""
+        namespace resumed since. `admit` sees the chosen trajectories' segments (every
+        source) before anything is recorded and may refuse by raising. `commit`:
+        counted at once (a sample)."""
         if (n is None) == (trajectory_ids is None):
             raise InvalidInput("a lease takes either n trajectories or trajectory_ids, not both")
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
@@ -110,24 +112,17 @@ class Consumption:
             raise InvalidInput(f"a lease takes at most {MAX_LEASE_SIZE} trajectories, not {n}")
         seconds = check_lease_seconds(seconds)
         info = self._namespaces.get(namespace)
+        only = None
         if trajectory_ids is not None:
             ids = [check_id(t) for t in trajectory_ids]
             if len(set(ids)) != len(ids):
                 raise InvalidInput("trajectory_ids names a trajectory twice")
-            if not ids or len(ids) > MAX_LEASE_SIZE:
-                raise InvalidInput(f"a lease names 1 to {MAX_LEASE_SIZE} trajectories")
-            pick = _named(ids, namespace)
+            if not ids or len(ids) > MAX_NAMED:
+                raise InvalidInput(f"a lease names 1 to {MAX_NAMED} trajectories")
+            pick, only = _named(ids, namespace), ids
         else:
             assert n is not None
             pick = _sampled(n, strategy, whole_groups, seed)
-        if admit is not None:
-            chooser = pick
-
-            def pick(rows: list[Row]) -> list[str]:
-                chosen = chooser(rows)
-                admit(chosen)
-                return chosen
-
         return self._catalog.leases.take(
             namespace,
             pick,
@@ -138,6 +133,8 @@ class Consumption:
             epoch=epoch,
             holder=holder,
             commit=commit,
+            only=only,
+            admit=admit,
         )
 
     def get(self, namespace: str, lease_id: str) -> Lease:
@@ -204,14 +201,12 @@ class Consumption:
         return self._catalog.leases.protected(namespace, self._clock())
 
 
-def admitting(
-    served: Callable[[Sequence[str]], dict[str, list[TrajectoryEntry]]],
-    admit: Callable[[list[TrajectoryEntry]], None],
-) -> Admit:
-    """An `admit` over ids, from one over the segments they are served from."""
+def admitting(wanted: Sequence[Source], admit: Callable[[list[TrajectoryEntry]], None]) -> Admit:
+    """An `Admit` over every segment of a lease's trajectories, from one over the
+    segments each is served from (the first of `wanted` it holds for all its tokens)."""
 
-    def check(ids: Sequence[str]) -> None:
-        found = served(ids)
-        admit([s for segments in found.values() for s in segments])
+    def check(found: dict[str, list[TrajectoryEntry]]) -> None:
+        served = (choose_source(segments, wanted) for segments in found.values())
+        admit([s for chosen in served if chosen is not None for s in chosen[1]])
 
     return check

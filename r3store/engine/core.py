@@ -499,9 +499,7 @@ class Engine:
         (nothing is counted then).
         """
         wanted = self.namespaces.get(namespace).settings.read_sources
-        check = None
-        if admit is not None:
-            check = admitting(lambda ids: self._served(namespace, ids, wanted), admit)
+        check = None if admit is None else admitting(wanted, admit)
         lease = self.consumption.lease(
             namespace,
             n=n,

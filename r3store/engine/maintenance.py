@@ -219,10 +219,14 @@ class Maintenance:
             # only the segments still where the tombstone says: one a concurrent pass
             # moved into a new shard meanwhile is dropped by the next pass, with a
             # tombstone naming that shard
+            # and none that a lease took since: judged again under the namespace's lock
             named = sorted({e.shard_key for e in entries})
-            self.catalog.segments.delete(namespace, victims, named)
-            log.info("retention dropped %d trajectories from %s", len(victims), namespace)
-        return len(victims)
+            _, late = self.catalog.leases.drop(namespace, victims, named, self.clock)
+            if report is not None:
+                report.trajectories_kept += late
+            log.info("retention dropped %d trajectories from %s", len(victims) - late, namespace)
+            return len(victims) - late
+        return 0
 
     def compact(
         self, report: MaintenanceReport, progress: Callable[[int, int], None] | None = None

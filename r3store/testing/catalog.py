@@ -322,6 +322,31 @@ class CatalogTests(ABC):
         with pytest.raises(NotFound):
             catalog.leases.resume("ns", 1, now=114.0)
 
+    def test_retention_keeps_what_leases_and_checkpoints_hand_out(self, catalog: Catalog) -> None:
+        catalog.namespaces.create("ns", SPEC)
+        ids = ["a", "b", "c", "d"]
+        entries = [entry(t, "s1", created=float(i)) for i, t in enumerate(ids)]
+        self.commit(catalog, shard("s1", 4), entries)
+
+        def named(*wanted: str) -> Any:
+            return lambda rows: [r[0] for r in rows if r[0] in wanted]
+
+        opts = dict(min_version=None, max_times=None, seconds=50.0)
+        catalog.leases.checkpoint("ns", 0, now=1.0)
+        done = catalog.leases.take("ns", named("a"), now=2.0, **opts)  # type: ignore[arg-type]
+        catalog.leases.commit("ns", done.lease_id, now=3.0)
+        # retention chose its victims before this lease was taken: the lease keeps b
+        catalog.leases.take("ns", named("b"), now=4.0, **opts)  # type: ignore[arg-type]
+        assert catalog.leases.drop("ns", ids, ["s1"], now=5.0) == (2, 2)  # c, d dropped
+        assert sorted(catalog.segments.lookup("ns", ids)) == ["a", "b"]
+        catalog.leases.resume("ns", 0, now=6.0)  # a undone, b's lease fenced
+        # a is handed out again by the resumed run: still kept while checkpoint 0 is
+        assert catalog.leases.protected("ns", now=7.0) == {"a"}
+        assert catalog.leases.drop("ns", ["a", "b"], ["s1"], now=7.0) == (1, 1)
+        assert catalog.leases.prune("ns", before=10**6) == 1  # b's fenced lease, not a's
+        catalog.leases.delete_checkpoint("ns", 0)
+        assert catalog.leases.protected("ns", now=8.0) == set()
+
     def test_deleting_segments(self, catalog: Catalog) -> None:
         catalog.namespaces.create("ns", SPEC)
         self.commit(catalog, shard("s1", 2), [entry("a", "s1"), entry("b", "s1")])

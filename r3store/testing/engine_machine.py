@@ -288,12 +288,13 @@ class EngineMachine(RuleBasedStateMachine):
 
     def _protected(self) -> set[str]:
         """What retention keeps: held by an open lease, or committed after the oldest
-        kept checkpoint (a resume to it hands them out again)."""
+        kept checkpoint, still (a resume to it hands them out again) or undone by a
+        resume since (the resumed run takes them again)."""
         found = self._held()
         if self.points:
             oldest = min(p.consumed for p in self.points.values())
             for h in self.leases.values():
-                if h.state == "committed" and h.seq is not None and h.seq > oldest:
+                if h.state in ("committed", "undone") and h.seq is not None and h.seq > oldest:
                     found.update(h.ids)
         return found
 

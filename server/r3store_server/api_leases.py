@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Path
 
+from r3store.errors import StoreError
 from r3store.leases import LEASE_ID, MAX_STEP
 from r3store.protocol.consumption import (
     CheckpointDeleted,
@@ -48,6 +49,12 @@ async def take_lease(
     ranks read their slices with `routes/batch`. `epoch`: refused (409 `fenced`) once
     the namespace resumed since. Not idempotent (the client does not retry it)."""
 
+    def answered(_found: object) -> None:
+        """Refuse to record a lease once the request was answered (its deadline passed):
+        nobody would hold it, and it would keep its trajectories from the next one."""
+        if deadline.cancelled.is_set():
+            raise StoreError("the lease was not recorded: its request was answered already")
+
     def take() -> LeaseModel:
         lease = engine.consumption.lease(
             namespace,
@@ -59,6 +66,7 @@ async def take_lease(
             seconds=body.seconds,
             epoch=body.epoch,
             holder=who.name,
+            admit=answered,
         )
         return LeaseModel.of(lease)
 

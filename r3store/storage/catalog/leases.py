@@ -18,17 +18,19 @@ from __future__ import annotations
 import dataclasses
 import secrets
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from r3store.catalog_types import TrajectoryEntry
 from r3store.errors import Conflict, Fenced, InvalidInput, NotFound
 from r3store.leases import Checkpoint, Lease, LeaseState, Resumed
 from r3store.logic.leasing import refusal
 from r3store.policy import ENGINE
 from r3store.storage.catalog.database import BATCH, Database
+from r3store.storage.catalog.segments import delete_in, lookup_in
 from r3store.storage.catalog.tables import (
     checkpoints,
     lease_items,
@@ -43,18 +45,25 @@ Pick = Callable[[list[Candidate]], list[str]]
 # the time of a change: a clock, read once the namespace is locked (a wait for the lock
 # must not stretch a lease past its expiry), or a fixed time (tests)
 Now = float | Callable[[], float]
+# sees the segments (every source) of what a lease takes, and may refuse it by raising
+Admit = Callable[[dict[str, list[TrajectoryEntry]]], None]
+
+
+def lock(conn: Connection, name: str) -> bool:
+    """Hold the namespace's row for the transaction (an UPDATE that changes nothing:
+    PostgreSQL's row lock, SQLite's write lock), as consumption's changes do; False when
+    there is no such namespace. The first statement of its transaction, on SQLite."""
+    done = conn.execute(
+        namespaces.update().where(namespaces.c.name == name).values(consumed=namespaces.c.consumed)
+    )
+    return bool(done.rowcount)
 
 
 def _lock(conn: Connection, namespace: str, now: Now) -> tuple[Any, float]:
     """Lock the namespace's row for the transaction; returns it and the time then, after
     marking the leases due by then expired (so that a replica whose clock is behind
     cannot commit a lease whose trajectories another replica already gave out again)."""
-    done = conn.execute(
-        namespaces.update()
-        .where(namespaces.c.name == namespace)
-        .values(consumed=namespaces.c.consumed)
-    )
-    if done.rowcount == 0:
+    if not lock(conn, namespace):
         raise NotFound(f"no namespace {namespace!r}")
     at = now() if callable(now) else now
     conn.execute(
@@ -91,25 +100,48 @@ def _held(namespace: str, now: float) -> sa.Select[Any]:
 
 
 def _candidates(
-    conn: Connection, namespace: str, min_version: int | None, max_times: int | None, now: float
+    conn: Connection,
+    namespace: str,
+    min_version: int | None,
+    max_times: int | None,
+    now: float,
+    only: Sequence[str] | None = None,
 ) -> list[Candidate]:
-    """Trajectories whose every segment is at or above `min_version`, sampled fewer than
-    `max_times` times, and held by no open lease."""
+    """Trajectories (of `only`, if given) whose every segment is at or above
+    `min_version`, sampled fewer than `max_times` times, and held by no open lease."""
     t = trajectories
-    oldest = (
-        sa.select(t.c.trajectory_id, sa.func.min(t.c.policy_version).label("oldest"))
-        .where(t.c.namespace == namespace, t.c.source == ENGINE)
-        .group_by(t.c.trajectory_id)
-        .subquery()
+    oldest = sa.select(t.c.trajectory_id, sa.func.min(t.c.policy_version).label("oldest")).where(
+        t.c.namespace == namespace, t.c.source == ENGINE
+    )
+    if only is not None:
+        oldest = oldest.where(t.c.trajectory_id.in_(list(only)))
+    versions = oldest.group_by(t.c.trajectory_id).subquery()
+    held = (
+        sa.select(lease_items.c.position)
+        .join(
+            leases,
+            sa.and_(
+                leases.c.namespace == lease_items.c.namespace,
+                leases.c.lease_id == lease_items.c.lease_id,
+            ),
+        )
+        .where(
+            lease_items.c.namespace == namespace,
+            lease_items.c.trajectory_id == t.c.trajectory_id,
+            leases.c.state == LeaseState.OPEN.value,
+            leases.c.expires_at > now,
+        )
     )
     query = (
         sa.select(t.c.trajectory_id, t.c.group_id, t.c.created_at)
-        .join(oldest, oldest.c.trajectory_id == t.c.trajectory_id)
+        .join(versions, versions.c.trajectory_id == t.c.trajectory_id)
         .where(t.c.namespace == namespace, t.c.start == 0, t.c.source == ENGINE)
-        .where(t.c.trajectory_id.not_in(_held(namespace, now).scalar_subquery()))
+        .where(~held.exists())
     )
+    if only is not None:
+        query = query.where(t.c.trajectory_id.in_(list(only)))
     if min_version is not None:
-        query = query.where(oldest.c.oldest >= min_version)
+        query = query.where(versions.c.oldest >= min_version)
     if max_times is not None:
         query = query.where(t.c.times_sampled < max_times)
     return [(r.trajectory_id, r.group_id, r.created_at) for r in conn.execute(query)]
@@ -173,6 +205,31 @@ def _get(conn: Connection, namespace: str, lease_id: str) -> Lease:
     return _lease_of(row, _items(conn, namespace, lease_id))
 
 
+def _after(consumed: int) -> sa.ColumnElement[bool]:
+    """Leases committed after consumption number `consumed`, still or undone since."""
+    return sa.and_(
+        leases.c.state.in_([LeaseState.COMMITTED.value, LeaseState.UNDONE.value]),
+        leases.c.seq > consumed,
+    )
+
+
+def _oldest(conn: Connection, namespace: str) -> int | None:
+    """The consumption number of the namespace's oldest kept checkpoint."""
+    found = conn.execute(
+        sa.select(sa.func.min(checkpoints.c.consumed)).where(checkpoints.c.namespace == namespace)
+    ).scalar()
+    return None if found is None else int(found)
+
+
+def _protected(conn: Connection, namespace: str, now: float) -> set[str]:
+    """`Leases.protected` on the caller's connection."""
+    found = set(conn.execute(_held(namespace, now)).scalars())
+    oldest = _oldest(conn, namespace)
+    if oldest is not None:
+        found.update(conn.execute(_leased(namespace, _after(oldest))).scalars())
+    return found
+
+
 def _trim(conn: Connection, namespace: str, keep: int | None) -> None:
     """Delete all but the namespace's newest `keep` checkpoints (None: keep all)."""
     if keep is None:
@@ -212,12 +269,15 @@ class Leases:
         epoch: int | None = None,
         holder: str | None = None,
         commit: bool = False,
+        only: Sequence[str] | None = None,
+        admit: Admit | None = None,
     ) -> Lease:
         """Lease what `pick` chooses among the trajectories free to take (within the
-        staleness window, under `max_times`, held by no open lease), for `seconds`.
-        `commit`: count it at once (a plain sample), as one committed consumption.
-        `epoch`, when given, must be the namespace's (`Fenced` otherwise). `pick` may
-        raise to refuse; nothing is changed then."""
+        staleness window, under `max_times`, held by no open lease; of `only`, when
+        given), for `seconds`. `commit`: count it at once (a plain sample), as one
+        committed consumption. `epoch`, when given, must be the namespace's (`Fenced`
+        otherwise). `admit` sees every segment of what `pick` chose (read in the same
+        transaction). Either may raise to refuse; nothing is changed then."""
         with self._db.begin() as conn:
             ns, now = _lock(conn, namespace, now)
             if epoch is not None and epoch != ns.epoch:
@@ -225,9 +285,11 @@ class Leases:
                     f"epoch {epoch} is not namespace {namespace!r}'s ({ns.epoch}): it resumed "
                     "from a checkpoint since, and leases of the earlier run are refused"
                 )
-            chosen = pick(_candidates(conn, namespace, min_version, max_times, now))
+            chosen = pick(_candidates(conn, namespace, min_version, max_times, now, only))
             if len(set(chosen)) != len(chosen):
                 raise InvalidInput("a lease names a trajectory twice")
+            if admit is not None:
+                admit(lookup_in(conn, namespace, chosen))
             if commit and not chosen:
                 return Lease(namespace, "0" * 32, ns.epoch, LeaseState.COMMITTED, (), now, now)
             seq = ns.consumed + 1 if commit else None
@@ -348,8 +410,8 @@ class Leases:
         with self._db.connect() as conn:
             return _get(conn, namespace, lease_id)
 
-    def open(self, namespace: str, now: float) -> list[Lease]:
-        """The namespace's open, unexpired leases, oldest first."""
+    def open(self, namespace: str, now: float, limit: int = 1000) -> list[Lease]:
+        """The namespace's open, unexpired leases, oldest first: the first `limit`."""
         query = (
             sa.select(leases)
             .where(
@@ -358,6 +420,7 @@ class Leases:
                 leases.c.expires_at > now,
             )
             .order_by(leases.c.created_at, leases.c.lease_id)
+            .limit(limit)
         )
         with self._db.connect() as conn:
             rows = conn.execute(query).all()
@@ -506,42 +569,40 @@ class Leases:
 
     def protected(self, namespace: str, now: float) -> set[str]:
         """Trajectories that retention and eviction must keep: held by an open lease, or
-        consumed after the oldest kept checkpoint (resuming to it hands them out again)."""
+        consumed after the oldest kept checkpoint (resuming to it hands them out again)
+        in a lease still committed, or undone by a resume (the resumed run takes them
+        again)."""
         with self._db.connect() as conn:
-            found = set(conn.execute(_held(namespace, now)).scalars())
-            oldest = conn.execute(
-                sa.select(sa.func.min(checkpoints.c.consumed)).where(
-                    checkpoints.c.namespace == namespace
-                )
-            ).scalar()
-            if oldest is not None:
-                query = _leased(
-                    namespace,
-                    leases.c.state == LeaseState.COMMITTED.value,
-                    leases.c.seq > oldest,
-                )
-                found.update(conn.execute(query).scalars())
-        return found
+            return _protected(conn, namespace, now)
+
+    def drop(
+        self, namespace: str, ids: Sequence[str], shard_keys: Sequence[str] | None, now: Now
+    ) -> tuple[int, int]:
+        """Retention's deletion (`Segments.delete`) of those of `ids` that are not
+        protected, judged in the same transaction under the namespace's lock (a lease
+        taken since retention chose its victims keeps its trajectories); returns the
+        segments removed and the ids kept."""
+        with self._db.begin() as conn:
+            _, at = _lock(conn, namespace, now)
+            kept = _protected(conn, namespace, at)
+            gone = [tid for tid in ids if tid not in kept]
+            return delete_in(conn, namespace, gone, shard_keys), len(ids) - len(gone)
 
     def prune(self, namespace: str, before: float, keep: int | None = None) -> int:
         """Keep only the newest `keep` checkpoints (a lowered setting takes effect here
-        too), then forget leases closed (or expired) before `before`, except committed
-        ones a kept checkpoint may still undo; returns leases forgotten."""
+        too), then forget leases closed (or expired) before `before`, except those
+        committed after the oldest kept checkpoint (still, or undone since: a resume
+        undoes or hands them out again); returns leases forgotten."""
         if keep is not None:
             with self._db.begin() as conn:
                 _lock(conn, namespace, before)
                 _trim(conn, namespace, keep)
         with self._db.connect() as conn:
-            oldest = conn.execute(
-                sa.select(sa.func.min(checkpoints.c.consumed)).where(
-                    checkpoints.c.namespace == namespace
-                )
-            ).scalar()
+            oldest = _oldest(conn, namespace)
         ended = sa.func.coalesce(leases.c.closed_at, leases.c.expires_at) < before
         query = sa.select(leases.c.lease_id).where(leases.c.namespace == namespace, ended)
-        if oldest is not None:  # committed after the oldest checkpoint: undone by a resume
-            undoable = sa.and_(leases.c.state == LeaseState.COMMITTED.value, leases.c.seq > oldest)
-            query = query.where(~undoable)
+        if oldest is not None:  # after the oldest checkpoint: what a resume undoes or redoes
+            query = query.where(~_after(oldest))
         forgotten = 0
         with self._db.begin() as conn:
             ids = list(conn.execute(query).scalars())

@@ -73,6 +73,7 @@ class Namespaces:
         """Move the namespace's current policy version forward (never back), at most
         `max_step` at once; `force`: to `version`, whatever the current one."""
         with self._db.begin() as conn:
+            leases.lock(conn, name)  # against a resume setting it back meanwhile
             row = conn.execute(
                 sa.select(namespaces.c.policy_version).where(namespaces.c.name == name)
             ).first()
@@ -100,6 +101,7 @@ class Namespaces:
         on the ledger as deletions under way (`ledger.forget_upload` each once deleted),
         so that collection finishes what a failure leaves."""
         with self._db.begin() as conn:
+            leases.lock(conn, name)  # no lease or checkpoint is recorded meanwhile
             keys = list(
                 conn.execute(sa.select(shards.c.key).where(shards.c.namespace == name)).scalars()
             )

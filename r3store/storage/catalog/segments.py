@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.engine import Connection
 
 from r3store.catalog_types import TrajectoryEntry
 from r3store.policy import ENGINE
@@ -33,16 +34,8 @@ class Segments:
     def lookup(self, namespace: str, ids: Iterable[str]) -> dict[str, list[TrajectoryEntry]]:
         """Segments of the ids that exist, every source, in start order (missing ids
         are absent)."""
-        wanted = list(dict.fromkeys(ids))
-        found: dict[str, list[TrajectoryEntry]] = defaultdict(list)
-        t = trajectories
         with self._db.connect() as conn:
-            for begin in range(0, len(wanted), BATCH):
-                part = wanted[begin : begin + BATCH]
-                query = sa.select(t).where(t.c.namespace == namespace, t.c.trajectory_id.in_(part))
-                for row in conn.execute(query.order_by(t.c.start, t.c.source)):
-                    found[row.trajectory_id].append(segment_of(row))
-        return dict(found)
+            return lookup_in(conn, namespace, ids)
 
     def by_group(self, namespace: str, group_id: str) -> list[TrajectoryEntry]:
         query = self._select(namespace).where(trajectories.c.group_id == group_id)
@@ -139,22 +132,8 @@ class Segments:
         `shard_keys`, only trajectories all of whose segments are still in those shards:
         one with a segment a pass moved elsewhere since (into a shard a tombstone does
         not name yet) stays whole, for the next pass."""
-        t = trajectories
-        removed = 0
         with self._db.begin() as conn:
-            for begin in range(0, len(ids), BATCH):
-                part = list(ids[begin : begin + BATCH])
-                query = t.delete().where(t.c.namespace == namespace, t.c.trajectory_id.in_(part))
-                if shard_keys is not None:
-                    other = t.alias("other")
-                    elsewhere = sa.exists().where(
-                        other.c.namespace == t.c.namespace,
-                        other.c.trajectory_id == t.c.trajectory_id,
-                        other.c.shard_key.not_in(list(shard_keys)),
-                    )
-                    query = query.where(~elsewhere)
-                removed += conn.execute(query).rowcount
-        return removed
+            return delete_in(conn, namespace, ids, shard_keys)
 
     def entries_in(self, key: str) -> list[TrajectoryEntry]:
         return self._entries(sa.select(trajectories).where(trajectories.c.shard_key == key))
@@ -176,3 +155,39 @@ class Segments:
         with self._db.connect() as conn:
             row = conn.execute(query).first()
         return None if row is None else (row.dictionary, row.policy_version)
+
+
+def lookup_in(
+    conn: Connection, namespace: str, ids: Iterable[str]
+) -> dict[str, list[TrajectoryEntry]]:
+    """`Segments.lookup` on the caller's connection."""
+    wanted = list(dict.fromkeys(ids))
+    found: dict[str, list[TrajectoryEntry]] = defaultdict(list)
+    t = trajectories
+    for begin in range(0, len(wanted), BATCH):
+        part = wanted[begin : begin + BATCH]
+        query = sa.select(t).where(t.c.namespace == namespace, t.c.trajectory_id.in_(part))
+        for row in conn.execute(query.order_by(t.c.start, t.c.source)):
+            found[row.trajectory_id].append(segment_of(row))
+    return dict(found)
+
+
+def delete_in(
+    conn: Connection, namespace: str, ids: Sequence[str], shard_keys: Sequence[str] | None
+) -> int:
+    """`Segments.delete` within the caller's transaction."""
+    t = trajectories
+    removed = 0
+    for begin in range(0, len(ids), BATCH):
+        part = list(ids[begin : begin + BATCH])
+        query = t.delete().where(t.c.namespace == namespace, t.c.trajectory_id.in_(part))
+        if shard_keys is not None:
+            other = t.alias("other")
+            elsewhere = sa.exists().where(
+                other.c.namespace == t.c.namespace,
+                other.c.trajectory_id == t.c.trajectory_id,
+                other.c.shard_key.not_in(list(shard_keys)),
+            )
+            query = query.where(~elsewhere)
+        removed += conn.execute(query).rowcount
+    return removed
