@@ -2,12 +2,13 @@
 and none, from the same pretrained weights and seeds, against a server of its own.
 
 For each engine precision: the mean training-inference KL on the sampled tokens (k3)
-and the mean share of extreme tokens (trainer/engine probability ratio above 2 or below
-1/2) with replay beside without, the mean reward of the final 20 steps of each arm, and
-the least engine/trainer routing agreement the server computed under replay. The
-curves are drawn in `bench/results/grpo_r3.png` (the first precision's; the others in
-`grpo_r3_<precision>.png`). `bf16` is the engine the issue names (emulated on the CPU,
-see the example); `fp8` an FP8 rollout engine, a wider numeric gap of the kind deployed.
+and its largest step, and the mean share of extreme tokens (trainer/engine probability
+ratio above 2 or below 1/2), with replay beside without; the mean reward of the final
+20 steps of each arm; the least engine/trainer routing agreement the server computed
+under replay. The curves are drawn in `bench/results/grpo_r3.png` (the first
+precision's; the others in `grpo_r3_<precision>.png`), their per-step rows beside them
+(`.csv`). `bf16` is the engine the issue names (emulated on the CPU, see the example);
+`fp8` an FP8 rollout engine, a wider numeric gap of the kind deployed.
 
 Full: 100 steps per arm and precision (bf16 and fp8); quick: 10 steps, bf16 only, the
 plot labelled as such. The pretrained weights are kept in `bench/.corpus/grpo/`.
@@ -64,6 +65,7 @@ def run(
         name = "grpo_r3.png" if i == 0 else f"grpo_r3_{precision}.png"
         title = f"GRPO on a tiny Qwen3-MoE through r3store: {precision} engine, fp32 trainer"
         g.plot(results, plot_dir / name, title + (" (quick run)" if quick else ""))
+        g.write_csv(results, (plot_dir / name).with_suffix(".csv"))
         figures += [
             Figure(
                 f"{label}: KL(k3) R3",
@@ -72,6 +74,13 @@ def run(
                 s["live_kl"],
                 "no replay",
                 "<= 0.5x",
+            ),
+            Figure(
+                f"{label}: max-step KL(k3) R3",
+                s["r3_kl_max"],
+                "nats/token",
+                s["live_kl_max"],
+                "no replay",
             ),
             Figure(
                 f"{label}: extreme tokens R3",

@@ -5,7 +5,8 @@ config) is first trained briefly as a byte-level language model on the standard
 library's Python sources, so that its outputs depend on which experts run. Then a real
 GRPO loop runs, once per arm, from the same weights and with the same seeds:
 
-- the engine, a bf16 copy of the policy (`--engine-dtype`), samples a group of
+- the engine, a bf16 copy of the policy (`--engine-dtype`: bf16 emulated on the CPU,
+  see `PRECISIONS`; `fp8` for an FP8 rollout engine's wider gap), samples a group of
   `--group` responses per prompt at temperature 1 with a KV cache, recording the
   experts each router chose and the log-probability of each sampled token; a
   `RolloutWriter` sends the routes and token ids to r3store, tagged with the policy
@@ -30,7 +31,10 @@ the experts the trainer actually ran: 1.000).
 
     make serve &                                    # the service, as it is
     python examples/grpo_r3.py                      # a few minutes on 2 cores
-    python examples/grpo_r3.py --own-server --steps 100 --plot grpo.png
+    python examples/grpo_r3.py --own-server --steps 100 --plot grpo.png --cache /tmp/lm
+
+`python -m bench --only grpo` runs it 100 steps per arm, with a bf16 and an fp8 engine
+(`bench/grpo_bench.py`; the figures and the plot in `bench/results/`).
 
 `--ahead 1` makes the engine run one step ahead of the trainer (trained data one policy
 version old, the namespace's staleness window one version wide).
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import math
 import os
 import sys
@@ -475,6 +480,7 @@ def summary(results: dict[str, Arm], tail: int = 20) -> dict[str, float]:
         key = "r3" if name == "R3" else "live"
         steps = arm.steps
         out[f"{key}_kl"] = float(np.mean([s.kl for s in steps]))
+        out[f"{key}_kl_max"] = float(max(s.kl for s in steps))
         out[f"{key}_extreme"] = float(np.mean([s.extreme for s in steps]))
         out[f"{key}_clip"] = float(np.mean([s.clip for s in steps]))
         out[f"{key}_reward_first"] = float(np.mean([s.reward for s in steps[:tail]]))
@@ -488,6 +494,16 @@ def summary(results: dict[str, Arm], tail: int = 20) -> dict[str, float]:
         ex = out["live_extreme"]
         out["extreme_ratio"] = out["r3_extreme"] / ex if ex else math.nan
     return out
+
+
+def write_csv(results: dict[str, Arm], path: Path) -> None:
+    """The per-step rows of each arm, one line each."""
+    names = [f.name for f in dataclasses.fields(Step)]
+    lines = [",".join(["arm", *names])]
+    for name, arm in results.items():
+        lines += [",".join([name, *(f"{getattr(s, n):.6g}" for n in names)]) for s in arm.steps]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
 
 
 def plot(results: dict[str, Arm], path: Path, title: str = "") -> None:
