@@ -28,6 +28,7 @@ def test_grpo_loop_replays_every_token_layer_and_honours_versions(tmp_path: Path
         with Client(url) as client:
             info = {arm: client.namespace(r.namespace) for arm, r in results.items()}
             agreement = {arm: client.agreement(r.namespace) for arm, r in results.items()}
+            open_leases = {arm: client.leases(r.namespace)[1] for arm, r in results.items()}
     finally:
         stop_server(process)
     assert set(results) == {"R3", "no replay"}
@@ -35,6 +36,7 @@ def test_grpo_loop_replays_every_token_layer_and_honours_versions(tmp_path: Path
         assert [s.step for s in result.steps] == list(range(TINY.steps))
         # one lease per step, committed once after its optimizer step
         assert result.leases == result.commits == TINY.steps
+        assert open_leases[arm] == []  # none left open: each was committed
         # the policy version moved once per step, with the engine's weights
         assert [s.version for s in result.steps] == list(range(TINY.steps))
         assert info[arm].policy_version == TINY.steps
