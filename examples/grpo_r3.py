@@ -313,7 +313,10 @@ class Loop:
         if oldest < floor:
             raise RuntimeError(f"step {step}: trained version {oldest} below the window {floor}")
         routes = padded(batch, SPEC)
-        inputs = torch.from_numpy(np.stack([item.token_ids for item in items])).long()
+        stored = [item.token_ids for item in items]
+        if any(tokens is None for tokens in stored):
+            raise RuntimeError(f"step {step}: a trajectory came without its token ids")
+        inputs = torch.from_numpy(np.stack([t for t in stored if t is not None])).long()
         seqs = torch.stack([self.rollouts[item.trajectory_id][0] for item in items])
         if not torch.equal(seqs[:, :-1], inputs):
             raise RuntimeError(f"step {step}: the stored tokens are not the engine's")
@@ -348,7 +351,7 @@ class Loop:
         clipped = ratio.clamp(1 - cfg.clip, 1 + cfg.clip)
         loss = -torch.min(ratio * adv, clipped * adv).mean()
         self.opt.zero_grad()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainer.parameters(), 1.0))
         self.opt.step()
 
@@ -439,7 +442,7 @@ def pretrained(
     if saved is not None and saved.exists():
         log(f"pretrained weights from {saved}")
         net.load_state_dict(torch.load(saved))
-        return net.eval()
+        return torch.nn.Module.eval(net)
     log(
         f"pretraining a tiny Qwen3-MoE ({LAYERS} layers, {EXPERTS} experts, top-{TOP_K}) "
         f"for {cfg.pretrain} steps as a byte-level language model"
