@@ -11,7 +11,8 @@ precision's; the others in `grpo_r3_<precision>.png`), their per-step rows besid
 `fp8` an FP8 rollout engine, a wider numeric gap of the kind deployed.
 
 Full: 100 steps per arm and precision (bf16 and fp8); quick: 10 steps, bf16 only, the
-plot labelled as such. The pretrained weights are kept in `bench/.corpus/grpo/`.
+plot labelled as such and written to the temporary directory (`r3store-grpo/`). The
+pretrained weights are kept in `bench/.corpus/grpo/`.
 """
 
 from __future__ import annotations
@@ -42,9 +43,11 @@ def run(
     quick: bool = False,
     precisions: tuple[str, ...] | None = None,
     steps: int | None = None,
-    plot_dir: Path = RESULTS,
+    plot_dir: Path | None = None,
 ) -> tuple[list[Figure], dict[str, object]]:
     g = _example()
+    # a quick run's curves go to the temporary directory, not over the full run's
+    plot_dir = plot_dir or (Path(tempfile.gettempdir()) / "r3store-grpo" if quick else RESULTS)
     steps = steps or (10 if quick else 100)
     precisions = precisions or (("bf16",) if quick else ("bf16", "fp8"))
     figures: list[Figure] = []
