@@ -8,9 +8,10 @@ GRPO loop runs, once per arm, from the same weights and with the same seeds:
 - the engine, a bf16 copy of the policy (`--engine-dtype`: bf16 emulated on the CPU,
   see `PRECISIONS`; `fp8` for an FP8 rollout engine's wider gap), samples a group of
   `--group` responses per prompt at temperature 1 with a KV cache, recording the
-  experts each router chose and the log-probability of each sampled token; a
-  `RolloutWriter` sends the routes and token ids to r3store, tagged with the policy
-  version and the group;
+  experts each router chose and the log-probability of each sampled token; an
+  `AsyncRolloutWriter` (as an asyncio rollout loop writes) sends the routes and token
+  ids to r3store, tagged with the policy version and the group, and answers each
+  trajectory's route ref once stored;
 - the trainer, fp32, leases a step's groups whole from the namespace (the server
   applies the staleness window and counts each trajectory once, on commit), runs a
   full forward over them replaying the engine's experts (arm `R3`) or with its own
@@ -43,6 +44,7 @@ version old, the namespace's staleness window one version wide).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import copy
 import dataclasses
 import math
@@ -67,7 +69,7 @@ from r3store.policy import NamespaceSettings
 from r3store.records import TrajectoryWrite
 from r3store.spec import RouteSpec
 from r3store.testing.service import start_server, stop_server
-from r3store_client import Client, RolloutWriter
+from r3store_client import AsyncClient, AsyncRolloutWriter, Client
 from r3store_client.replay import RouterReplay
 from r3store_client.tensors import padded
 
@@ -251,6 +253,7 @@ class Loop:
         self.engine_routes: dict[str, torch.Tensor] = {}
         self.version = 0
         self.result = Arm(arm, namespace)
+        self.aio = asyncio.new_event_loop()  # the engine's rollout loop (`run` closes it)
         lag = cfg.ahead
         client.create_namespace(
             namespace, SPEC, NamespaceSettings(max_policy_lag=lag, max_times_sampled=1)
@@ -258,7 +261,7 @@ class Loop:
 
     # the engine
 
-    def rollout(self, writer: RolloutWriter, batch: int) -> None:
+    def rollout(self, writer: AsyncRolloutWriter, batch: int) -> None:
         cfg = self.cfg
         rng = np.random.default_rng([cfg.seed, batch])
         starts = rng.integers(0, len(self.data) - cfg.prompt_len, cfg.prompts)
@@ -268,11 +271,12 @@ class Loop:
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + batch)
         seqs, logps, routes = generate(self.engine, prompts, cfg.response_len, gen)
         n = seqs.shape[1] - 1
+        writes = []
         for i in range(seqs.shape[0]):
             tid = f"b{batch}/p{i // cfg.group}/s{i % cfg.group}"
             self.rollouts[tid] = (seqs[i], logps[i], self.version)
             self.engine_routes[tid] = routes[i]
-            writer.write(
+            writes.append(
                 TrajectoryWrite(
                     tid,
                     n,
@@ -283,8 +287,13 @@ class Loop:
                     policy_version=self.version,
                 )
             )
-        if not writer.flush(timeout=60):
-            raise RuntimeError(f"the writer did not deliver batch {batch}: {writer.report}")
+
+        async def put_all() -> None:  # the group's samples written concurrently
+            refs = await asyncio.gather(*(writer.put(w) for w in writes))
+            if len(refs) != len(writes):
+                raise RuntimeError(f"the writer did not deliver batch {batch}: {writer.report}")
+
+        self.aio.run_until_complete(put_all())
 
     def refresh_engine(self) -> None:
         """The trainer's weights into the engine (in the engine's format)."""
@@ -403,7 +412,9 @@ class Loop:
         started = time.perf_counter()
         self.log(f"\narm {self.arm}: {self.cfg.steps} steps, namespace {self.ns!r}")
         self.log(header())
-        with RolloutWriter(self.client, self.ns) as writer:
+        aclient = AsyncClient(self.client.base_url, api_key=self.client.api_key)
+        writer = AsyncRolloutWriter(aclient, self.ns)
+        try:
             batch = 0
             for _ in range(self.cfg.ahead):  # fill the pipeline
                 self.rollout(writer, batch)
@@ -414,6 +425,10 @@ class Loop:
                 s = self.train_step(step)
                 self.result.steps.append(s)
                 self.log(row(s))
+        finally:
+            self.aio.run_until_complete(writer.close())
+            self.aio.run_until_complete(aclient.aclose())
+            self.aio.close()
         self.result.seconds = time.perf_counter() - started
         return self.result
 
