@@ -165,14 +165,24 @@ def test_cli_settings_change_only_what_is_given(tmp_path: Path) -> None:
     assert settings("--max-lag", "3", "--ttl", "60") == {
         "max_policy_lag": 3,
         "max_times_sampled": None,
-        "retention": {"keep_versions": None, "ttl_seconds": 60.0, "evict_after_sampled": False},
+        "retention": {
+            "keep_versions": None,
+            "ttl_seconds": 60.0,
+            "evict_after_sampled": False,
+            "keep_checkpoints": 3,
+        },
         "read_sources": ["predicted", "engine"],
     }
     after = settings("--keep-versions", "2", "--max-times-sampled", "5", "--evict-after-sampled")
     assert after == {
         "max_policy_lag": 3,
         "max_times_sampled": 5,
-        "retention": {"keep_versions": 2, "ttl_seconds": 60.0, "evict_after_sampled": True},
+        "retention": {
+            "keep_versions": 2,
+            "ttl_seconds": 60.0,
+            "evict_after_sampled": True,
+            "keep_checkpoints": 3,
+        },
         "read_sources": ["predicted", "engine"],
     }
     assert settings() == after  # nothing given: nothing changes
@@ -180,7 +190,12 @@ def test_cli_settings_change_only_what_is_given(tmp_path: Path) -> None:
     assert cleared == {
         "max_policy_lag": None,
         "max_times_sampled": 5,
-        "retention": {"keep_versions": 2, "ttl_seconds": None, "evict_after_sampled": False},
+        "retention": {
+            "keep_versions": 2,
+            "ttl_seconds": None,
+            "evict_after_sampled": False,
+            "keep_checkpoints": 3,
+        },
         "read_sources": ["predicted", "engine"],
     }
 
