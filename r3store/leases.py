@@ -6,8 +6,8 @@ sample takes them) until it is committed (each counts one sampling then), releas
 expired (they return to the pool uncounted). A `Checkpoint` records a namespace's
 consumption at a trainer step; resuming to it undoes every consumption committed after
 it and starts a new `epoch`, which fences off leases of the trainer's previous
-incarnation. The server, the client and the CLI share these; `to_dict`/`from_dict` are
-their wire form.
+incarnation. The server, the client and the CLI share these; `to_dict` is their wire
+form (`r3store.protocol.consumption` reads it back; `Lease.from_dict` too).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ LEASE_ID = re.compile(r"^[0-9a-f]{32}$")
 MAX_LEASE_SECONDS = 7 * 86400.0  # a week: longer than any trainer step
 DEFAULT_LEASE_SECONDS = 600.0
 MAX_STEP = 2**63 - 1
+MAX_LEASE_IDS = 10_000  # trajectories a lease names (and, over HTTP, takes)
 
 
 class LeaseState(StrEnum):
@@ -97,20 +98,6 @@ class Checkpoint:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Checkpoint:
-        try:
-            return cls(
-                str(data["namespace"]),
-                int(data["step"]),
-                int(data["epoch"]),
-                int(data["consumed"]),
-                int(data["policy_version"]),
-                float(data["created_at"]),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise InvalidInput(f"not a checkpoint: {exc}") from None
-
 
 @dataclass(frozen=True)
 class Resumed:
@@ -129,22 +116,6 @@ class Resumed:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Resumed:
-        try:
-            return cls(
-                str(data["namespace"]),
-                int(data["step"]),
-                int(data["epoch"]),
-                int(data["policy_version"]),
-                int(data["leases_undone"]),
-                int(data["samplings_undone"]),
-                int(data["leases_fenced"]),
-                [int(s) for s in data["checkpoints_dropped"]],
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise InvalidInput(f"not a resume: {exc}") from None
 
 
 def check_lease_id(lease_id: object) -> str:

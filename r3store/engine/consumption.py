@@ -25,6 +25,7 @@ from r3store.engine.namespaces import Namespaces
 from r3store.errors import Conflict, InvalidInput
 from r3store.leases import (
     DEFAULT_LEASE_SECONDS,
+    MAX_LEASE_IDS,
     Checkpoint,
     Lease,
     Resumed,
@@ -42,7 +43,6 @@ from r3store.storage.catalog.leases import Admit, Pick
 from r3store.storage.catalog.leases import Candidate as Row
 
 MAX_LEASE_SIZE = 1 << 20  # trajectories one lease takes
-MAX_NAMED = 10_000  # trajectories one lease names
 
 
 def _sampled(n: int, strategy: Strategy, whole_groups: bool, seed: int | None) -> Pick:
@@ -117,8 +117,8 @@ class Consumption:
             ids = [check_id(t) for t in trajectory_ids]
             if len(set(ids)) != len(ids):
                 raise InvalidInput("trajectory_ids names a trajectory twice")
-            if not ids or len(ids) > MAX_NAMED:
-                raise InvalidInput(f"a lease names 1 to {MAX_NAMED} trajectories")
+            if not ids or len(ids) > MAX_LEASE_IDS:
+                raise InvalidInput(f"a lease names 1 to {MAX_LEASE_IDS} trajectories")
             pick, only = _named(ids, namespace), ids
         else:
             assert n is not None
@@ -171,14 +171,8 @@ class Consumption:
     def checkpoint(self, namespace: str, step: int, epoch: int | None = None) -> Checkpoint:
         """Record the namespace's consumption at trainer `step`, keeping the newest
         `retention.keep_checkpoints`."""
-        info = self._namespaces.get(namespace)
-        return self._catalog.leases.checkpoint(
-            namespace,
-            check_step(step),
-            self._clock,
-            epoch,
-            info.settings.retention.keep_checkpoints,
-        )
+        self._namespaces.get(namespace)
+        return self._catalog.leases.checkpoint(namespace, check_step(step), self._clock, epoch)
 
     def checkpoints(self, namespace: str) -> list[Checkpoint]:
         self._namespaces.get(namespace)

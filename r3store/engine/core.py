@@ -498,7 +498,8 @@ class Engine:
         segments before any is counted or read, and may refuse the sample by raising
         (nothing is counted then).
         """
-        wanted = self.namespaces.get(namespace).settings.read_sources
+        info = self.namespaces.get(namespace)
+        wanted = info.settings.read_sources
         check = None if admit is None else admitting(wanted, admit)
         lease = self.consumption.lease(
             namespace,
@@ -511,7 +512,6 @@ class Engine:
             commit=True,
         )
         taken = list(lease.trajectory_ids)
-        info = self.namespaces.get(namespace)
         reads = self._read(
             lambda: self._served(namespace, taken, wanted), info.spec, decode, as_stored
         )

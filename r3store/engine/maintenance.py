@@ -153,9 +153,7 @@ class Maintenance:
         for info in self.catalog.namespaces.all():
             report.trajectories_dropped += self.apply_retention(info.name, report)
             report.leases_forgotten += self.catalog.leases.prune(
-                info.name,
-                self.clock() - LEASE_HISTORY_SECONDS,
-                info.settings.retention.keep_checkpoints,
+                info.name, self.clock() - LEASE_HISTORY_SECONDS
             )
         self.compact(report, progress)
         self.settle(report, progress)

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from r3store.leases import (
     DEFAULT_LEASE_SECONDS,
     LEASE_ID,
+    MAX_LEASE_IDS,
     MAX_LEASE_SECONDS,
     MAX_STEP,
     Checkpoint,
@@ -16,8 +17,6 @@ from r3store.leases import (
     Resumed,
 )
 from r3store.logic.sampling import Strategy
-
-MAX_LEASE_IDS = 10_000  # trajectories one lease request takes or names
 
 
 class LeaseRequest(BaseModel):
@@ -107,7 +106,7 @@ class CheckpointModel(BaseModel):
         return cls.model_validate(point.to_dict())
 
     def checkpoint(self) -> Checkpoint:
-        return Checkpoint.from_dict(self.model_dump())
+        return Checkpoint(**self.model_dump())
 
 
 class CheckpointList(BaseModel):
@@ -135,4 +134,4 @@ class ResumedModel(BaseModel):
         return cls.model_validate(done.to_dict())
 
     def resumed(self) -> Resumed:
-        return Resumed.from_dict(self.model_dump())
+        return Resumed(**self.model_dump())

@@ -36,7 +36,7 @@ from r3store.errors import (
 )
 from r3store.logic import stats as stats_lib
 from r3store.logic.spans import RouteSpans, Span
-from r3store.policy import NamespaceSettings
+from r3store.policy import NamespaceSettings, Retention
 from r3store.spec import RouteSpec
 from r3store.storage.catalog import Catalog, head
 from r3store.storage.catalog.ledger import DELETING, INGEST
@@ -314,7 +314,10 @@ class CatalogTests(ABC):
         assert [c.step for c in catalog.leases.checkpoints("ns")] == [1]
         for step in (2, 3):
             catalog.leases.checkpoint("ns", step, now=113.6)
-        catalog.leases.prune("ns", before=0.0, keep=1)  # keep_checkpoints lowered to 1
+        catalog.namespaces.update_settings(
+            "ns", NamespaceSettings(retention=Retention(keep_checkpoints=1))
+        )
+        catalog.leases.prune("ns", before=0.0)  # keep_checkpoints lowered to 1: trimmed
         assert [c.step for c in catalog.leases.checkpoints("ns")] == [3]
         catalog.leases.delete_checkpoint("ns", 3)
         with pytest.raises(NotFound):

@@ -28,7 +28,7 @@ from r3store.catalog_types import TrajectoryEntry
 from r3store.errors import Conflict, Fenced, InvalidInput, NotFound
 from r3store.leases import Checkpoint, Lease, LeaseState, Resumed
 from r3store.logic.leasing import refusal
-from r3store.policy import ENGINE
+from r3store.policy import ENGINE, NamespaceSettings
 from r3store.storage.catalog.database import BATCH, Database
 from r3store.storage.catalog.segments import delete_in, lookup_in
 from r3store.storage.catalog.tables import (
@@ -116,30 +116,13 @@ def _candidates(
     if only is not None:
         oldest = oldest.where(t.c.trajectory_id.in_(list(only)))
     versions = oldest.group_by(t.c.trajectory_id).subquery()
-    held = (
-        sa.select(lease_items.c.position)
-        .join(
-            leases,
-            sa.and_(
-                leases.c.namespace == lease_items.c.namespace,
-                leases.c.lease_id == lease_items.c.lease_id,
-            ),
-        )
-        .where(
-            lease_items.c.namespace == namespace,
-            lease_items.c.trajectory_id == t.c.trajectory_id,
-            leases.c.state == LeaseState.OPEN.value,
-            leases.c.expires_at > now,
-        )
-    )
+    held = _held(namespace, now).where(lease_items.c.trajectory_id == t.c.trajectory_id)
     query = (
         sa.select(t.c.trajectory_id, t.c.group_id, t.c.created_at)
-        .join(versions, versions.c.trajectory_id == t.c.trajectory_id)
+        .join(versions, versions.c.trajectory_id == t.c.trajectory_id)  # of `only`, if given
         .where(t.c.namespace == namespace, t.c.start == 0, t.c.source == ENGINE)
         .where(~held.exists())
     )
-    if only is not None:
-        query = query.where(t.c.trajectory_id.in_(list(only)))
     if min_version is not None:
         query = query.where(versions.c.oldest >= min_version)
     if max_times is not None:
@@ -230,8 +213,16 @@ def _protected(conn: Connection, namespace: str, now: float) -> set[str]:
     return found
 
 
-def _trim(conn: Connection, namespace: str, keep: int | None) -> None:
-    """Delete all but the namespace's newest `keep` checkpoints (None: keep all)."""
+def _trim(conn: Connection, namespace: str) -> None:
+    """Delete all but the namespace's newest `retention.keep_checkpoints` checkpoints
+    (None: keep all), the setting read in the caller's transaction, which holds the
+    namespace's lock: a change of the setting meanwhile is seen, not a stale copy."""
+    settings = conn.execute(
+        sa.select(namespaces.c.settings).where(namespaces.c.name == namespace)
+    ).scalar()
+    if settings is None:
+        return
+    keep = NamespaceSettings.model_validate_json(settings).retention.keep_checkpoints
     if keep is None:
         return
     c = checkpoints
@@ -446,10 +437,9 @@ class Leases:
         step: int,
         now: Now,
         epoch: int | None = None,
-        keep: int | None = None,
     ) -> Checkpoint:
         """Record the namespace's consumption at trainer `step`; then keep only the
-        newest `keep` checkpoints. The same step again, with nothing consumed since, is
+        newest `retention.keep_checkpoints`. The same step again, with nothing consumed since, is
         the same checkpoint; steps go forward (a step at or before the newest is a
         `Conflict`)."""
         with self._db.begin() as conn:
@@ -474,7 +464,7 @@ class Leases:
                 )
             made = Checkpoint(namespace, step, ns.epoch, ns.consumed, ns.policy_version, now)
             conn.execute(c.insert().values(**made.to_dict()))
-            _trim(conn, namespace, keep)
+            _trim(conn, namespace)
         return made
 
     def checkpoints(self, namespace: str) -> list[Checkpoint]:
@@ -487,7 +477,7 @@ class Leases:
     def delete_checkpoint(self, namespace: str, step: int) -> None:
         c = checkpoints
         with self._db.begin() as conn:
-            _lock(conn, namespace, 0.0)
+            lock(conn, namespace)
             done = conn.execute(c.delete().where(c.c.namespace == namespace, c.c.step == step))
         if done.rowcount == 0:
             raise NotFound(f"no checkpoint at step {step} in namespace {namespace!r}")
@@ -583,28 +573,28 @@ class Leases:
         taken since retention chose its victims keeps its trajectories); returns the
         segments removed and the ids kept."""
         with self._db.begin() as conn:
-            _, at = _lock(conn, namespace, now)
-            kept = _protected(conn, namespace, at)
+            if not lock(conn, namespace):  # deleted meanwhile, its trajectories with it
+                return 0, 0
+            kept = _protected(conn, namespace, now() if callable(now) else now)
             gone = [tid for tid in ids if tid not in kept]
             return delete_in(conn, namespace, gone, shard_keys), len(ids) - len(gone)
 
-    def prune(self, namespace: str, before: float, keep: int | None = None) -> int:
-        """Keep only the newest `keep` checkpoints (a lowered setting takes effect here
-        too), then forget leases closed (or expired) before `before`, except those
-        committed after the oldest kept checkpoint (still, or undone since: a resume
-        undoes or hands them out again); returns leases forgotten."""
-        if keep is not None:
-            with self._db.begin() as conn:
-                _lock(conn, namespace, before)
-                _trim(conn, namespace, keep)
-        with self._db.connect() as conn:
-            oldest = _oldest(conn, namespace)
-        ended = sa.func.coalesce(leases.c.closed_at, leases.c.expires_at) < before
-        query = sa.select(leases.c.lease_id).where(leases.c.namespace == namespace, ended)
-        if oldest is not None:  # after the oldest checkpoint: what a resume undoes or redoes
-            query = query.where(~_after(oldest))
+    def prune(self, namespace: str, before: float) -> int:
+        """Keep only the newest `retention.keep_checkpoints` checkpoints (a lowered
+        setting takes effect here too), then forget leases closed (or expired) before
+        `before`, except those committed after the oldest kept checkpoint (still, or
+        undone since: a resume undoes or hands them out again); returns leases
+        forgotten. One transaction under the namespace's lock."""
         forgotten = 0
         with self._db.begin() as conn:
+            if not lock(conn, namespace):  # deleted meanwhile, its leases with it
+                return 0
+            _trim(conn, namespace)
+            ended = sa.func.coalesce(leases.c.closed_at, leases.c.expires_at) < before
+            query = sa.select(leases.c.lease_id).where(leases.c.namespace == namespace, ended)
+            oldest = _oldest(conn, namespace)
+            if oldest is not None:  # after the oldest checkpoint: what a resume undoes or redoes
+                query = query.where(~_after(oldest))
             ids = list(conn.execute(query).scalars())
             for begin in range(0, len(ids), BATCH):
                 part = ids[begin : begin + BATCH]
