@@ -6,7 +6,8 @@
     │   ├── InvalidSpec          a route spec that cannot describe an MoE model
     │   ├── InvalidRequest       a request that does not match the API's schema
     │   ├── PayloadTooLarge      a body over the service's limit
-    │   └── UnsupportedMediaType a body of the wrong content type
+    │   ├── UnsupportedMediaType a body of the wrong content type
+    │   └── DirectUnavailable    direct reads or writes, asked of a store that signs no URLs
     ├── Unauthorized             no API key, or an unknown one
     ├── Forbidden                a key without the right for this
     ├── TooManyFailures          too many unknown API keys from one address; retry later
@@ -63,6 +64,12 @@ class PayloadTooLarge(InvalidInput):
 
 class UnsupportedMediaType(InvalidInput):
     code = "unsupported_media_type"
+
+
+class DirectUnavailable(InvalidInput):
+    """The object store hands out no URLs (the embedded store): go through the server."""
+
+    code = "direct_unavailable"
 
 
 class Unauthorized(R3StoreError):

@@ -56,8 +56,9 @@ class AsyncClient(Calls):
         encode: bool = True,
         store_http: urllib3.PoolManager | None = None,
         workers: int = 2,
+        direct_writes: bool | None = None,
     ) -> None:
-        super().__init__(base_url, api_key, timeout, retry, encode, store_http)
+        super().__init__(base_url, api_key, timeout, retry, encode, store_http, direct_writes)
         self._http = http
         self._own_http = http is None
         self.workers = workers

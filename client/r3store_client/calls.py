@@ -66,6 +66,7 @@ from r3store.protocol.wire import CONTENT_TYPE, ReadFormat, decode_batch, encode
 from r3store.records import Batch, PutResult, TrajectoryWrite
 from r3store.refs import RouteRef, by_source, resolve
 from r3store.spec import RouteSpec
+from r3store_client.direct_writes import DirectWrites
 from r3store_client.lease_calls import LeaseCalls
 
 T = TypeVar("T")
@@ -192,14 +193,22 @@ def check_shape(write: TrajectoryWrite, spec: RouteSpec) -> None:
     )
 
 
-def upload_body(writes: Sequence[TrajectoryWrite], spec: RouteSpec, encode: bool) -> bytes:
-    """An upload's body: each array's shape checked against the spec, and (`encode`)
-    the routes validated and encoded as the engine would; bad ones raise
-    `InvalidRoutes` before anything is sent."""
+def encoded_writes(writes: Sequence[TrajectoryWrite], spec: RouteSpec) -> list[TrajectoryWrite]:
+    """The writes with each array's shape checked against the spec and the routes
+    validated and encoded as the engine would (bad ones raise `InvalidRoutes` before
+    anything is sent); a segment too long to be checked by decoding stays as ids."""
     for w in writes:
         check_shape(w, spec)
-    if encode:  # a segment too long to be checked by decoding goes as ids
-        writes = [w.encode(spec) if fits(spec, w.num_tokens) else w for w in writes]
+    return [w.encode(spec) if fits(spec, w.num_tokens) else w for w in writes]
+
+
+def upload_body(writes: Sequence[TrajectoryWrite], spec: RouteSpec, encode: bool) -> bytes:
+    """An upload's body: each array's shape checked against the spec, and (`encode`)
+    the routes encoded (`encoded_writes`)."""
+    if encode:
+        return encode_writes(encoded_writes(writes, spec))
+    for w in writes:
+        check_shape(w, spec)
     return encode_writes(writes)
 
 
@@ -238,9 +247,10 @@ def _differing(name: str, stored: RouteSpec, asked: RouteSpec) -> None:
         )
 
 
-class Calls(LeaseCalls):
+class Calls(LeaseCalls, DirectWrites):
     """The client's state and its calls, for a transport to run (`Client`,
-    `AsyncClient`); the lease calls are in `r3store_client.lease_calls`."""
+    `AsyncClient`); the lease calls are in `r3store_client.lease_calls`, direct writes
+    in `r3store_client.direct_writes`."""
 
     def __init__(
         self,
@@ -250,8 +260,11 @@ class Calls(LeaseCalls):
         retry: Retry | None,
         encode: bool,
         store_http: urllib3.PoolManager | None = None,
+        direct_writes: bool | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.direct_writes = direct_writes
+        self._writes_direct = None
         self.api_key = api_key
         self.timeout = timeout
         self.retry = retry or Retry()
@@ -428,15 +441,23 @@ class Calls(LeaseCalls):
         a result per write with its route ref (`PutResult.ref`). Each array's shape is
         checked against the namespace's spec, and routes are validated and encoded here
         (unless `encode=False`): bad ones raise `InvalidRoutes` before anything is
-        sent."""
+        sent. Encoded puts go straight to the object store where the server allows it
+        (`direct_writes`; `r3store_client.direct_writes`)."""
         spec = yield from self._spec(namespace)
-        body = yield Work(upload_body, (list(writes), spec, self.encode))
-        answer = yield from self._json(
-            "POST",
-            f"/v1/namespaces/{namespace}/trajectories",
-            content=body,
-            headers={"Content-Type": CONTENT_TYPE},
-        )
+        answer = None
+        if self.encode and self._chooses_direct():
+            encoded = yield Work(encoded_writes, (list(writes), spec))
+            if all(w.encoded is not None for w in encoded):
+                answer = yield from self._put_direct(namespace, encoded, Work)
+            writes = encoded
+        if answer is None:
+            body = yield Work(upload_body, (list(writes), spec, self.encode))
+            answer = yield from self._json(
+                "POST",
+                f"/v1/namespaces/{namespace}/trajectories",
+                content=body,
+                headers={"Content-Type": CONTENT_TYPE},
+            )
         results = [PutItem.model_validate(item).result() for item in answer["results"]]
         return [dataclasses.replace(r, ref=RouteRef.of(namespace, r)) for r in results]
 

@@ -40,8 +40,9 @@ class Client(Calls):
         retry: Retry | None = None,
         encode: bool = True,
         store_http: urllib3.PoolManager | None = None,
+        direct_writes: bool | None = None,
     ) -> None:
-        super().__init__(base_url, api_key, timeout, retry, encode, store_http)
+        super().__init__(base_url, api_key, timeout, retry, encode, store_http, direct_writes)
         self._http = http
         self._own_http = http is None
 

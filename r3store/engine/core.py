@@ -13,7 +13,8 @@ sample, read_plan) and what is asked of the engine as a whole (ping, close,
 writer_stats, store_description). The rest is in its parts, each a module of its own:
 `namespaces` (`Namespaces`: create, get, all, settings, policy version, delete, spec,
 count, usage), `consumption` (`Consumption`: leases, step checkpoints, resume), `keys`
-(`ApiKeys`), `analytics` (`Analytics`) and `upkeep` (`Upkeep`:
+(`ApiKeys`), `direct` (`DirectWrites`: write plans and their commits), `analytics`
+(`Analytics`) and `upkeep` (`Upkeep`:
 maintenance passes, binding the store to the catalog, rebuilding the catalog).
 
 One module over 500 lines: what is left is the data path itself, whose write half
@@ -34,6 +35,7 @@ from r3store.catalog_types import NamespaceInfo, TrajectoryEntry
 from r3store.engine.analytics import Analytics
 from r3store.engine.api_keys import ApiKeys
 from r3store.engine.consumption import Consumption, admitting
+from r3store.engine.direct import DirectWrites
 from r3store.engine.namespaces import Namespaces
 from r3store.engine.reader import ReaderConfig, ShardReader, plan_ranges
 from r3store.engine.upkeep import Upkeep
@@ -186,6 +188,9 @@ class Engine:
         self.keys = ApiKeys(catalog)
         self.consumption = Consumption(catalog, self.namespaces, clock)
         self.analytics = Analytics(catalog, self._reader, self.namespaces.spec)
+        self.direct = DirectWrites(
+            store, catalog, self.namespaces, self.encode, self._writer, self.analytics, clock
+        )
         self.upkeep = Upkeep(
             store, catalog, self.namespaces, self.analytics, self.config.writer.row_group_bytes
         )

@@ -27,13 +27,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from r3store.catalog_types import TrajectoryEntry
-from r3store.errors import Backpressure, Conflict, R3StoreError
+from r3store.errors import Backpressure, Conflict, R3StoreError, StoreError
+from r3store.logic.spans import RouteSpans
 from r3store.policy import ENGINE, Source
 from r3store.records import Held, PutResult, Segment, settle
 from r3store.spec import RouteSpec
 from r3store.storage.catalog import Catalog
-from r3store.storage.catalog.ledger import INGEST
-from r3store.storage.records import load_records, shard_records
+from r3store.storage.catalog.ledger import DIRECT, INGEST
+from r3store.storage.records import blob_records, load_records, shard_records
 from r3store.storage.shard import BuiltShard, ShardRow, build_shard
 from r3store.storage.store.base import ObjectStore
 
@@ -330,6 +331,65 @@ class GroupCommitter:
             self.stats.commit_seconds_total += time.monotonic() - started
         for unit, _rows, results in accepted:
             unit.future.set_result(results)
+
+    def commit_stored(
+        self,
+        namespace: str,
+        spec: RouteSpec,
+        key: str,
+        size: int,
+        rows: list[ShardRow],
+        spans: list[RouteSpans],
+    ) -> list[PutResult]:
+        """Commit rows whose streams are stored already, at `spans` of the planned
+        object `key` of `size` bytes (a direct write's blob), as one all-or-nothing unit,
+        in the caller's thread: the ids are held from the committers while the unit is
+        settled against the catalog and committed. A commit refused because another
+        replica stored one of the ids first is settled again (a duplicate is
+        acknowledged, other content raises `Conflict`); one whose object is no longer
+        planned (committed before, or collected as an orphan) raises `Conflict`."""
+        unit = _Unit(namespace, spec, rows, 0)
+        held = {(namespace, row.trajectory_id) for row in rows}
+        deadline = time.monotonic() + self.config.commit_timeout
+        with self._cond:
+            while held & self._inflight:
+                if time.monotonic() > deadline:
+                    raise StoreError("another commit of these ids is taking too long; retry")
+                self._cond.wait(0.1)
+            self._inflight |= held
+        try:
+            where = {row_key(row): span for row, span in zip(rows, spans, strict=True)}
+            for _attempt in range(_RACES):
+                accepted = self._settle([unit])
+                if not accepted:
+                    raise unit.future.exception() or Conflict("the commit was refused")
+                _unit, fresh, results = accepted[0]
+                if not fresh:
+                    return results
+                now = self._clock()
+                shard, entries = blob_records(
+                    namespace, key, size, now, fresh, [where[row_key(r)] for r in fresh]
+                )
+                try:
+                    self._catalog.shards.commit(shard, entries, load_records(namespace, key, fresh))
+                except Conflict:
+                    planned = self._catalog.ledger.pending_uploads(namespace)
+                    if not any(p.key == key and p.kind == DIRECT for p in planned):
+                        raise Conflict(
+                            f"{key} is no longer planned: committed before with other "
+                            "segments, or collected as an orphan; ask for a new plan"
+                        ) from None
+                    continue  # another replica stored some of the ids first: settle again
+                with self._cond:
+                    self.stats.shards_written += 1
+                    self.stats.rows_written += len(fresh)
+                    self.stats.bytes_written += size
+                return results
+            raise Conflict(f"commits to {namespace!r} kept racing other writers; retry")
+        finally:
+            with self._cond:
+                self._inflight -= held
+                self._cond.notify_all()
 
     def _settle(self, units: list[_Unit]) -> list[tuple[_Unit, list[ShardRow], list[PutResult]]]:
         """Settle each unit against the catalog (and the units before it): a unit with a

@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 import zstandard
 
-from r3store.errors import InvalidRoutes
+from r3store.errors import InvalidInput, InvalidRoutes
 from r3store.logic import codec
 from r3store.logic.codec import LEHMER_MAX_K, EncodedRoutes, Transform, lehmer_table
 from r3store.logic.routes import CHUNK_VALUES, Routes
@@ -47,16 +47,19 @@ def fits(spec: RouteSpec, num_tokens: int) -> bool:
 
 @dataclass(frozen=True)
 class SentStreams:
-    """What a client sends for one segment: the `codec.encode` streams."""
+    """What a client sends for one segment: the `codec.encode` streams, and (a direct
+    write) the token ids as the `tokens` stream, a zstd frame of `[T]` int32 LE."""
 
     ids: bytes
     transform: int
     counts: bytes | None = None
     order: bytes | None = None
+    tokens: bytes | None = None
 
     @classmethod
-    def of(cls, encoded: EncodedRoutes) -> SentStreams:
-        return cls(encoded.ids, int(encoded.transform), encoded.counts, encoded.order)
+    def of(cls, encoded: EncodedRoutes, with_tokens: bool = False) -> SentStreams:
+        tokens = encoded.tokens if with_tokens else None
+        return cls(encoded.ids, int(encoded.transform), encoded.counts, encoded.order, tokens)
 
 
 def _exact(blob: bytes, expected: int, what: str, where: str) -> bytes:
@@ -213,8 +216,17 @@ def accept_counted(
     token_ids: npt.NDArray[np.int32] | None,
     where: str,
 ) -> tuple[EncodedRoutes, Counts]:
-    """`accept`, and the expert load of the routes (`r3store.logic.stats.expert_load`)."""
+    """`accept`, and the expert load of the routes (`r3store.logic.stats.expert_load`).
+    Sent `tokens` (a frame holding exactly `num_tokens` ids in [0, 2**31)) are stored as
+    sent; `token_ids` must then be None."""
     layers, k, itemsize = spec.num_layers, spec.top_k, spec.id_dtype.itemsize
+    if sent.tokens is not None:
+        if token_ids is not None:
+            raise InvalidInput(f"{where}: token ids given twice (as ids and as a stream)")
+        raw_tokens = _exact(sent.tokens, num_tokens * 4, "tokens", where)
+        token_ids = np.frombuffer(raw_tokens, "<i4")
+        if token_ids.size and int(token_ids.min()) < 0:
+            raise InvalidRoutes(f"{where}: token ids must be in [0, 2**31)")
     cells = layers * num_tokens
     if not fits(spec, num_tokens):
         raise InvalidRoutes(
@@ -263,5 +275,5 @@ def accept_counted(
         order=sent.order,
         transform=Transform(sent.transform),
         digest=codec.content_digest(spec, ids, shape, counts_raw, order_raw, tokens_raw, salt),
-        tokens=codec.compress_tokens(token_ids),
+        tokens=sent.tokens if sent.tokens is not None else codec.compress_tokens(token_ids),
     ), load

@@ -1,8 +1,8 @@
-"""The catalog's records of shard rows: what a shard written (`shard_records`) or read
-back (`stored_records`, a catalog rebuild) commits to the catalog, the route bytes each
-row is charged with (`route_bytes`), the expert load of a shard's rows per policy
-version and source (`load_records`), and a stored segment as a shard row again
-(`row_of`, compaction and rebuild)."""
+"""The catalog's records of shard rows: what a shard written (`shard_records`), a blob
+committed (`blob_records`) or either read back (`stored_records`, a catalog rebuild)
+commits to the catalog, the route bytes each row is charged with (`route_bytes`), the
+expert load of a shard's rows per policy version and source (`load_records`), and a
+stored segment as a shard row again (`row_of`, compaction and rebuild)."""
 
 from __future__ import annotations
 
@@ -76,6 +76,29 @@ def shard_records(
         route_bytes=sum(e.route_bytes for e in entries),
         created_at=built.created_at,
         rest_level=built.rest_level,
+    )
+    return shard, entries
+
+
+def blob_records(
+    namespace: str,
+    key: str,
+    size: int,
+    created_at: float,
+    rows: Sequence[ShardRow],
+    spans: Sequence[RouteSpans],
+) -> tuple[ShardInfo, list[TrajectoryEntry]]:
+    """The catalog records of rows committed from a blob (`size` bytes under `key`),
+    whose streams lie at `spans`."""
+    places = [RowPlace(0, i) for i in range(len(rows))]
+    entries = _entries(namespace, key, created_at, rows, places, spans)
+    shard = ShardInfo(
+        key=key,
+        namespace=namespace,
+        size=size,
+        num_rows=len(entries),
+        route_bytes=sum(e.route_bytes for e in entries),
+        created_at=created_at,
     )
     return shard, entries
 

@@ -24,6 +24,7 @@ from r3store_server import (
     api_namespaces,
     api_routes,
     api_stats,
+    api_writes,
     apidocs,
     errors,
     openapi,
@@ -202,7 +203,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         rate=settings.body_min_rate,
     )
     app.middleware("http")(observe)
-    routers = (operations, api_namespaces, api_routes, api_leases, api_stats, ui)
+    routers = (operations, api_namespaces, api_routes, api_writes, api_leases, api_stats, ui)
     for router in (module.router for module in routers):
         app.include_router(router)
     return app

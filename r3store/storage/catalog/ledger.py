@@ -11,6 +11,7 @@ The tables (`r3store.storage.catalog.tables`):
   *before* the object is: an uncommitted object is an orphan maintenance may delete
   only when it is listed here, so a second, empty or stale catalog pointed at the same
   bucket never deletes another's shards. `kind` says who planned it: `ingest`,
+  `direct` (a write plan: the worker uploads the object, the server checks it),
   `maintenance` (which may hold copies of rows retention dropped since, so tombstones
   of its namespace are kept while one is pending), or `deleting` (an object whose
   deletion is under way: a commit of it is refused, and collection finishes it).
@@ -20,10 +21,14 @@ The tables (`r3store.storage.catalog.tables`):
   those rows; collection first marks a dictionary no row names and no pass held for the
   orphan age (one statement), then deletes its object, then its row: a pass never
   holds, records or commits with a dictionary being deleted.
+
+`catalog_meta` also keeps the secret that signs write plans (`secret`), shared by the
+replicas of one catalog.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -43,6 +48,7 @@ from r3store.storage.catalog.tables import (
 from r3store.storage.keys import dictionary_key
 
 INGEST = "ingest"
+DIRECT = "direct"  # a blob a rollout worker uploads itself (a write plan)
 MAINTENANCE = "maintenance"
 DELETING = "deleting"
 DROPPING = -1.0  # a dictionary's `used_at` while collection deletes it
@@ -287,6 +293,17 @@ class Ledger:
                 if conn.execute(sa.select(sa.func.count()).select_from(table)).scalar_one():
                     return False
         return True
+
+    def secret(self, name: str) -> bytes:
+        """A random secret this catalog keeps under `name` (made by whichever process
+        asks first; replicas sharing the catalog read the same one)."""
+        with self._db.begin() as conn:
+            found = value(conn, name)
+            if found is None:
+                insert_value(conn, name, secrets.token_hex(32))
+                found = value(conn, name)
+        assert found is not None
+        return bytes.fromhex(found)
 
     # uploads
 

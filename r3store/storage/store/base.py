@@ -59,12 +59,18 @@ class ObjectStore(ABC):
     def delete(self, key: str) -> None:
         """Remove the object; deleting a missing key is not an error."""
 
-    signs_urls = False  # whether `presign_get` hands out URLs
+    signs_urls = False  # whether `presign_get` and `presign_put` hand out URLs
 
     def presign_get(self, key: str, expires: int) -> str:
         """A URL that reads the object without credentials for `expires` seconds (a
         `Range` header selects bytes); only where `signs_urls`."""
         raise InvalidInput(f"{self.description} hands out no URLs to read objects")
+
+    def presign_put(self, key: str, expires: int) -> tuple[str, dict[str, str]]:
+        """A URL, and the headers to send with it, that writes the object once without
+        credentials for `expires` seconds: create-only (a key that exists is refused
+        with 412), only where `signs_urls`."""
+        raise InvalidInput(f"{self.description} hands out no URLs to write objects")
 
     def ping(self) -> None:  # noqa: B027 - optional hook
         """Raise `StoreError` when the store cannot be reached."""

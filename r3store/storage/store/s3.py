@@ -91,10 +91,16 @@ class S3Store(ObjectStore):
         self._probe: S3Client = self._make_client(1, 2.0, 2.0)
         # presigned URLs name the endpoint trainers reach, which may not be the server's
         public = config.public_endpoint_url
-        self._signer = self._client if not public else self._make_client(1, 2.0, 2.0, public)
+        # Signature V4, whose presigned writes sign `If-None-Match` (create-only)
+        self._signer = self._make_client(1, 2.0, 2.0, public or None, "s3v4")
 
     def _make_client(
-        self, attempts: int, connect: float, read: float, endpoint: str | None = None
+        self,
+        attempts: int,
+        connect: float,
+        read: float,
+        endpoint: str | None = None,
+        signature: str | None = None,
     ) -> S3Client:
         config = self.config
         client: S3Client = boto3.client(
@@ -109,6 +115,7 @@ class S3Store(ObjectStore):
                 read_timeout=read,
                 max_pool_connections=config.max_pool_connections,
                 s3={"addressing_style": "path"},
+                signature_version=signature,
             ),
         )
         return client
@@ -131,6 +138,16 @@ class S3Store(ObjectStore):
                 "get_object", Params=params, ExpiresIn=expires
             )
         return url
+
+    def presign_put(self, key: str, expires: int) -> tuple[str, dict[str, str]]:
+        """A presigned create-only PUT: `If-None-Match: *` is signed into the URL, so the
+        store refuses the request without it, and a second write of the key (412)."""
+        params = {"Bucket": self.bucket, "Key": self._key(key), "IfNoneMatch": "*"}
+        with _translated(key):
+            url: str = self._signer.generate_presigned_url(
+                "put_object", Params=params, ExpiresIn=expires
+            )
+        return url, {"If-None-Match": "*"}
 
     def get(self, key: str, byte_range: ByteRange | None = None) -> bytes:
         args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._key(key)}

@@ -1,0 +1,182 @@
+"""Direct writes (`engine.direct`): a rollout worker uploads its encoded streams to the
+object store itself, and the engine checks and commits them.
+
+`plan` records the blob's key as a planned upload (so that an upload never committed
+is an orphan collection deletes) and answers a presigned, create-only URL and a signed
+token naming the namespace, the key and the API key that asked. `commit` takes the
+token back, from that API key only, reads the blob the worker uploaded, checks every
+segment's streams exactly as an upload's (`Engine.encode`: the namespace, staleness,
+`streams.accept`), writes the blob's index (`storage/blob.py`) and commits the catalog
+(`GroupCommitter.commit_stored`). A commit sent again answers the same results
+(`created=False` once committed); nothing the engine did not check is acknowledged,
+cataloged or served. The store is trusted with what it holds: the URL is create-only,
+so the bytes checked are the bytes readers get.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from r3store.errors import (
+    DirectUnavailable,
+    Forbidden,
+    InvalidInput,
+    ObjectNotFound,
+    PayloadTooLarge,
+)
+from r3store.logic import signing
+from r3store.logic.spans import RouteSpans
+from r3store.protocol.direct import MAX_BLOB_BYTES, DirectSegment, unpack
+from r3store.records import PutResult, TrajectoryWrite
+from r3store.storage.blob import write_index
+from r3store.storage.catalog import Catalog
+from r3store.storage.catalog.ledger import DIRECT
+from r3store.storage.keys import blob_key, is_blob
+from r3store.storage.shard import ShardRow
+from r3store.storage.store.base import ObjectStore
+
+if TYPE_CHECKING:
+    from r3store.engine.analytics import Analytics
+    from r3store.engine.core import EncodedPut
+    from r3store.engine.namespaces import Namespaces
+    from r3store.engine.writer import GroupCommitter
+
+SECRET = "write_plan_secret"  # the catalog value that signs plans
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    plan: str
+    url: str
+    headers: dict[str, str]
+    expires_at: float
+    max_bytes: int
+
+
+class Encode(Protocol):
+    """`Engine.encode`: check, validate and settle writes, before their commit."""
+
+    def __call__(
+        self,
+        namespace: str,
+        writes: Sequence[TrajectoryWrite],
+        *,
+        writer: str | None,
+        annotate_any: bool,
+    ) -> EncodedPut: ...
+
+
+class DirectWrites:
+    def __init__(
+        self,
+        store: ObjectStore,
+        catalog: Catalog,
+        namespaces: Namespaces,
+        encode: Encode,
+        committer: GroupCommitter,
+        analytics: Analytics,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._store = store
+        self._namespaces = namespaces
+        self._encode = encode
+        self._committer = committer
+        self._analytics = analytics
+        self._catalog = catalog
+        self._clock = clock
+        self._secret: bytes | None = None
+
+    @property
+    def available(self) -> bool:
+        """Whether the store hands out URLs (S3); the embedded store does not."""
+        return self._store.signs_urls
+
+    def _key(self) -> bytes:
+        if self._secret is None:
+            self._secret = self._catalog.ledger.secret(SECRET)
+        return self._secret
+
+    def plan(self, namespace: str, writer: str | None, expires: int) -> WritePlan:
+        """A plan for one blob of `namespace`, for the API key named `writer`."""
+        if not self.available:
+            raise DirectUnavailable(
+                f"direct writes need an object store that signs URLs (S3); "
+                f"{self._store.description} does not: upload through the server"
+            )
+        self._namespaces.get(namespace)
+        now = self._clock()
+        key = blob_key(namespace, now)
+        self._catalog.ledger.plan_upload(key, namespace, DIRECT, now)
+        url, headers = self._store.presign_put(key, expires)
+        token = signing.sign(self._key(), {"n": namespace, "k": key, "w": writer})
+        return WritePlan(token, url, headers, now + expires, MAX_BLOB_BYTES)
+
+    def commit(
+        self,
+        namespace: str,
+        plan: str,
+        size: int,
+        segments: Sequence[DirectSegment],
+        writer: str | None,
+        annotate_any: bool = True,
+        admit: Callable[[int], None] | None = None,
+    ) -> list[PutResult]:
+        """Check and commit the blob `plan` named, `size` bytes holding `segments`; the
+        same results as `Engine.put` of those segments. `admit(size)` may refuse the
+        read of the blob (a memory budget)."""
+        fields = signing.verify(self._key(), plan, "write plan")
+        key = fields.get("k")
+        if fields.get("n") != namespace or not isinstance(key, str) or not is_blob(key):
+            raise InvalidInput(f"the write plan is not one of namespace {namespace!r}")
+        if fields.get("w") != writer:
+            raise Forbidden("the write plan was made for another API key")
+        if size > MAX_BLOB_BYTES:
+            raise PayloadTooLarge(f"a blob of {size} bytes; at most {MAX_BLOB_BYTES}")
+        try:
+            stored = self._store.head(key)
+        except ObjectNotFound:
+            raise InvalidInput(
+                "nothing was uploaded with this plan (or its object was collected): PUT the "
+                "blob to the plan's URL first"
+            ) from None
+        if stored.size != size:
+            raise InvalidInput(
+                f"the uploaded blob holds {stored.size} bytes; the commit says {size}"
+            )
+        if admit is not None:
+            admit(size)
+        blob = self._store.get(key)
+        if len(blob) != size:
+            raise InvalidInput(f"the uploaded blob holds {len(blob)} bytes; the commit says {size}")
+        info = self._namespaces.get(namespace)
+        writes: list[TrajectoryWrite] = unpack(blob, segments, info.spec)
+        del blob
+        put = self._encode(namespace, writes, writer=writer, annotate_any=annotate_any)
+        del writes
+        results = dict(put.results)
+        if put.fresh:
+            sent = {(s.trajectory_id, s.source, s.start): s for s in segments}
+            spans = [
+                _stored_spans(sent[(r.trajectory_id, r.source, r.start)], r) for r in put.fresh
+            ]
+            now = self._clock()
+            write_index(self._store, key, namespace, info.spec, now, put.fresh, spans, now)
+            committed = self._committer.commit_stored(
+                namespace, info.spec, key, size, put.fresh, spans
+            )
+            for result in committed:
+                results[(result.trajectory_id, result.source, result.start)] = result
+            self._analytics.compare_sources(namespace, info.spec, put.fresh)
+        return [results[k] for k in put.order]
+
+
+def _stored_spans(segment: DirectSegment, row: ShardRow) -> RouteSpans:
+    """The spans of what is stored of `segment`: counts that say every token-layer holds
+    K are not stored (`streams.accept` drops them), so neither is their span."""
+    spans = segment.spans()
+    if row.routes.counts is None and spans.counts is not None:
+        return RouteSpans(spans.ids, None, spans.order, spans.transform, spans.tokens)
+    return spans

@@ -1,0 +1,185 @@
+"""Direct writes, as they cross the wire: a rollout worker asks for a write plan, puts
+its segments' encoded streams in one object with the plan's create-only URL, and
+commits by naming where each segment's streams lie in it (docs/api.md, "Direct
+writes"). No I/O.
+
+The object (a blob) is the streams one after another, nothing else: what it holds is
+said by the commit. `pack` makes a blob and its segments from encoded writes (the
+client); `unpack` makes writes again from a blob and a commit nobody has checked (the
+server), each span inside the blob and the decoded size bounded before anything is
+decompressed; the streams themselves are checked by `r3store.logic.streams.accept`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from r3store.errors import InvalidInput
+from r3store.logic import codec
+from r3store.logic.spans import RouteSpans, Span
+from r3store.logic.streams import MAX_UPLOAD_BYTES, SentStreams, decoded_bytes
+from r3store.policy import ENGINE, MAX_POLICY_VERSION, Source
+from r3store.protocol.fields import SpanModel
+from r3store.records import MAX_ID_LENGTH, TrajectoryWrite
+from r3store.spec import RouteSpec
+
+MAX_SEGMENTS = 4096  # segments one commit names (its JSON stays under 4 MiB)
+MAX_BLOB_BYTES = 256 << 20  # one blob, as uploaded
+PLAN_SECONDS = 600  # a plan's URL works this long by default
+MAX_PLAN_SECONDS = 3600
+
+
+class WritePlanRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    expires: int = Field(
+        PLAN_SECONDS, ge=10, le=MAX_PLAN_SECONDS, description="seconds the URL works"
+    )
+
+
+class WritePlanModel(BaseModel):
+    """Where to upload one blob: PUT it to `url` with `headers` (create-only) before
+    `expires_at`, then commit it naming `plan`."""
+
+    plan: str = Field(description="the plan's signed token: send it back with the commit")
+    url: str = Field(description="a presigned, create-only PUT of the blob")
+    headers: dict[str, str] = Field(description="headers the PUT must carry (signed)")
+    expires_at: float = Field(description="when the URL stops working (Unix seconds)")
+    max_bytes: int = Field(description="the largest blob a commit accepts")
+
+
+class DirectSegment(BaseModel):
+    """One segment of a direct write: its metadata, and where its streams lie in the
+    blob (`{offset, length}`). `token_ids` is a zstd frame of its `[T]` int32 LE ids."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    trajectory_id: str = Field(min_length=1, max_length=MAX_ID_LENGTH)
+    num_tokens: int = Field(ge=1, le=2**31 - 1)
+    start: int = Field(0, ge=0, le=2**31 - 1)
+    prompt_len: int = Field(0, ge=0, le=2**31 - 1)
+    policy_version: int = Field(0, ge=0, le=MAX_POLICY_VERSION)
+    group_id: str | None = Field(None, min_length=1, max_length=MAX_ID_LENGTH)
+    source: Source = ENGINE
+    route_transform: int = Field(ge=0, le=255)
+    route_ids: SpanModel
+    route_counts: SpanModel | None = None
+    route_order: SpanModel | None = None
+    token_ids: SpanModel | None = None
+
+    def spans(self) -> RouteSpans:
+        """Where its streams lie (as a catalog row records them)."""
+
+        def span(model: SpanModel | None) -> Span | None:
+            return None if model is None else model.to_span()
+
+        return RouteSpans(
+            self.route_ids.to_span(),
+            span(self.route_counts),
+            span(self.route_order),
+            self.route_transform,
+            span(self.token_ids),
+        )
+
+
+class WriteCommit(BaseModel):
+    """A blob uploaded with a plan, committed: `size` bytes, holding `segments`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    plan: str = Field(min_length=1, max_length=2048)
+    size: int = Field(ge=1, le=MAX_BLOB_BYTES)
+    segments: list[DirectSegment] = Field(min_length=1, max_length=MAX_SEGMENTS)
+
+
+def pack(writes: Sequence[TrajectoryWrite]) -> tuple[bytes, list[DirectSegment]]:
+    """The blob and the commit's segments of encoded writes (`TrajectoryWrite.encode`);
+    their token ids go as `tokens` streams."""
+    parts: list[bytes] = []
+    segments: list[DirectSegment] = []
+    at = 0
+
+    def place(data: bytes | None) -> SpanModel | None:
+        nonlocal at
+        if data is None:
+            return None
+        parts.append(data)
+        at += len(data)
+        return SpanModel(offset=at - len(data), length=len(data))
+
+    for w in writes:
+        sent = w.encoded
+        if sent is None:
+            raise InvalidInput(f"{w.trajectory_id}: a direct write needs encoded routes")
+        tokens = sent.tokens if sent.tokens is not None else codec.compress_tokens(w.tokens())
+        ids = place(sent.ids)
+        assert ids is not None
+        segments.append(
+            DirectSegment(
+                trajectory_id=w.trajectory_id,
+                num_tokens=w.num_tokens,
+                start=w.start,
+                prompt_len=w.prompt_len,
+                policy_version=w.policy_version,
+                group_id=w.group_id,
+                source=w.source,
+                route_transform=int(sent.transform),
+                route_ids=ids,
+                route_counts=place(sent.counts),
+                route_order=place(sent.order),
+                token_ids=place(tokens),
+            )
+        )
+    return b"".join(parts), segments
+
+
+def unpack(
+    blob: bytes | memoryview, segments: Sequence[DirectSegment], spec: RouteSpec
+) -> list[TrajectoryWrite]:
+    """The writes a commit names in `blob` (streams copied out of it), to be checked like
+    an upload's encoded rows. `InvalidInput` for a span outside the blob, or more
+    routes than one upload may decode."""
+    view = memoryview(blob)
+    total = sum(decoded_bytes(spec, s.num_tokens) for s in segments)
+    if total > MAX_UPLOAD_BYTES:
+        raise InvalidInput(
+            f"the commit's routes decode to {total} bytes; at most {MAX_UPLOAD_BYTES} in one "
+            "commit: write fewer at a time"
+        )
+
+    def cut(segment: DirectSegment, name: str, model: SpanModel | None) -> bytes | None:
+        if model is None:
+            return None
+        if model.offset + model.length > len(view):
+            raise InvalidInput(
+                f"{segment.trajectory_id}: its {name} stream [{model.offset}, "
+                f"{model.offset + model.length}) lies past the end of the {len(view)}-byte blob"
+            )
+        return bytes(view[model.offset : model.offset + model.length])
+
+    writes = []
+    for s in segments:
+        ids = cut(s, "ids", s.route_ids)
+        assert ids is not None
+        sent = SentStreams(
+            ids,
+            s.route_transform,
+            cut(s, "counts", s.route_counts),
+            cut(s, "order", s.route_order),
+            cut(s, "tokens", s.token_ids),
+        )
+        writes.append(
+            TrajectoryWrite(
+                s.trajectory_id,
+                s.num_tokens,
+                prompt_len=s.prompt_len,
+                group_id=s.group_id,
+                policy_version=s.policy_version,
+                start=s.start,
+                source=s.source,
+                encoded=sent,
+            )
+        )
+    return writes

@@ -1,0 +1,103 @@
+"""Direct writes (docs/api.md, "Direct writes"): a rollout worker asks for a write plan,
+uploads its encoded streams to the object store with the plan's URL, and commits them
+here; the server checks what was uploaded before it acknowledges. A writer's or an
+admin's; only the API key that asked for a plan may commit it."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Path
+
+from r3store.errors import StoreError
+from r3store.protocol.direct import WriteCommit, WritePlanModel, WritePlanRequest
+from r3store.protocol.models import NAME_PATTERN, PutItem, PutResponse
+from r3store_server.api_routes import charge_rows
+from r3store_server.deps import (
+    BudgetDep,
+    DeadlineDep,
+    EngineDep,
+    MetricsDep,
+    PrincipalDep,
+    SettingsDep,
+    allowed,
+)
+from r3store_server.errors import ERROR_RESPONSES
+from r3store_server.settings import UPLOAD_COST
+
+router = APIRouter(prefix="/v1/namespaces", tags=["routes"], responses=ERROR_RESPONSES)
+NamespacePath = Path(pattern=NAME_PATTERN, description="the namespace")
+
+
+@router.post(
+    "/{namespace}/writes",
+    status_code=201,
+    response_model=WritePlanModel,
+    dependencies=[allowed("write")],
+)
+async def plan_write(
+    body: WritePlanRequest,
+    engine: EngineDep,
+    who: PrincipalDep,
+    deadline: DeadlineDep,
+    namespace: str = NamespacePath,
+) -> WritePlanModel:
+    """A plan for one blob: a presigned, create-only PUT that works for `expires`
+    seconds, and the token to commit it with (this API key only). 400
+    `direct_unavailable` where the object store signs no URLs (the embedded store):
+    upload through `POST .../trajectories` instead."""
+    plan = await deadline.run(engine.direct.plan, namespace, who.name, body.expires)
+    return WritePlanModel(
+        plan=plan.plan,
+        url=plan.url,
+        headers=plan.headers,
+        expires_at=plan.expires_at,
+        max_bytes=plan.max_bytes,
+    )
+
+
+@router.post(
+    "/{namespace}/writes/commit",
+    response_model=PutResponse,
+    responses={413: ERROR_RESPONSES[400], 429: ERROR_RESPONSES[400]},
+    dependencies=[allowed("write")],
+)
+async def commit_write(
+    body: WriteCommit,
+    engine: EngineDep,
+    settings: SettingsDep,
+    metrics: MetricsDep,
+    budget: BudgetDep,
+    deadline: DeadlineDep,
+    who: PrincipalDep,
+    namespace: str = NamespacePath,
+) -> PutResponse:
+    """Check the blob uploaded with `plan` and commit the segments it holds; answers as
+    an upload does, after the durable commit. Every segment's streams are checked
+    (as an upload's encoded routes) before anything is acknowledged: all are stored, or
+    none. Sent again, the same commit answers the same results (`created: false`).
+    403 from another API key than the plan's; 400 when nothing (or another size) was
+    uploaded; 429 when uploads in flight hold the memory budget."""
+    spec = await deadline.run(engine.namespaces.spec, namespace)
+    reservation = await budget.admit(
+        UPLOAD_COST * body.size, settings.request_timeout / 2, who.name
+    )
+    charge_rows(len(body.segments), spec, budget, reservation)
+
+    def store() -> PutResponse:
+        if deadline.cancelled.is_set():
+            raise StoreError("the commit was answered before it was checked")
+        started = time.perf_counter()
+        results = engine.direct.commit(
+            namespace,
+            body.plan,
+            body.size,
+            body.segments,
+            writer=who.name,
+            annotate_any=who.may("annotate", namespace),
+        )
+        metrics.commit.observe(time.perf_counter() - started)
+        metrics.token_layers_in.inc(sum(s.num_tokens for s in body.segments) * spec.num_layers)
+        return PutResponse(results=[PutItem.of(r) for r in results])
+
+    return await deadline.run(store, what="the commit", reservation=reservation)
