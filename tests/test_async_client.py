@@ -82,16 +82,16 @@ def test_the_event_loop_runs_while_large_uploads_are_encoded(
         for i in range(16)
     ]
     threads: list[str] = []
-    real = calls.upload_body
+    real = calls.encoded_writes  # what a put runs first, direct or through the server
 
-    def slow(*args: Any) -> bytes:
+    def slow(*args: Any) -> list[TrajectoryWrite]:
         threads.append(threading.current_thread().name)
         started = time.perf_counter()
-        body = real(*args)
+        encoded = real(*args)
         time.sleep(max(0.0, 0.6 - (time.perf_counter() - started)))  # at least 0.6 s
-        return body
+        return encoded
 
-    monkeypatch.setattr(calls, "upload_body", slow)
+    monkeypatch.setattr(calls, "encoded_writes", slow)
 
     async def main() -> tuple[float, float]:
         gaps: list[float] = []

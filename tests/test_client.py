@@ -447,7 +447,8 @@ def test_an_upload_the_server_timed_out_as_too_slow_is_sent_again(
             real.close()
 
     http = httpx.Client(base_url=server.url, transport=SlowOnce(), timeout=30)
-    with Client(server.url, KEYS["admin"], http=http, retry=Retry(attempts=3, backoff=0.05)) as c:
+    retry = Retry(attempts=3, backoff=0.05)
+    with Client(server.url, KEYS["admin"], http=http, retry=retry, direct_writes=False) as c:
         [result] = c.put(namespace, [make_write("slow-once")])
         assert result.created
         assert answered == [408]

@@ -66,8 +66,10 @@ from r3store.storage.catalog.ledger import MAINTENANCE
 from r3store.storage.dictionary import DictionaryCache, write_dictionary
 from r3store.storage.keys import (
     DICTIONARY_PREFIX,
+    INDEX_PREFIX,
     SHARD_PREFIX,
     TOMBSTONE_PREFIX,
+    blob_of_index,
     dictionary_key,
     shard_key,
     tombstone_key,
@@ -461,7 +463,7 @@ class Maintenance:
                 continue  # a commit or another pass took it meanwhile
             self.store.delete(deletion.key)
             self._forget(deletion)
-            if deletion.kind == RETIRED:
+            if deletion.kind in (RETIRED, INDEX):
                 report.objects_deleted += 1
             elif deletion.kind == TOMBSTONE:
                 report.tombstones_deleted += 1
@@ -530,6 +532,13 @@ class Maintenance:
                 age = now - plan.planned_at
                 why = f"a {plan.kind} upload planned {age:.0f} s ago, never committed"
                 found.deletions.append(Deletion(info.key, ORPHAN, why))
+        for info in self.store.list(INDEX_PREFIX):  # a blob's index outlives it no longer
+            blob = blob_of_index(info.key)
+            if blob is None:
+                found.unknown.append(info.key)
+            elif blob not in listed and info.modified < cutoff:
+                why = "the blob it indexes is gone"
+                found.deletions.append(Deletion(info.key, INDEX, why))
         found.stale_plans = [
             p.key
             for p in pending.values()
@@ -585,13 +594,13 @@ class Maintenance:
 
 RETIRE, COMPACT = "retire", "compact"
 RETIRED, ORPHAN, DICTIONARY, TOMBSTONE = "retired", "orphan", "dictionary", "tombstone"
-DELETING = "deleting"
+DELETING, INDEX = "deleting", "index"
 
 
 @dataclass(frozen=True)
 class Deletion:
     key: str
-    kind: str  # RETIRED, ORPHAN, DICTIONARY, TOMBSTONE or DELETING
+    kind: str  # RETIRED, ORPHAN, DICTIONARY, TOMBSTONE, DELETING or INDEX
     why: str
     dictionary: tuple[str, bytes] = ("", b"")  # a dictionary's namespace and digest
 

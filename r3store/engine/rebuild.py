@@ -14,13 +14,17 @@ from r3store.logic import codec, stats
 from r3store.logic.codec import Dictionary, EncodedRoutes
 from r3store.policy import NamespaceSettings
 from r3store.spec import RouteSpec
+from r3store.storage.blob import read_blob
 from r3store.storage.catalog import Catalog
 from r3store.storage.catalog.stats import LoadRecord
 from r3store.storage.dictionary import DictionaryCache
 from r3store.storage.keys import (
     DICTIONARY_PREFIX,
+    INDEX_PREFIX,
     NAMESPACE_PREFIX,
     SHARD_PREFIX,
+    blob_of_index,
+    is_blob,
     parse_dictionary_key,
 )
 from r3store.storage.manifest import parse_manifest
@@ -44,9 +48,13 @@ class RebuildReport:
 
 
 def _load_shard(
-    store: ObjectStore, key: str, size: int
+    store: ObjectStore, key: str, size: int, indexes: dict[str, list[str]]
 ) -> tuple[ShardInfo, RouteSpec, list[TrajectoryEntry], list[EncodedRoutes]]:
-    read = read_shard(store.get(key), key)
+    """A Parquet shard's rows, or a blob's as its indexes name them."""
+    if is_blob(key):
+        read = read_blob(key, store.get(key), [(k, store.get(k)) for k in indexes[key]])
+    else:
+        read = read_shard(store.get(key), key)
     shard, entries = stored_records(key, size, read)
     return shard, read.spec, entries, [r.row.routes for r in read.rows]
 
@@ -85,7 +93,9 @@ def rebuild_catalog(
     catalog: Catalog,
     progress: Callable[[int, int], None] | None = None,
 ) -> RebuildReport:
-    """Replace the catalog's content with what the shards and namespace manifests hold.
+    """Replace the catalog's content with what the shards and namespace manifests hold
+    (a direct write's blob holds the rows its indexes name; one with none was never
+    committed).
 
     Shards are read newest first (their keys are time-ordered): a segment found in
     several shards (compaction or compression at rest wrote it again, and the old shard
@@ -107,14 +117,23 @@ def rebuild_catalog(
     dropped = read_tombstones(store)
     dictionary = DictionaryCache(store).get
 
-    objects = [info for info in store.list(SHARD_PREFIX) if info.key.endswith(".parquet")]
+    indexes: dict[str, list[str]] = {}  # a blob with no index was never committed
+    for info in store.list(INDEX_PREFIX):
+        blob = blob_of_index(info.key)
+        if blob is not None:
+            indexes.setdefault(blob, []).append(info.key)
+    objects = [
+        info
+        for info in store.list(SHARD_PREFIX)
+        if info.key.endswith(".parquet") or info.key in indexes
+    ]
     objects.sort(key=lambda info: info.key, reverse=True)
     loaded: list[tuple[ShardInfo, list[TrajectoryEntry], list[LoadRecord]]] = []
     seen: dict[tuple[str, str, str, int], bytes] = {}
     committed: dict[tuple[str, str, str, int], float] = {}  # the oldest copy's shard time
     for done, info in enumerate(objects, start=1):
         try:
-            shard, spec, entries, streams = _load_shard(store, info.key, info.size)
+            shard, spec, entries, streams = _load_shard(store, info.key, info.size, indexes)
         except R3StoreError as exc:
             log.warning("skipping %s: %s", info.key, exc)
             report.skipped.append(f"{info.key}: {exc}")
