@@ -265,6 +265,8 @@ class Calls(LeaseCalls, DirectWrites):
         self.base_url = base_url.rstrip("/")
         self.direct_writes = direct_writes
         self._writes_direct = None
+        self._plans = {}
+        self._plans_lock = threading.Lock()
         self.api_key = api_key
         self.timeout = timeout
         self.retry = retry or Retry()
@@ -313,6 +315,7 @@ class Calls(LeaseCalls, DirectWrites):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._made = threading.Lock()
+        self._plans_lock = threading.Lock()
 
     def _unpicklable(self) -> tuple[str, ...]:
         return ("_decoders", "_store_http", "_fetchers")
@@ -322,7 +325,8 @@ class Calls(LeaseCalls, DirectWrites):
         for name in self._unpicklable():
             state[name] = None  # connections and threads do not cross processes
         state["_own_store_http"] = True
-        del state["_made"]
+        state["_plans"] = {}  # a plan is used once: never by two processes
+        del state["_made"], state["_plans_lock"]
         return state
 
     def _headers(self) -> dict[str, str]:

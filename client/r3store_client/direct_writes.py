@@ -11,20 +11,27 @@ once. `True` insists (the error is raised), `False` never asks.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Generator, Sequence
 from typing import Any
 
 import urllib3
 
 from r3store.errors import DirectUnavailable, StoreError
-from r3store.protocol.direct import WritePlanModel, pack
+from r3store.protocol.direct import WriteCommitted, WritePlanModel, pack
 from r3store.records import TrajectoryWrite
 
 log = logging.getLogger("r3store_client")
 
 
-class _Expired(Exception):
-    """The store refused a plan's URL (it expired): ask for another plan."""
+PLAN_MARGIN = 60.0  # seconds a pooled plan must still work to be used
+MAX_POOLED = 64  # plans kept per namespace (one per concurrent put, about)
+
+
+class _Refused(Exception):
+    """The store refused a plan's URL (it expired, or its key exists: an earlier try of
+    the PUT may have landed, or not; the blob is never committed unseen): a new plan."""
 
 
 class DirectWrites:
@@ -33,6 +40,8 @@ class DirectWrites:
 
     direct_writes: bool | None
     _writes_direct: bool | None  # what was chosen (None: not yet)
+    _plans: dict[str, list[WritePlanModel]]  # unused plans commits answered, per namespace
+    _plans_lock: threading.Lock
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Generator[Any, Any, Any]:
         raise NotImplementedError  # `Calls`
@@ -51,47 +60,70 @@ class DirectWrites:
             log.info("r3store: %s", why)
         self._writes_direct = direct
 
+    def _next_plan(self, namespace: str) -> WritePlanModel | None:
+        """An unused plan of `namespace` a commit answered, with a minute left at least."""
+        with self._plans_lock:
+            pool = self._plans.get(namespace, [])
+            while pool:
+                plan = pool.pop()
+                if plan.expires_at - time.time() > PLAN_MARGIN:
+                    return plan
+        return None
+
+    def _keep_plan(self, namespace: str, plan: WritePlanModel | None) -> None:
+        if plan is not None:
+            with self._plans_lock:
+                pool = self._plans.setdefault(namespace, [])
+                if len(pool) < MAX_POOLED:
+                    pool.append(plan)
+
     def _put_direct(
         self, namespace: str, writes: Sequence[TrajectoryWrite], work: Any
     ) -> Generator[Any, Any, dict[str, Any] | None]:
         """The server's answer to a direct write of `writes` (all encoded), or None when
-        the server does not take direct writes (then the put goes through it)."""
+        the server does not take direct writes (then the put goes through it). A plan
+        is used once: a PUT refused (expired, or its key taken) gets a new plan."""
         blob, segments = yield work(pack, (list(writes),))
-        for attempt in range(2):
-            try:
-                answer = yield from self._json(
-                    "POST", f"/v1/namespaces/{namespace}/writes", json={}
-                )
-            except DirectUnavailable as exc:
-                if self.direct_writes:
-                    raise
-                self._chose(False, f"writes go through the server ({exc})")
-                return None
-            plan = WritePlanModel.model_validate(answer)
+        for attempt in range(3):
+            plan = self._next_plan(namespace)
+            if plan is None:
+                try:
+                    answer = yield from self._json(
+                        "POST", f"/v1/namespaces/{namespace}/writes", json={}
+                    )
+                except DirectUnavailable as exc:
+                    if self.direct_writes:
+                        raise
+                    self._chose(False, f"writes go through the server ({exc})")
+                    return None
+                plan = WritePlanModel.model_validate(answer)
             if len(blob) > plan.max_bytes:
-                self._chose(True, "writes go straight to the object store (direct writes)")
+                self._keep_plan(namespace, plan)
                 return None  # too large for one blob: through the server, in one upload
             try:
                 yield work(self._store_put, (plan.url, plan.headers, blob))
-            except _Expired:
-                if attempt:
-                    raise StoreError("the object store refused two write plans' URLs") from None
+            except _Refused:
+                if attempt == 2:
+                    raise StoreError("the object store refused three write plans' URLs") from None
                 continue
             self._chose(True, "writes go straight to the object store (direct writes)")
             body = {
                 "plan": plan.plan,
                 "size": len(blob),
                 "segments": [s.model_dump(mode="json", exclude_none=True) for s in segments],
+                "next_plan": True,
             }
-            result: dict[str, Any] = yield from self._json(
+            committed = yield from self._json(
                 "POST", f"/v1/namespaces/{namespace}/writes/commit", json=body
             )
-            return result
+            answer = WriteCommitted.model_validate(committed)
+            self._keep_plan(namespace, answer.next)
+            return {"results": [item.model_dump() for item in answer.results]}
         raise StoreError("unreachable")
 
     def _store_put(self, url: str, headers: dict[str, str], blob: bytes) -> None:
-        """PUT a blob to a plan's URL, retried on a failed connection; 412 (already
-        there: an earlier try of this PUT landed) is success, 403 an expired plan."""
+        """PUT a blob to a plan's URL, retried on a failed connection; 403 (expired) and
+        412 (the key exists) ask for a new plan."""
         store, _fetchers = self._direct()
         for attempt in range(3):
             try:
@@ -100,10 +132,10 @@ class DirectWrites:
                 if attempt == 2:
                     raise StoreError(f"cannot write to the object store: {exc}") from None
                 continue
-            if response.status in (200, 201, 204, 412):
+            if response.status in (200, 201, 204):
                 return
-            if response.status == 403:
-                raise _Expired
+            if response.status in (403, 412):
+                raise _Refused
             if response.status >= 500 and attempt < 2:
                 continue
             raise StoreError(f"the object store answered {response.status} to a planned write")

@@ -28,7 +28,7 @@ from r3store.errors import (
     PayloadTooLarge,
 )
 from r3store.logic import signing
-from r3store.logic.spans import RouteSpans
+from r3store.logic.spans import ByteRange, RouteSpans
 from r3store.protocol.direct import MAX_BLOB_BYTES, DirectSegment, unpack
 from r3store.records import PutResult, TrajectoryWrite
 from r3store.storage.blob import write_index
@@ -135,22 +135,18 @@ class DirectWrites:
             raise Forbidden("the write plan was made for another API key")
         if size > MAX_BLOB_BYTES:
             raise PayloadTooLarge(f"a blob of {size} bytes; at most {MAX_BLOB_BYTES}")
-        try:
-            stored = self._store.head(key)
+        if admit is not None:
+            admit(size)
+        try:  # a byte more than said: a larger object is refused without reading it all
+            blob = self._store.get(key, ByteRange(0, size + 1))
         except ObjectNotFound:
             raise InvalidInput(
                 "nothing was uploaded with this plan (or its object was collected): PUT the "
                 "blob to the plan's URL first"
             ) from None
-        if stored.size != size:
-            raise InvalidInput(
-                f"the uploaded blob holds {stored.size} bytes; the commit says {size}"
-            )
-        if admit is not None:
-            admit(size)
-        blob = self._store.get(key)
         if len(blob) != size:
-            raise InvalidInput(f"the uploaded blob holds {len(blob)} bytes; the commit says {size}")
+            shown = f"more than {size}" if len(blob) > size else str(len(blob))
+            raise InvalidInput(f"the uploaded blob holds {shown} bytes; the commit says {size}")
         info = self._namespaces.get(namespace)
         writes: list[TrajectoryWrite] = unpack(blob, segments, info.spec)
         del blob

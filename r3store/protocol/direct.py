@@ -22,6 +22,7 @@ from r3store.logic.spans import RouteSpans, Span
 from r3store.logic.streams import MAX_UPLOAD_BYTES, SentStreams, decoded_bytes
 from r3store.policy import ENGINE, MAX_POLICY_VERSION, Source
 from r3store.protocol.fields import SpanModel
+from r3store.protocol.models import PutItem
 from r3store.records import MAX_ID_LENGTH, TrajectoryWrite
 from r3store.spec import RouteSpec
 
@@ -92,6 +93,15 @@ class WriteCommit(BaseModel):
     plan: str = Field(min_length=1, max_length=2048)
     size: int = Field(ge=1, le=MAX_BLOB_BYTES)
     segments: list[DirectSegment] = Field(min_length=1, max_length=MAX_SEGMENTS)
+    next_plan: bool = Field(False, description="answer a plan for the next blob too")
+
+
+class WriteCommitted(BaseModel):
+    """A commit's answer: a result per segment, as an upload's, and the next plan when
+    one was asked for (saving its request)."""
+
+    results: list[PutItem]
+    next: WritePlanModel | None = None
 
 
 def pack(writes: Sequence[TrajectoryWrite]) -> tuple[bytes, list[DirectSegment]]:

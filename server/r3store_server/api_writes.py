@@ -9,9 +9,16 @@ import time
 
 from fastapi import APIRouter, Path
 
+from r3store.engine.direct import WritePlan
 from r3store.errors import StoreError
-from r3store.protocol.direct import WriteCommit, WritePlanModel, WritePlanRequest
-from r3store.protocol.models import NAME_PATTERN, PutItem, PutResponse
+from r3store.protocol.direct import (
+    PLAN_SECONDS,
+    WriteCommit,
+    WriteCommitted,
+    WritePlanModel,
+    WritePlanRequest,
+)
+from r3store.protocol.models import NAME_PATTERN, PutItem
 from r3store_server.api_routes import charge_rows
 from r3store_server.deps import (
     BudgetDep,
@@ -46,7 +53,10 @@ async def plan_write(
     seconds, and the token to commit it with (this API key only). 400
     `direct_unavailable` where the object store signs no URLs (the embedded store):
     upload through `POST .../trajectories` instead."""
-    plan = await deadline.run(engine.direct.plan, namespace, who.name, body.expires)
+    return _model(await deadline.run(engine.direct.plan, namespace, who.name, body.expires))
+
+
+def _model(plan: WritePlan) -> WritePlanModel:
     return WritePlanModel(
         plan=plan.plan,
         url=plan.url,
@@ -58,7 +68,7 @@ async def plan_write(
 
 @router.post(
     "/{namespace}/writes/commit",
-    response_model=PutResponse,
+    response_model=WriteCommitted,
     responses={413: ERROR_RESPONSES[400], 429: ERROR_RESPONSES[400]},
     dependencies=[allowed("write")],
 )
@@ -71,20 +81,21 @@ async def commit_write(
     deadline: DeadlineDep,
     who: PrincipalDep,
     namespace: str = NamespacePath,
-) -> PutResponse:
+) -> WriteCommitted:
     """Check the blob uploaded with `plan` and commit the segments it holds; answers as
     an upload does, after the durable commit. Every segment's streams are checked
     (as an upload's encoded routes) before anything is acknowledged: all are stored, or
     none. Sent again, the same commit answers the same results (`created: false`).
     403 from another API key than the plan's; 400 when nothing (or another size) was
-    uploaded; 429 when uploads in flight hold the memory budget."""
+    uploaded; 429 when uploads in flight hold the memory budget. With `next_plan`, the
+    answer carries a plan for the next blob (`next`)."""
     spec = await deadline.run(engine.namespaces.spec, namespace)
     reservation = await budget.admit(
         UPLOAD_COST * body.size, settings.request_timeout / 2, who.name
     )
     charge_rows(len(body.segments), spec, budget, reservation)
 
-    def store() -> PutResponse:
+    def store() -> WriteCommitted:
         if deadline.cancelled.is_set():
             raise StoreError("the commit was answered before it was checked")
         started = time.perf_counter()
@@ -98,6 +109,12 @@ async def commit_write(
         )
         metrics.commit.observe(time.perf_counter() - started)
         metrics.token_layers_in.inc(sum(s.num_tokens for s in body.segments) * spec.num_layers)
-        return PutResponse(results=[PutItem.of(r) for r in results])
+        following = (
+            engine.direct.plan(namespace, who.name, PLAN_SECONDS) if body.next_plan else None
+        )
+        return WriteCommitted(
+            results=[PutItem.of(r) for r in results],
+            next=None if following is None else _model(following),
+        )
 
     return await deadline.run(store, what="the commit", reservation=reservation)

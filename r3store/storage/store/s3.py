@@ -11,7 +11,13 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from r3store.errors import ObjectExists, ObjectNotFound, R3StoreError, StoreError
+from r3store.errors import (
+    InvalidInput,
+    ObjectExists,
+    ObjectNotFound,
+    R3StoreError,
+    StoreError,
+)
 from r3store.logic.spans import ByteRange
 from r3store.storage.store.base import ObjectInfo, ObjectStore, check_key
 
@@ -58,6 +64,8 @@ def translate(exc: Exception, key: str) -> R3StoreError:
             return ObjectNotFound(f"no object {key!r}")
         if code in _EXISTS or status == "412":
             return ObjectExists(f"object {key!r} already exists")
+        if code == "InvalidRange" or status == "416":
+            return InvalidInput(f"the range asked lies past the end of object {key!r}")
         return StoreError(f"S3 {code or status} on {key!r}: {exc}")
     return StoreError(f"S3 unreachable on {key!r}: {exc}")
 
