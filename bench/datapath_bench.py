@@ -2,8 +2,9 @@
 baseline (one `.npy` of uint8 ids per trajectory, boto3, 8 threads) in the same run:
 
 - HTTP ingest of int32 engine output (what SGLang emits) from 8 client threads, the
-  client encoding (the default; one trajectory a request, and a group of 4) and sending
-  ids as they are;
+  client encoding: written directly to the object store (the default on S3: the server
+  only checks and commits) and through the server, one trajectory a put and a group of
+  4, with the server's CPU time per token-layer of each; and ids sent as they are;
 - `TrainerReader` into compact tensors ready for replay, through the server and
   directly from the object store (batches of 32, two micro-batches ahead), with the
   server's CPU time per token-layer of each and the reader's peak memory;
@@ -83,11 +84,19 @@ def run(seaweed: SeaweedFS, count: int = 256, tokens: int = 4096) -> list[Figure
     probe.close()
     process, url = start_server(tmp, env)
     try:
-        with Client(url, api_key=KEY) as client, Client(url, KEY, encode=False) as plain:
-            client.create_namespace("bench", SPEC)
-            client.create_namespace("bench-ids", SPEC)
+        with (
+            Client(url, api_key=KEY) as client,
+            Client(url, KEY, direct_writes=False) as proxy,
+            Client(url, KEY, encode=False) as plain,
+        ):
 
-            def ingest(through: Client, namespace: str, per_request: int = 1) -> float:
+            def ingest(
+                through: Client, namespace: str, per_request: int = 1
+            ) -> tuple[float, float]:
+                """(seconds, server CPU seconds) of writing the workload into a new
+                namespace."""
+                through.create_namespace(namespace, SPEC)
+
                 def put(first: int) -> None:
                     writes = [
                         TrajectoryWrite(
@@ -98,13 +107,16 @@ def run(seaweed: SeaweedFS, count: int = 256, tokens: int = 4096) -> list[Figure
                     through.put(namespace, writes)
 
                 starts = range(0, len(work.ids), per_request)
+                cpu = _server_cpu(process.pid)
                 with ThreadPoolExecutor(THREADS) as pool:
-                    return timed(lambda: list(pool.map(put, starts)))
+                    seconds = timed(lambda: list(pool.map(put, starts)))
+                return seconds, _server_cpu(process.pid) - cpu
 
-            encoded_in = ingest(client, "bench")
-            ids_in = ingest(plain, "bench-ids")
-            client.create_namespace("bench-grouped", SPEC)
-            grouped_in = ingest(client, "bench-grouped", per_request=4)
+            direct_in, direct_cpu_in = ingest(client, "bench-direct")
+            proxied_in, proxied_cpu_in = ingest(proxy, "bench-proxied")
+            ids_in, _ = ingest(plain, "bench-ids")
+            grouped_direct, grouped_direct_cpu = ingest(client, "bench-direct-4", per_request=4)
+            grouped_in, grouped_cpu = ingest(proxy, "bench-grouped", per_request=4)
             batches = [work.ids[i : i + READ_BATCH] for i in range(0, len(work.ids), READ_BATCH)]
 
             def read(reader: TrainerReader, after: Callable[[object], object] = id) -> float:
@@ -122,15 +134,17 @@ def run(seaweed: SeaweedFS, count: int = 256, tokens: int = 4096) -> list[Figure
                 used = (_server_cpu(process.pid) - cpu) / 3
                 return seconds, used, (rss.peak - rss.before) / 2**20
 
-            proxied, proxied_cpu, proxied_rss = measured(TrainerReader(client, "bench", depth=2))
-            direct, direct_cpu, direct_rss = measured(
-                TrainerReader(client, "bench", depth=2, direct=True)
+            proxied, proxied_cpu, proxied_rss = measured(
+                TrainerReader(client, "bench-direct", depth=2)
             )
-            wide = median_of(3, lambda: read(TrainerReader(client, "bench", compact=False)))
+            direct, direct_cpu, direct_rss = measured(
+                TrainerReader(client, "bench-direct", depth=2, direct=True)
+            )
+            wide = median_of(3, lambda: read(TrainerReader(client, "bench-direct", compact=False)))
             widened = median_of(
                 3,
                 lambda: read(
-                    TrainerReader(client, "bench", depth=2, direct=True),
+                    TrainerReader(client, "bench-direct", depth=2, direct=True),
                     lambda r: r.widen() if isinstance(r, CompactRoutes) else r,
                 ),
             )
@@ -140,12 +154,26 @@ def run(seaweed: SeaweedFS, count: int = 256, tokens: int = 4096) -> list[Figure
         Figure("datapath: naive .npy/boto3 x8 on SeaweedFS: ingest (uint8)", naive_in, RATE),
         Figure("datapath: naive .npy/boto3 x8 on SeaweedFS: read (uint8)", naive_out, RATE),
         Figure(
-            "HTTP ingest of int32 engine output, 8 threads, client encodes",
-            n / encoded_in / 1e6,
+            "direct writes of int32 engine output, 8 threads, client encodes",
+            n / direct_in / 1e6,
             RATE,
             naive_in,
             "naive uint8 write",
             ">= 1.0x",
+        ),
+        Figure(
+            "direct writes of int32 engine output, 8 threads x 4 a put",
+            n / grouped_direct / 1e6,
+            RATE,
+            naive_in,
+            "naive uint8 write",
+        ),
+        Figure(
+            "HTTP ingest of int32 engine output, 8 threads, client encodes",
+            n / proxied_in / 1e6,
+            RATE,
+            naive_in,
+            "naive uint8 write",
         ),
         Figure(
             "HTTP ingest of int32 engine output, 8 threads x 4 a request, encoded",
@@ -160,6 +188,21 @@ def run(seaweed: SeaweedFS, count: int = 256, tokens: int = 4096) -> list[Figure
             RATE,
             naive_in,
             "naive uint8 write",
+        ),
+        Figure(
+            "server CPU per token-layer written, direct",
+            direct_cpu_in / n * 1e9,
+            "ns",
+            proxied_cpu_in / n * 1e9,
+            "through the server",
+            "<= 0.2x",
+        ),
+        Figure(
+            "server CPU per token-layer written, direct, 4 a put",
+            grouped_direct_cpu / n * 1e9,
+            "ns",
+            grouped_cpu / n * 1e9,
+            "through the server, 4 a request",
         ),
         Figure(
             "TrainerReader to compact tensors, through the server",

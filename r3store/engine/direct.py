@@ -147,8 +147,8 @@ class DirectWrites:
         if len(blob) != size:
             shown = f"more than {size}" if len(blob) > size else str(len(blob))
             raise InvalidInput(f"the uploaded blob holds {shown} bytes; the commit says {size}")
-        info = self._namespaces.get(namespace)
-        writes: list[TrajectoryWrite] = unpack(blob, segments, info.spec)
+        spec = self._namespaces.spec(namespace)  # cached; `encode` reads the namespace
+        writes: list[TrajectoryWrite] = unpack(blob, segments, spec)
         del blob
         put = self._encode(namespace, writes, writer=writer, annotate_any=annotate_any)
         del writes
@@ -159,13 +159,13 @@ class DirectWrites:
                 _stored_spans(sent[(r.trajectory_id, r.source, r.start)], r) for r in put.fresh
             ]
             now = self._clock()
-            write_index(self._store, key, namespace, info.spec, now, put.fresh, spans, now)
+            write_index(self._store, key, namespace, spec, now, put.fresh, spans, now)
             committed = self._committer.commit_stored(
-                namespace, info.spec, key, size, put.fresh, spans
+                namespace, spec, key, size, put.fresh, spans
             )
             for result in committed:
                 results[(result.trajectory_id, result.source, result.start)] = result
-            self._analytics.compare_sources(namespace, info.spec, put.fresh)
+            self._analytics.compare_sources(namespace, spec, put.fresh)
         return [results[k] for k in put.order]
 
 
