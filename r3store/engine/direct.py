@@ -15,17 +15,20 @@ so the bytes checked are the bytes readers get.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from r3store.errors import (
+    Conflict,
     DirectUnavailable,
     Forbidden,
     InvalidInput,
     ObjectNotFound,
     PayloadTooLarge,
+    StoreError,
 )
 from r3store.logic import signing
 from r3store.logic.spans import ByteRange, RouteSpans
@@ -159,10 +162,17 @@ class DirectWrites:
                 _stored_spans(sent[(r.trajectory_id, r.source, r.start)], r) for r in put.fresh
             ]
             now = self._clock()
-            write_index(self._store, key, namespace, spec, now, put.fresh, spans, now)
-            committed = self._committer.commit_stored(
-                namespace, spec, key, size, put.fresh, spans
-            )
+            index = write_index(self._store, key, namespace, spec, now, put.fresh, spans, now)
+            try:
+                committed = self._committer.commit_stored(
+                    namespace, spec, key, size, put.fresh, spans
+                )
+            except Conflict:
+                # refused, and certainly not committed: its index must not bring the rows
+                # back in a rebuild (another replica's content, or an orphan's)
+                with contextlib.suppress(StoreError):
+                    self._store.delete(index)
+                raise
             for result in committed:
                 results[(result.trajectory_id, result.source, result.start)] = result
             self._analytics.compare_sources(namespace, spec, put.fresh)

@@ -1,0 +1,651 @@
+"""Direct writes on real S3: a worker asks for a write plan, PUTs its blob to SeaweedFS
+with the plan's create-only URL and commits it; the server checks every stream before
+anything is acknowledged. Equal content to proxied puts, crashes, other keys, revoked
+keys, replicas on PostgreSQL, hostile commits and the embedded store."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from helpers import SPEC, expected_ids, make_write
+from http_helpers import KEYS, ServerProcess, replicas
+from r3store.engine import Engine
+from r3store.engine.rebuild import rebuild_catalog
+from r3store.errors import Conflict, DirectUnavailable
+from r3store.protocol.direct import DirectSegment, pack
+from r3store.protocol.fields import SpanModel
+from r3store.records import PutResult, TrajectoryWrite
+from r3store.storage.catalog import Catalog
+from r3store.storage.keys import INDEX_PREFIX, SHARD_PREFIX, blob_of_index
+from r3store.storage.store import S3Store
+from r3store.testing.postgres import Postgres
+from r3store.testing.seaweedfs import SeaweedFS
+from r3store_client import Client
+
+pytestmark = pytest.mark.s3
+
+
+# helpers
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, seaweed: SeaweedFS) -> Iterator[ServerProcess]:
+    process = ServerProcess(tmp_path_factory.mktemp("writes"), seaweed)
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def objects(server: ServerProcess, seaweed: SeaweedFS) -> Iterator[S3Store]:
+    """The server's objects, seen from outside it."""
+    store = seaweed.new_store(prefix=server.prefix)
+    yield store
+    store.close()
+
+
+def _namespace(server: ServerProcess, name: str | None = None) -> str:
+    name = name or f"n{uuid.uuid4().hex[:10]}"
+    with Client(server.url, api_key=KEYS["admin"]) as admin:
+        admin.create_namespace(name, SPEC)
+    return name
+
+
+def _http(server: ServerProcess, key: str) -> httpx.Client:
+    return httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+
+def _plan(http: httpx.Client, ns: str, expires: int | None = None) -> dict[str, Any]:
+    body = {} if expires is None else {"expires": expires}
+    r = http.post(f"/v1/namespaces/{ns}/writes", json=body)
+    assert r.status_code == 201, r.text
+    return r.json()  # type: ignore[no-any-return]
+
+
+def _put_blob(plan: dict[str, Any], blob: bytes) -> int:
+    return httpx.put(plan["url"], content=blob, headers=plan["headers"], timeout=60).status_code
+
+
+def _body(plan: dict[str, Any], size: int, segments: list[DirectSegment]) -> dict[str, Any]:
+    return {
+        "plan": plan["plan"],
+        "size": size,
+        "segments": [s.model_dump(mode="json", exclude_none=True) for s in segments],
+    }
+
+
+def _commit(http: httpx.Client, ns: str, body: dict[str, Any]) -> httpx.Response:
+    return http.post(f"/v1/namespaces/{ns}/writes/commit", json=body)
+
+
+def _encoded(writes: list[TrajectoryWrite]) -> tuple[bytes, list[DirectSegment]]:
+    return pack([w.encode(SPEC) for w in writes])
+
+
+def _key_of(plan: dict[str, Any]) -> str:
+    """The blob key a plan's token names (its payload is plain JSON)."""
+    import base64
+
+    payload = plan["plan"].split(".")[0]
+    fields = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    return str(fields["k"])
+
+
+def _listed(store: S3Store, prefix: str) -> set[str]:
+    return {info.key for info in store.list(prefix)}
+
+
+def _cli(server: ServerProcess, *args: str, env: dict[str, str] | None = None) -> Any:
+    full = {k: v for k, v in os.environ.items() if not k.startswith("R3STORE_")}
+    full.update(
+        {k: v for k, v in server.env.items() if k.startswith("R3STORE_") and k != "R3STORE_PORT"}
+    )
+    full.update(env or {})
+    done = subprocess.run(
+        [sys.executable, "-m", "r3store_server.cli", "--json", *args],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def _collect_orphans(server: ServerProcess) -> dict[str, Any]:
+    """A maintenance pass that takes every upload never committed for an orphan."""
+    report: dict[str, Any] = _cli(server, "maintain", "--orphan-age", "0", "--grace", "0")
+    return report
+
+
+def _results(results: list[PutResult]) -> list[tuple[Any, ...]]:
+    return [
+        (r.trajectory_id, r.start, r.source, r.num_tokens, r.policy_version, r.digest, r.created)
+        for r in results
+    ]
+
+
+def _tokens(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 50_000, n).astype(np.int32)
+
+
+def _content() -> list[list[TrajectoryWrite]]:
+    """Puts in order: trajectories with token ids, groups and policy versions; then a
+    second turn of t0 (start > 0) and predicted routes for t1."""
+    first = []
+    for i in range(5):
+        base = make_write(f"t{i}", tokens=40 + 17 * i)
+        first.append(
+            TrajectoryWrite(
+                f"t{i}",
+                base.num_tokens,
+                topk=base.topk,
+                prompt_len=7,
+                group_id=f"g{i % 2}",
+                policy_version=i % 3,
+                token_ids=_tokens(base.num_tokens, i),
+            )
+        )
+    turn = make_write("t0-turn", tokens=33)
+    predicted = make_write("t1-predicted", tokens=first[1].num_tokens)
+    second = [
+        TrajectoryWrite(
+            "t0",
+            33,
+            topk=turn.topk,
+            start=first[0].num_tokens,
+            group_id="g0",
+            token_ids=_tokens(33, 99),
+        ),
+        TrajectoryWrite("t1", predicted.num_tokens, topk=predicted.topk, source="predicted"),
+    ]
+    return [first, second]
+
+
+# 1. equal content
+
+
+def test_direct_writes_store_what_proxied_writes_store(
+    server: ServerProcess, objects: S3Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    direct_ns, proxied_ns = _namespace(server), _namespace(server)
+    ids = [f"t{i}" for i in range(5)]
+    acked: list[list[PutResult]] = []
+    with (
+        Client(server.url, api_key=KEYS["admin"]) as direct,
+        Client(server.url, api_key=KEYS["admin"], direct_writes=False) as proxied,
+        caplog.at_level(logging.INFO, logger="r3store_client"),
+    ):
+        for writes in _content():
+            a = direct.put(direct_ns, writes)
+            b = proxied.put(proxied_ns, writes)
+            assert _results(a) == _results(b)
+            assert all(r.created and r.digest for r in a)
+            acked.append(a)
+        assert "writes go straight to the object store" in caplog.text
+        for source in (None, "engine"):
+            x = direct.get_batch(direct_ns, ids, source=source)  # type: ignore[arg-type]
+            y = proxied.get_batch(proxied_ns, ids, source=source)  # type: ignore[arg-type]
+            assert x.missing == y.missing == []
+            for p, q in zip(x.items, y.items, strict=True):
+                assert p is not None
+                assert q is not None
+                assert (p.group_id, p.policy_version, p.num_tokens, p.prompt_len, p.source) == (
+                    q.group_id,
+                    q.policy_version,
+                    q.num_tokens,
+                    q.prompt_len,
+                    q.source,
+                )
+                assert p.routes is not None
+                assert q.routes is not None
+                assert np.array_equal(p.routes.to_topk(), q.routes.to_topk())
+                assert np.array_equal(p.token_ids, q.token_ids)  # type: ignore[arg-type]
+        t0 = direct.get_batch(direct_ns, ["t0"]).items[0]
+        assert t0 is not None
+        assert len(t0.segments) == 2
+        assert t0.token_ids is not None
+        assert np.array_equal(t0.token_ids[: t0.segments[0].num_tokens], _tokens(40, 0))
+        t1 = direct.get_batch(direct_ns, ["t1"]).items[0]
+        assert t1 is not None
+        assert t1.source == "predicted"
+        assert t1.routes is not None
+        assert np.array_equal(t1.routes.to_topk(), expected_ids(_content()[1][1]))
+        _, fetched_direct = direct.fetch_direct(direct_ns, ids)
+        _, fetched_proxied = proxied.fetch_direct(proxied_ns, ids)
+        for p, q in zip(fetched_direct.items, fetched_proxied.items, strict=True):
+            assert p is not None
+            assert q is not None
+            assert p.source == q.source
+            for s, t in zip(p.segments, q.segments, strict=True):
+                assert s.encoded == t.encoded
+                assert s.digest == t.digest != b""
+
+        # the direct namespace's rows lie in blobs, each with an index; the proxied one's
+        # in Parquet shards
+        plan = direct.plan(direct_ns, ids)
+        blobs = {o.key for o in plan.objects}
+        assert blobs
+        assert all(k.endswith(".blob") for k in blobs)
+        indexed = {blob_of_index(k) for k in _listed(objects, f"{INDEX_PREFIX}{direct_ns}/")}
+        assert blobs <= indexed
+        assert _listed(objects, f"{SHARD_PREFIX}{direct_ns}/") == indexed  # no orphan left
+        assert all(o.key.endswith(".parquet") for o in proxied.plan(proxied_ns, ids).objects)
+
+        # the same content again: acknowledged, not stored twice; other content: refused
+        again = direct.put(direct_ns, _content()[0])
+        assert [r.created for r in again] == [False] * 5
+        assert [r.digest for r in again] == [
+            r.digest for r in direct.put(proxied_ns, _content()[0])
+        ]
+        other = make_write("other", tokens=40)
+        with pytest.raises(Conflict):
+            direct.put(direct_ns, [TrajectoryWrite("t0", 40, topk=other.topk)])
+        kept = direct.get_batch(direct_ns, ["t0"], decode=False, source="engine").items[0]
+        assert kept is not None
+        assert [x.digest for x in kept.segments] == [
+            next(r.digest for r in results if r.trajectory_id == "t0") for results in acked
+        ]
+
+
+# 2. a writer that crashes between upload and commit
+
+
+def test_an_upload_never_committed_is_collected_and_its_plan_dies(
+    server: ServerProcess, objects: S3Store
+) -> None:
+    ns = _namespace(server)
+    blob, segments = _encoded([make_write("c0"), make_write("c1")])
+    with _http(server, KEYS["writer"]) as http:
+        plan = _plan(http, ns)
+        assert plan["headers"] == {"If-None-Match": "*"}
+        assert _put_blob(plan, blob) in (200, 201)
+        assert _put_blob(plan, b"other bytes") == 412  # create-only
+        key = _key_of(plan)
+        assert key in _listed(objects, f"{SHARD_PREFIX}{ns}/")
+        # the writer dies here: nothing is cataloged, nothing readable
+        with Client(server.url, api_key=KEYS["reader"]) as reader:
+            assert reader.get_batch(ns, ["c0", "c1"]).missing == ["c0", "c1"]
+        report = _collect_orphans(server)
+        assert report["orphans_deleted"] >= 1
+        assert key not in _listed(objects, f"{SHARD_PREFIX}{ns}/")
+        assert _listed(objects, f"{INDEX_PREFIX}{ns}/") == set()
+        late = _commit(http, ns, _body(plan, len(blob), segments))
+        assert late.status_code == 400, late.text  # nothing to read any more
+        # the URL still works (create-only, the object is gone): the plan does not
+        assert _put_blob(plan, blob) in (200, 201)
+        later = _commit(http, ns, _body(plan, len(blob), segments))
+        assert later.status_code == 409, later.text  # no longer planned: collected
+        with Client(server.url, api_key=KEYS["reader"]) as reader:
+            assert reader.get_batch(ns, ["c0", "c1"]).missing == ["c0", "c1"]
+        assert _listed(objects, f"{INDEX_PREFIX}{ns}/") == set()
+        assert int(http.get(f"/v1/namespaces/{ns}").json()["trajectories"]) == 0
+
+
+# 3. another key's commit
+
+
+def test_a_commit_replayed_by_another_key_is_refused(
+    server: ServerProcess, objects: S3Store
+) -> None:
+    ns = _namespace(server)
+    blob, segments = _encoded([make_write("k0")])
+    with _http(server, KEYS["writer"]) as owner, _http(server, KEYS["admin"]) as thief:
+        plan = _plan(owner, ns)
+        assert _put_blob(plan, blob) in (200, 201)
+        body = _body(plan, len(blob), segments)
+        stolen = _commit(thief, ns, body)
+        assert stolen.status_code == 403, stolen.text
+        assert stolen.json()["error"]["code"] == "forbidden"
+        assert _listed(objects, f"{INDEX_PREFIX}{ns}/") == set()
+        assert int(owner.get(f"/v1/namespaces/{ns}").json()["trajectories"]) == 0
+        mine = _commit(owner, ns, body)
+        assert mine.status_code == 200, mine.text
+        assert [r["created"] for r in mine.json()["results"]] == [True]
+        again = _commit(owner, ns, body)  # the same commit sent again
+        assert again.status_code == 200, again.text
+        assert [r["created"] for r in again.json()["results"]] == [False]
+        assert _commit(thief, ns, body).status_code == 403
+    with Client(server.url, api_key=KEYS["reader"]) as reader:
+        item = reader.get_batch(ns, ["k0"]).items[0]
+        assert item is not None
+        assert item.routes is not None
+        assert np.array_equal(item.routes.to_topk(), expected_ids(make_write("k0")))
+
+
+# 4. a revoked key
+
+
+def test_a_revoked_keys_plan_dies_at_its_expiry(server: ServerProcess, objects: S3Store) -> None:
+    ns = _namespace(server)
+    made = _cli(server, "keys", "create", "rollout", "--role", "writer", "--namespace", ns)
+    time.sleep(5.5)  # the server rereads the catalog's keys every 5 s
+    blob, segments = _encoded([make_write("r0")])
+    with _http(server, made["key"]) as worker, _http(server, KEYS["admin"]) as admin:
+        uploaded = _plan(worker, ns, expires=10)
+        unused = _plan(worker, ns, expires=10)
+        assert _put_blob(uploaded, blob) in (200, 201)
+        _cli(server, "keys", "revoke", "rollout")
+        time.sleep(5.5)
+        refused = _commit(worker, ns, _body(uploaded, len(blob), segments))
+        assert refused.status_code in (401, 403), refused.text
+        assert worker.post(f"/v1/namespaces/{ns}/writes", json={}).status_code in (401, 403)
+        # nor can another key commit the revoked key's plan
+        assert _commit(admin, ns, _body(uploaded, len(blob), segments)).status_code == 403
+        time.sleep(max(0.0, unused["expires_at"] - time.time()) + 1.5)
+        assert _put_blob(unused, blob) == 403  # the store refuses the expired URL
+        assert _key_of(unused) not in _listed(objects, f"{SHARD_PREFIX}{ns}/")
+        assert _key_of(uploaded) in _listed(objects, f"{SHARD_PREFIX}{ns}/")
+        assert int(admin.get(f"/v1/namespaces/{ns}").json()["trajectories"]) == 0
+    _collect_orphans(server)
+    assert _listed(objects, f"{SHARD_PREFIX}{ns}/") == set()
+    assert _listed(objects, f"{INDEX_PREFIX}{ns}/") == set()
+
+
+# 5. replicas sharing PostgreSQL
+
+
+@pytest.mark.slow
+def test_direct_writes_on_two_replicas(
+    tmp_path: Path, seaweed: SeaweedFS, postgres_server: Postgres
+) -> None:
+    pg_url = postgres_server.database(f"r3_{uuid.uuid4().hex[:12]}")
+    acked: dict[str, tuple[TrajectoryWrite, bytes]] = {}
+    outcomes: dict[str, list[object]] = {}
+    lock = threading.Lock()
+    with replicas(tmp_path, seaweed, pg_url) as (a, b):
+        _namespace(a, "ns")
+        same = [make_write(f"same{i}") for i in range(8)]
+        clash = [
+            (
+                make_write(f"clash{i}"),
+                TrajectoryWrite(f"clash{i}", 30, topk=make_write(f"o{i}", tokens=30).topk),
+            )
+            for i in range(8)
+        ]
+        own = {
+            "a": [make_write(f"a{i}") for i in range(6)],
+            "b": [make_write(f"b{i}") for i in range(6)],
+        }
+
+        def put(
+            server: ServerProcess, writes: list[TrajectoryWrite], barrier: threading.Barrier | None
+        ) -> None:
+            with Client(server.url, api_key=KEYS["writer"], direct_writes=True) as client:
+                for w in writes:
+                    if barrier is not None:
+                        barrier.wait(30)
+                    try:
+                        [result] = client.put("ns", [w])
+                    except Conflict as exc:
+                        with lock:
+                            outcomes.setdefault(w.trajectory_id, []).append(exc)
+                        continue
+                    with lock:
+                        outcomes.setdefault(w.trajectory_id, []).append(result.created)
+                        acked[w.trajectory_id] = (w, result.digest)
+
+        barrier = threading.Barrier(2)
+        threads = [
+            threading.Thread(target=put, args=(a, [*same, *(x for x, _ in clash)], barrier)),
+            threading.Thread(target=put, args=(b, [*same, *(y for _, y in clash)], barrier)),
+            threading.Thread(target=put, args=(a, own["a"], None)),
+            threading.Thread(target=put, args=(b, own["b"], None)),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads)
+        for w in same:
+            assert sorted(outcomes[w.trajectory_id]) == [False, True], outcomes  # type: ignore[type-var]
+        for x, _y in clash:
+            got = outcomes[x.trajectory_id]
+            assert len(got) == 2
+            assert sum(isinstance(o, Conflict) for o in got) == 1, got
+            assert [o for o in got if not isinstance(o, Conflict)] == [True]
+        for w in own["a"] + own["b"]:
+            assert outcomes[w.trajectory_id] == [True]
+        ids = sorted(acked)
+        assert len(ids) == 8 + 8 + 12
+        seen: dict[str, list[bytes]] = {}
+        for server in (a, b):
+            with Client(server.url, api_key=KEYS["reader"]) as reader:
+                batch = reader.get_batch("ns", ids, decode=False)
+                assert batch.missing == []
+                for tid, item in zip(ids, batch.items, strict=True):
+                    assert item is not None
+                    assert [s.digest for s in item.segments] == [acked[tid][1]]
+                    seen.setdefault(tid, []).append(item.segments[0].digest)
+                decoded = reader.get_batch("ns", ids)
+                for tid, item in zip(ids, decoded.items, strict=True):
+                    assert item is not None
+                    assert item.routes is not None
+                    assert np.array_equal(item.routes.to_topk(), expected_ids(acked[tid][0]))
+        store = seaweed.new_store(prefix=a.prefix)
+        try:
+            assert all(k.endswith(".blob") for k in _listed(store, f"{SHARD_PREFIX}ns/"))
+            fresh = Catalog(f"sqlite:///{tmp_path / 'rebuilt.db'}")
+            try:
+                report = rebuild_catalog(store, fresh)
+                assert report.skipped == []
+                assert report.trajectories == len(ids), report
+                found = fresh.segments.lookup("ns", ids)
+                assert {tid: [e.digest for e in es] for tid, es in found.items()} == {
+                    tid: [acked[tid][1]] for tid in ids
+                }
+                rebuilt = Engine(store, fresh)
+                batch = rebuilt.get_batch("ns", ids)
+                assert batch.missing == []
+                for tid, item in zip(ids, batch.items, strict=True):
+                    assert np.array_equal(item.routes.to_topk(), expected_ids(acked[tid][0]))  # type: ignore[union-attr]
+            finally:
+                fresh.close()
+        finally:
+            store.close()
+
+
+def test_a_commit_that_loses_a_race_leaves_no_index(tmp_path: Path, seaweed: SeaweedFS) -> None:
+    """Two replicas (engines on one catalog) commit other content for one id at once:
+    the one that loses after writing its index is refused, and neither its rows nor
+    the content that lost come back in a rebuild."""
+    url = f"sqlite:///{tmp_path / 'catalog.db'}"
+    prefix = f"t-{uuid.uuid4().hex[:16]}"
+    mine_store, theirs_store = seaweed.new_store(prefix=prefix), seaweed.new_store(prefix=prefix)
+    mine, theirs = Engine(mine_store, Catalog(url)), Engine(theirs_store, Catalog(url))
+    try:
+        mine.namespaces.create("ns", SPEC)
+        their_write = TrajectoryWrite("x", 25, topk=make_write("z", tokens=25).topk)
+        their_blob, their_segments = _encoded([their_write])
+        their_plan = theirs.direct.plan("ns", "w", 600)  # planned first: the older blob
+        assert _put_blob(their_plan.__dict__, their_blob) in (200, 201)
+        time.sleep(0.01)
+        blob, segments = _encoded([make_write("x"), make_write("y")])
+        plan = mine.direct.plan("ns", "w", 600)
+        assert _put_blob(plan.__dict__, blob) in (200, 201)
+        real = mine_store.put_if_absent
+        raced: list[list[PutResult]] = []
+
+        def before_index(key: str, data: bytes | memoryview) -> None:
+            if key.startswith(INDEX_PREFIX) and not raced:  # the other replica wins meanwhile
+                raced.append(
+                    theirs.direct.commit(
+                        "ns", their_plan.plan, len(their_blob), their_segments, "w"
+                    )
+                )
+            real(key, data)
+
+        mine_store.put_if_absent = before_index  # type: ignore[method-assign]
+        with pytest.raises(Conflict):
+            mine.direct.commit("ns", plan.plan, len(blob), segments, "w")
+        assert raced
+        assert raced[0][0].created
+        assert mine.get_batch("ns", ["x", "y"]).missing == ["y"]
+        blob_key = _key_of({"plan": plan.plan})
+        indexed = {blob_of_index(k) for k in _listed(mine_store, INDEX_PREFIX)}
+        assert blob_key not in indexed, "a refused commit's index would bring its rows back"
+        fresh = Catalog(f"sqlite:///{tmp_path / 'rebuilt.db'}")
+        try:
+            rebuild_catalog(theirs_store, fresh)
+            found = fresh.segments.lookup("ns", ["x", "y"])
+            assert set(found) == {"x"}
+            assert [e.digest for e in found["x"]] == [raced[0][0].digest]
+        finally:
+            fresh.close()
+    finally:
+        mine.close()
+        theirs.close()
+        mine_store.close()
+        theirs_store.close()
+
+
+# 6. hostile commits
+
+
+def test_hostile_commits_are_refused_and_change_nothing(
+    server: ServerProcess, objects: S3Store
+) -> None:
+    ns, elsewhere = _namespace(server), _namespace(server)
+    short, long = (
+        TrajectoryWrite(
+            w.trajectory_id, w.num_tokens, topk=w.topk, token_ids=_tokens(w.num_tokens, 7)
+        )
+        for w in (make_write("h0", tokens=30), make_write("h1", tokens=90))
+    )
+    blob, segments = _encoded([short, long])
+    with _http(server, KEYS["writer"]) as http:
+        plan = _plan(http, ns)
+        assert _put_blob(plan, blob) in (200, 201)
+        good = _body(plan, len(blob), segments)
+
+        def refused(body: dict[str, Any], into: str = ns, status: int = 400) -> str:
+            r = _commit(http, into, body)
+            assert r.status_code == status, r.text
+            return str(r.json()["error"]["message"])
+
+        # the token forged or altered
+        token = plan["plan"]
+        payload, mac = token.split(".")
+        flipped = payload[:-2] + ("A" if payload[-2] != "A" else "B") + payload[-1]
+        for forged in (f"{flipped}.{mac}", f"{payload}.{mac[::-1]}", "x", "a.b"):
+            assert "not a write plan" in refused({**good, "plan": forged})
+        # a plan of another namespace, sent to this one, and this one's sent there
+        other = _plan(http, elsewhere)
+        assert _put_blob(other, blob) in (200, 201)
+        refused(_body(other, len(blob), segments))
+        refused(good, into=elsewhere)
+        # spans past the end of the blob
+        past = [
+            segments[0],
+            segments[1].model_copy(
+                update={"route_ids": SpanModel(offset=len(blob) - 4, length=64)}
+            ),
+        ]
+        assert "past the end" in refused(_body(plan, len(blob), past))
+        # a size other than the blob's
+        refused({**good, "size": len(blob) + 1})
+        refused({**good, "size": len(blob) - 1})
+        # a plan nothing was uploaded with
+        assert "nothing was uploaded" in refused(_body(_plan(http, ns), len(blob), segments))
+        # truncated streams
+        cut = segments[1].route_ids.model_copy(update={"length": segments[1].route_ids.length - 5})
+        refused(
+            _body(plan, len(blob), [segments[0], segments[1].model_copy(update={"route_ids": cut})])
+        )
+        # streams swapped between the two segments
+        swapped = [
+            segments[0].model_copy(update={"route_ids": segments[1].route_ids}),
+            segments[1].model_copy(update={"route_ids": segments[0].route_ids}),
+        ]
+        refused(_body(plan, len(blob), swapped))
+        tokens = [
+            segments[0].model_copy(update={"token_ids": segments[1].token_ids}),
+            segments[1].model_copy(update={"token_ids": segments[0].token_ids}),
+        ]
+        assert segments[0].token_ids is not None
+        refused(_body(plan, len(blob), tokens))
+        # a segment that says it has other tokens than its streams hold
+        refused(
+            _body(plan, len(blob), [segments[0].model_copy(update={"num_tokens": 31}), segments[1]])
+        )
+        # frames that are not zstd at all
+        junk = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes()
+        junk_plan = _plan(http, ns)
+        assert _put_blob(junk_plan, junk) in (200, 201)
+        junk_segments = [
+            segments[0].model_copy(
+                update={
+                    "route_ids": SpanModel(offset=0, length=1000),
+                    "route_counts": None,
+                    "route_order": None,
+                    "token_ids": SpanModel(offset=1000, length=100),
+                }
+            )
+        ]
+        refused(_body(junk_plan, len(junk), junk_segments))
+        # the blob's bytes, but a zstd frame cut short inside it
+        frame = segments[0].route_ids
+        clipped = SpanModel(offset=frame.offset, length=max(1, frame.length // 2))
+        refused(_body(plan, len(blob), [segments[0].model_copy(update={"route_ids": clipped})]))
+
+        # nothing of these is cataloged, indexed or readable
+        assert _listed(objects, f"{INDEX_PREFIX}{ns}/") == set()
+        assert _listed(objects, f"{INDEX_PREFIX}{elsewhere}/") == set()
+        for space in (ns, elsewhere):
+            assert int(http.get(f"/v1/namespaces/{space}").json()["trajectories"]) == 0
+        # and the honest commit of the same plan still goes through
+        r = _commit(http, ns, good)
+        assert r.status_code == 200, r.text
+        assert [x["created"] for x in r.json()["results"]] == [True, True]
+    with Client(server.url, api_key=KEYS["reader"]) as reader:
+        batch = reader.get_batch(ns, ["h0", "h1"])
+        for write, item in zip((short, long), batch.items, strict=True):
+            assert item is not None
+            assert item.routes is not None
+            assert np.array_equal(item.routes.to_topk(), expected_ids(write))
+    assert len(_listed(objects, f"{INDEX_PREFIX}{ns}/")) == 1
+
+
+# 7. the embedded store
+
+
+def test_the_embedded_store_takes_writes_through_the_server(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = ServerProcess(tmp_path, None)
+    try:
+        with (
+            Client(server.url, api_key=KEYS["admin"]) as client,
+            caplog.at_level(logging.INFO, logger="r3store_client"),
+        ):
+            client.create_namespace("local", SPEC)
+            [result] = client.put("local", [make_write("l0")])
+            assert result.created
+            assert "writes go through the server" in caplog.text
+            assert "direct writes need an object store that signs URLs" in caplog.text
+            [again] = client.put("local", [make_write("l1")])  # no second plan asked
+            assert again.created
+            assert caplog.text.count("writes go through the server") == 1
+            item = client.get_batch("local", ["l0"]).items[0]
+            assert item is not None
+            assert item.routes is not None
+            assert np.array_equal(item.routes.to_topk(), expected_ids(make_write("l0")))
+        with Client(server.url, api_key=KEYS["admin"], direct_writes=True) as insisting:
+            with pytest.raises(DirectUnavailable):
+                insisting.put("local", [make_write("l2")])
+            assert insisting.get_batch("local", ["l2"]).missing == ["l2"]
+    finally:
+        server.stop()
