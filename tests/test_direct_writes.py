@@ -270,7 +270,7 @@ def test_an_upload_never_committed_is_collected_and_its_plan_dies(
     ns = _namespace(server)
     blob, segments = _encoded([make_write("c0"), make_write("c1")])
     with _http(server, KEYS["writer"]) as http:
-        plan = _plan(http, ns)
+        plan = _plan(http, ns, expires=10)
         assert plan["headers"] == {"If-None-Match": "*"}
         assert _put_blob(plan, blob) in (200, 201)
         assert _put_blob(plan, b"other bytes") == 412  # create-only
@@ -279,16 +279,17 @@ def test_an_upload_never_committed_is_collected_and_its_plan_dies(
         # the writer dies here: nothing is cataloged, nothing readable
         with Client(server.url, api_key=KEYS["reader"]) as reader:
             assert reader.get_batch(ns, ["c0", "c1"]).missing == ["c0", "c1"]
+        # while its URL works, the blob is no orphan (it could be uploaded again)
+        assert _collect_orphans(server)["orphans_deleted"] == 0
+        assert key in _listed(objects, f"{SHARD_PREFIX}{ns}/")
+        time.sleep(max(0.0, plan["expires_at"] - time.time()) + 1.5)
         report = _collect_orphans(server)
         assert report["orphans_deleted"] >= 1
         assert key not in _listed(objects, f"{SHARD_PREFIX}{ns}/")
         assert _listed(objects, f"{INDEX_PREFIX}{ns}/") == set()
         late = _commit(http, ns, _body(plan, len(blob), segments))
         assert late.status_code == 400, late.text  # nothing to read any more
-        # the URL still works (create-only, the object is gone): the plan does not
-        assert _put_blob(plan, blob) in (200, 201)
-        later = _commit(http, ns, _body(plan, len(blob), segments))
-        assert later.status_code == 409, later.text  # no longer planned: collected
+        assert _put_blob(plan, blob) == 403  # the URL died before the blob was collected
         with Client(server.url, api_key=KEYS["reader"]) as reader:
             assert reader.get_batch(ns, ["c0", "c1"]).missing == ["c0", "c1"]
         assert _listed(objects, f"{INDEX_PREFIX}{ns}/") == set()

@@ -112,7 +112,8 @@ class DirectWrites:
         self._namespaces.get(namespace)
         now = self._clock()
         key = blob_key(namespace, now)
-        self._catalog.ledger.plan_upload(key, namespace, DIRECT, now)
+        # planned as of when its URL stops working: never an orphan while it can be used
+        self._catalog.ledger.plan_upload(key, namespace, DIRECT, now + expires)
         url, headers = self._store.presign_put(key, expires)
         token = signing.sign(self._key(), {"n": namespace, "k": key, "w": writer})
         return WritePlan(token, url, headers, now + expires, MAX_BLOB_BYTES)
@@ -161,13 +162,18 @@ class DirectWrites:
             spans = [
                 _stored_spans(sent[(r.trajectory_id, r.source, r.start)], r) for r in put.fresh
             ]
+            if not self._catalog.ledger.is_planned(key, DIRECT):
+                raise Conflict(
+                    "the write plan was committed before (with other segments) or its blob "
+                    "collected as an orphan: ask for a new plan"
+                )
             now = self._clock()
             index = write_index(self._store, key, namespace, spec, now, put.fresh, spans, now)
             try:
                 committed = self._committer.commit_stored(
                     namespace, spec, key, size, put.fresh, spans
                 )
-            except Conflict:
+            except (Conflict, InvalidInput):
                 # refused, and certainly not committed: its index must not bring the rows
                 # back in a rebuild (another replica's content, or an orphan's)
                 with contextlib.suppress(StoreError):

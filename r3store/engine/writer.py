@@ -373,8 +373,7 @@ class GroupCommitter:
                 try:
                     self._catalog.shards.commit(shard, entries, load_records(namespace, key, fresh))
                 except Conflict:
-                    planned = self._catalog.ledger.pending_uploads(namespace)
-                    if not any(p.key == key and p.kind == DIRECT for p in planned):
+                    if not self._catalog.ledger.is_planned(key, DIRECT):
                         raise Conflict(
                             f"{key} is no longer planned: committed before with other "
                             "segments, or collected as an orphan; ask for a new plan"

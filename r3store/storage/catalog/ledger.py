@@ -324,6 +324,12 @@ class Ledger:
         with self._db.begin() as conn:
             forget(conn, key)
 
+    def is_planned(self, key: str, kind: str) -> bool:
+        """Whether `key` is a planned upload of `kind`, not committed or being deleted."""
+        query = sa.select(uploads.c.key).where(uploads.c.key == key, uploads.c.kind == kind)
+        with self._db.connect() as conn:
+            return conn.execute(query).first() is not None
+
     def pending_uploads(self, namespace: str | None = None) -> list[PlannedUpload]:
         with self._db.connect() as conn:
             return pending(conn, namespace)
