@@ -27,10 +27,12 @@ from r3store.engine.maintenance import MaintenanceOptions
 from r3store.engine.reader import ReaderConfig, plan_ranges
 from r3store.logic import codec, rest
 from r3store.logic.routes import Routes, from_topk, to_mask
+from r3store.protocol.direct import pack
 from r3store.records import TrajectoryWrite
 from r3store.spec import RouteSpec
 from r3store.storage.catalog import Catalog
-from r3store.storage.keys import DICTIONARY_PREFIX, SHARD_PREFIX
+from r3store.storage.dictionary import read_dictionary
+from r3store.storage.keys import DICTIONARY_PREFIX, SHARD_PREFIX, parse_dictionary_key
 from r3store.storage.store import LocalStore
 from r3store.testing.synthetic import uniform_topk
 
@@ -123,6 +125,57 @@ def at_rest(
             for e in entries
         )
     return ingest - before, stored - before, gets, trained
+
+
+def direct_bytes(spec: RouteSpec, writes: list[TrajectoryWrite]) -> tuple[int, int, int]:
+    """Bytes a rollout worker uploads in direct writes of the second half of `writes`
+    without a dictionary and once the first half made one (compression at rest
+    trained it: the write plan hands it out), and the bytes that second half takes at
+    rest (its dictionaries included), side by side."""
+    half = len(writes) // 2
+    with tempfile.TemporaryDirectory() as tmp:
+        store = LocalStore(Path(tmp) / "o")
+        with Engine(store, Catalog(f"sqlite:///{tmp}/c.db")) as engine:
+            engine.namespaces.create("ns", spec)
+            for begin in range(0, half, 16):
+                engine.put("ns", writes[begin : min(begin + 16, half)])
+            engine.upkeep.maintenance(MaintenanceOptions(cold_seconds=0)).run()
+            found = [parse_dictionary_key(o.key) for o in store.list(DICTIONARY_PREFIX)]
+            [(namespace, digest)] = [d for d in found if d is not None]
+            dictionary = read_dictionary(store, namespace, digest)
+            second = writes[half:]
+            plain, _ = pack([w.encode(spec) for w in second])
+            encoded = [w.encode(spec, dictionary) for w in second]
+            blob, _ = pack(encoded)
+            before = engine.namespaces.usage("ns").live_route_bytes
+            dictionaries = sum(o.size for o in store.list(DICTIONARY_PREFIX))
+            for begin in range(0, len(encoded), 16):
+                engine.put("ns", encoded[begin : begin + 16])
+            engine.upkeep.maintenance(MaintenanceOptions(cold_seconds=0)).run()
+            stored = engine.namespaces.usage("ns").live_route_bytes - before
+            stored += sum(o.size for o in store.list(DICTIONARY_PREFIX)) - dictionaries
+    return len(plain), len(blob), stored
+
+
+def _direct(spec: RouteSpec, label: str, writes: list[TrajectoryWrite], n: int) -> list[Figure]:
+    plain, with_dictionary, stored = direct_bytes(spec, writes)
+    return [
+        Figure(
+            f"{label}: direct writes with the namespace dictionary vs at rest",
+            with_dictionary / n,
+            BYTES,
+            stored / n,
+            "the same rows at rest",
+            "<= 1.2x",
+        ),
+        Figure(
+            f"{label}: direct writes without a dictionary vs at rest",
+            plain / n,
+            BYTES,
+            stored / n,
+            "the same rows at rest",
+        ),
+    ]
 
 
 def _cold(spec: RouteSpec, trajectories: list[np.ndarray]) -> list[rest.ColdRow]:
@@ -321,6 +374,8 @@ def _shape(name: str, quick: bool) -> list[Figure]:
         ),
         Figure(f"{label}: ranged GETs per trajectory read", gets, "GETs", None, None, "1"),
     ]
+    second = trajectories[len(trajectories) // 2 :]
+    figures += _direct(spec, label, writes, _token_layers(second))
     figures += _levels(spec, trajectories)
     figures += _speed(spec, trajectories)
     figures += _order(spec, trajectories)

@@ -15,6 +15,8 @@
     │   └── ObjectNotFound       an object store key that does not exist
     ├── Conflict                 the same id with other content, or an existing name
     │   ├── ObjectExists         a create-only put whose key already exists
+    │   ├── PlanGone             a write plan no longer planned: committed, collected, or
+    │   │                        its namespace deleted (ask for a new one)
     │   ├── LeaseClosed          a lease no longer open: released (or as below)
     │   │   ├── LeaseCommitted   a lease committed already (the commit stands)
     │   │   └── LeaseExpired     a lease past its expiry (its trajectories went back)
@@ -104,6 +106,10 @@ class Conflict(R3StoreError):
 
 class ObjectExists(Conflict):
     code = "object_exists"
+
+
+class PlanGone(Conflict):
+    code = "plan_gone"
 
 
 class LeaseClosed(Conflict):

@@ -119,14 +119,20 @@ class TrajectoryWrite:
             raise type(exc)(f"{self.trajectory_id}: {exc}") from None
         raise InvalidInput(f"{self.trajectory_id}: encoded routes are checked by decoding")
 
-    def encode(self, spec: RouteSpec) -> TrajectoryWrite:
+    def encode(
+        self, spec: RouteSpec, dictionary: codec.Dictionary | None = None
+    ) -> TrajectoryWrite:
         """This write with its routes validated and encoded here, as the engine would
         (a rollout worker's CPU instead of the server's); the server checks them by
-        decoding."""
+        decoding. With the namespace's `dictionary` (a direct write), the ids go
+        token-major, compressed with it: about the bytes they take at rest."""
         self.check()
         if self.encoded is not None:
             return self
-        streams = codec.encode(self.canonical(spec), spec, digest=False)  # the server's
+        transforms = None if dictionary is None else (codec.Transform.TOKEN_MAJOR,)
+        streams = codec.encode(  # the digest is the server's to compute
+            self.canonical(spec), spec, digest=False, dictionary=dictionary, transforms=transforms
+        )
         return replace(self, topk=None, mask=None, encoded=SentStreams.of(streams))
 
     def check(self) -> None:

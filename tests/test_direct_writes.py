@@ -30,10 +30,11 @@ from r3store.protocol.direct import DirectSegment, pack
 from r3store.protocol.fields import SpanModel
 from r3store.records import PutResult, TrajectoryWrite
 from r3store.storage.catalog import Catalog
-from r3store.storage.keys import INDEX_PREFIX, SHARD_PREFIX, blob_of_index
+from r3store.storage.keys import DICTIONARY_PREFIX, INDEX_PREFIX, SHARD_PREFIX, blob_of_index
 from r3store.storage.store import S3Store
 from r3store.testing.postgres import Postgres
 from r3store.testing.seaweedfs import SeaweedFS
+from r3store.testing.synthetic import skewed_topk
 from r3store_client import Client
 
 pytestmark = pytest.mark.s3
@@ -650,3 +651,66 @@ def test_the_embedded_store_takes_writes_through_the_server(
             assert insisting.get_batch("local", ["l2"]).missing == ["l2"]
     finally:
         server.stop()
+
+
+# the namespace's dictionary
+
+
+def _routed(seed: int, count: int, tokens: int) -> list[TrajectoryWrite]:
+    """Trajectories whose routes follow from their tokens (one of 512), as a trained
+    router's do: what compression at rest learns a dictionary from."""
+    rng = np.random.default_rng(seed)
+    router = skewed_topk(
+        np.random.default_rng(0), 512, SPEC.num_layers, SPEC.num_experts, SPEC.top_k
+    )
+    return [
+        TrajectoryWrite(f"d{seed}-{i}", tokens, topk=router[rng.integers(0, 512, tokens)])
+        for i in range(count)
+    ]
+
+
+def test_direct_writes_encode_with_the_namespace_dictionary(
+    server: ServerProcess, objects: S3Store
+) -> None:
+    ns = _namespace(server)
+    with Client(server.url, api_key=KEYS["admin"]) as client:
+        first = _routed(1, 96, 800)  # 1.2 MB of ids: enough to train a dictionary from
+        for begin in range(0, len(first), 16):
+            client.put(ns, first[begin : begin + 16])
+        with _http(server, KEYS["writer"]) as http:
+            assert _plan(http, ns)["dictionary"] is None  # none made yet
+            assert _cli(server, "maintain", "--cold-age", "0")["dictionaries_trained"] == 1
+            [key] = _listed(objects, f"{DICTIONARY_PREFIX}{ns}/")
+            digest = key.rsplit("/", 1)[1].removesuffix(".zdict")
+            planned = _plan(http, ns)["dictionary"]
+            assert planned is not None
+            assert planned["digest"] == digest
+            assert httpx.get(planned["url"], timeout=30).content == objects.get(key)
+
+            indexes = _listed(objects, f"{INDEX_PREFIX}{ns}/")
+            later = _routed(2, 8, 400)
+            with Client(server.url, api_key=KEYS["admin"]) as fresh:  # a new worker
+                results = fresh.put(ns, later)
+            assert all(r.created for r in results)
+            [index] = _listed(objects, f"{INDEX_PREFIX}{ns}/") - indexes
+            rows = json.loads(objects.get(index))["rows"]
+            assert {(r["route_dictionary"], r["route_transform"]) for r in rows} == {(digest, 2)}
+            ids = [w.trajectory_id for w in later]
+            for batch in (client.get_batch(ns, ids), client.fetch_direct(ns, ids)[1]):
+                assert batch.missing == []
+            decoded = client.get_batch(ns, ids)
+            for write, item in zip(later, decoded.items, strict=True):
+                assert item is not None
+                assert item.routes is not None
+                assert np.array_equal(item.routes.to_topk(), np.sort(write.topk, axis=-1))
+
+            # a commit naming a dictionary the namespace does not have changes nothing
+            encoded = [w.encode(SPEC) for w in _routed(3, 1, 50)]
+            blob, segments = pack(encoded)
+            plan = _plan(http, ns)
+            assert _put_blob(plan, blob) in (200, 201)
+            named = [segments[0].model_copy(update={"route_dictionary": "ab" * 16})]
+            refused = _commit(http, ns, _body(plan, len(blob), named))
+            assert refused.status_code == 400, refused.text
+            assert "does not have" in refused.json()["error"]["message"]
+            assert client.get_batch(ns, ["d3-0"]).missing == ["d3-0"]

@@ -4,6 +4,7 @@ direct reads and a third-party decoder all see the same routes."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import time
 from collections.abc import Iterator
@@ -20,14 +21,17 @@ from helpers import MakeEngine
 from http_helpers import KEYS, ServerProcess
 from r3store.engine import Engine
 from r3store.engine.maintenance import MaintenanceOptions
+from r3store.errors import InvalidRoutes
 from r3store.logic import codec, rest
+from r3store.logic.codec import Transform
 from r3store.logic.routes import Routes, from_topk
 from r3store.policy import NamespaceSettings, Retention
 from r3store.protocol.wire import ReadFormat, encode_batch
 from r3store.records import Batch, TrajectoryWrite
 from r3store.spec import RouteSpec
 from r3store.storage.catalog import Catalog
-from r3store.storage.keys import DICTIONARY_PREFIX, SHARD_PREFIX
+from r3store.storage.dictionary import read_dictionary
+from r3store.storage.keys import DICTIONARY_PREFIX, SHARD_PREFIX, parse_dictionary_key
 from r3store.storage.store import ObjectStore
 from r3store.testing.seaweedfs import SeaweedFS
 from r3store.testing.synthetic import skewed_topk
@@ -304,3 +308,66 @@ def test_direct_reads_of_rows_at_rest(server: ServerProcess) -> None:
             assert segment.encoded is not None
             routes = codec.decode(segment.encoded, SPEC, segment.num_tokens)
             assert np.array_equal(routes.to_topk(), writes[tid][1]), tid
+
+
+def test_writes_encoded_with_the_namespace_dictionary_are_checked_kept_and_rested(
+    store: ObjectStore, make_engine: MakeEngine
+) -> None:
+    """What a direct write's worker sends once compression at rest made a dictionary:
+    token-major ids compressed with it. The engine checks them with that dictionary,
+    refuses one the namespace does not have (or streams it does not decode), serves
+    them exactly, and a later pass at rest writes them again like any ingest row."""
+    engine = make_engine(store)
+    engine.namespaces.create("ns", SPEC)
+    for write, _ids in _group_writes().values():
+        engine.put("ns", [write])
+    assert engine.upkeep.maintenance(MaintenanceOptions(cold_seconds=0)).run().dictionaries_trained
+    [key] = [o.key for o in store.list(DICTIONARY_PREFIX)]
+    parsed = parse_dictionary_key(key)
+    assert parsed is not None
+    dictionary = read_dictionary(store, *parsed)
+
+    later = _group_writes(version=1)
+    encoded = [w.encode(SPEC, dictionary) for w, _ids in later.values()]
+    for w in encoded:
+        assert w.encoded is not None
+        assert (w.encoded.transform, w.encoded.dictionary) == (
+            Transform.TOKEN_MAJOR,
+            dictionary.digest,
+        )
+    plain = [w.encode(SPEC) for w, _ids in later.values()]
+    assert sum(len(w.encoded.ids) for w in encoded if w.encoded) < sum(  # smaller with it
+        len(w.encoded.ids) for w in plain if w.encoded
+    )
+    first = encoded[0]
+    assert first.encoded is not None
+    unknown = dataclasses.replace(first.encoded, dictionary=bytes(16))
+    with pytest.raises(InvalidRoutes, match="does not have"):
+        engine.put("ns", [dataclasses.replace(first, encoded=unknown)])
+    other = rest.train(rest.samples(SPEC, [_cold_row(w) for w, _ids in later.values()]))
+    assert other is not None
+    lying = dataclasses.replace(  # compressed with another dictionary, naming this one
+        first.encoded,
+        ids=dataclasses.replace(first, topk=later[first.trajectory_id][1], encoded=None)
+        .encode(SPEC, other)
+        .encoded.ids,  # type: ignore[union-attr]
+    )
+    with pytest.raises(InvalidRoutes):
+        engine.put("ns", [dataclasses.replace(first, encoded=lying)])
+    assert engine.get_batch("ns", [first.trajectory_id]).missing == [first.trajectory_id]
+
+    for w in encoded:
+        engine.put("ns", [w])
+    _check(engine, later)
+    found = make_engine.catalog().segments.lookup("ns", list(later))
+    assert {e[0].spans.dictionary for e in found.values()} == {dictionary.digest}
+    before = engine.namespaces.usage("ns").live_route_bytes
+    report = engine.upkeep.maintenance(MaintenanceOptions(cold_seconds=0)).run()
+    assert report.shards_merged >= len(later)  # written again at rest, as ingest rows are
+    assert engine.namespaces.usage("ns").live_route_bytes < before
+    _check(engine, later)
+
+
+def _cold_row(write: TrajectoryWrite) -> rest.ColdRow:
+    routes = write.canonical(SPEC)
+    return rest.ColdRow(routes, codec.encode(routes, SPEC), None, "engine", 0, 0)

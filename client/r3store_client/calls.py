@@ -46,7 +46,7 @@ from r3store.errors import (
     StoreError,
     error_class,
 )
-from r3store.logic.codec import Dictionaries, decode_tokens, load_dictionary
+from r3store.logic.codec import Dictionaries, Dictionary, decode_tokens, load_dictionary
 from r3store.logic.sampling import Strategy
 from r3store.logic.spans import ByteRange
 from r3store.logic.streams import fits
@@ -193,13 +193,16 @@ def check_shape(write: TrajectoryWrite, spec: RouteSpec) -> None:
     )
 
 
-def encoded_writes(writes: Sequence[TrajectoryWrite], spec: RouteSpec) -> list[TrajectoryWrite]:
+def encoded_writes(
+    writes: Sequence[TrajectoryWrite], spec: RouteSpec, dictionary: Dictionary | None = None
+) -> list[TrajectoryWrite]:
     """The writes with each array's shape checked against the spec and the routes
     validated and encoded as the engine would (bad ones raise `InvalidRoutes` before
-    anything is sent); a segment too long to be checked by decoding stays as ids."""
+    anything is sent; with the namespace's `dictionary` for a direct write); a segment
+    too long to be checked by decoding stays as ids."""
     for w in writes:
         check_shape(w, spec)
-    return [w.encode(spec) if fits(spec, w.num_tokens) else w for w in writes]
+    return [w.encode(spec, dictionary) if fits(spec, w.num_tokens) else w for w in writes]
 
 
 def upload_body(writes: Sequence[TrajectoryWrite], spec: RouteSpec, encode: bool) -> bytes:
@@ -449,11 +452,14 @@ class Calls(LeaseCalls, DirectWrites):
         (`direct_writes`; `r3store_client.direct_writes`)."""
         spec = yield from self._spec(namespace)
         answer = None
-        if self.encode and self._chooses_direct():
-            encoded = yield Work(encoded_writes, (list(writes), spec))
-            if all(w.encoded is not None for w in encoded):
-                answer = yield from self._put_direct(namespace, encoded, Work)
-            writes = encoded
+        if (
+            self.encode
+            and self._chooses_direct()
+            and all(isinstance(w.num_tokens, int) and fits(spec, w.num_tokens) for w in writes)
+        ):
+            for w in writes:
+                check_shape(w, spec)
+            answer = yield from self._put_direct(namespace, spec, writes, Work, encoded_writes)
         if answer is None:
             body = yield Work(upload_body, (list(writes), spec, self.encode))
             answer = yield from self._json(

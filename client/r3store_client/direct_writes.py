@@ -13,14 +13,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import urllib3
 
-from r3store.errors import DirectUnavailable, StoreError
+from r3store.errors import DirectUnavailable, PlanGone, R3StoreError, StoreError
+from r3store.logic.codec import Dictionaries, Dictionary, load_dictionary
 from r3store.protocol.direct import WriteCommitted, WritePlanModel, pack
 from r3store.records import TrajectoryWrite
+from r3store.spec import RouteSpec
 
 log = logging.getLogger("r3store_client")
 
@@ -42,6 +44,7 @@ class DirectWrites:
     _writes_direct: bool | None  # what was chosen (None: not yet)
     _plans: dict[str, list[WritePlanModel]]  # unused plans commits answered, per namespace
     _plans_lock: threading.Lock
+    _dictionaries: Dictionaries  # by digest, shared with direct reads
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Generator[Any, Any, Any]:
         raise NotImplementedError  # `Calls`
@@ -78,12 +81,19 @@ class DirectWrites:
                     pool.append(plan)
 
     def _put_direct(
-        self, namespace: str, writes: Sequence[TrajectoryWrite], work: Any
+        self,
+        namespace: str,
+        spec: RouteSpec,
+        writes: Sequence[TrajectoryWrite],
+        work: Any,
+        encoded_writes: Callable[..., list[TrajectoryWrite]],
     ) -> Generator[Any, Any, dict[str, Any] | None]:
-        """The server's answer to a direct write of `writes` (all encoded), or None when
-        the server does not take direct writes (then the put goes through it). A plan
-        is used once: a PUT refused (expired, or its key taken) gets a new plan."""
-        blob, segments = yield work(pack, (list(writes),))
+        """The server's answer to a direct write of `writes` (shapes checked), or None
+        when the server does not take direct writes (then the put goes through it). The
+        routes are encoded (`encoded_writes`, as `Work`) with the namespace's dictionary
+        when the plan names one. A plan is used once: a PUT refused (expired, or its key
+        taken) gets a new plan."""
+        packed: tuple[bytes | None, bytes, list[Any]] | None = None  # dictionary, blob, segments
         for attempt in range(3):
             plan = self._next_plan(namespace)
             if plan is None:
@@ -97,6 +107,12 @@ class DirectWrites:
                     self._chose(False, f"writes go through the server ({exc})")
                     return None
                 plan = WritePlanModel.model_validate(answer)
+            dictionary = yield work(self._plan_dictionary, (plan,))
+            digest = None if dictionary is None else dictionary.digest
+            if packed is None or packed[0] != digest:
+                encoded = yield work(encoded_writes, (list(writes), spec, dictionary))
+                packed = (digest, *(yield work(pack, (encoded,))))
+            _digest, blob, segments = packed
             if len(blob) > plan.max_bytes:
                 self._keep_plan(namespace, plan)
                 return None  # too large for one blob: through the server, in one upload
@@ -113,13 +129,44 @@ class DirectWrites:
                 "segments": [s.model_dump(mode="json", exclude_none=True) for s in segments],
                 "next_plan": True,
             }
-            committed = yield from self._json(
-                "POST", f"/v1/namespaces/{namespace}/writes/commit", json=body
-            )
+            try:
+                committed = yield from self._json(
+                    "POST", f"/v1/namespaces/{namespace}/writes/commit", json=body
+                )
+            except PlanGone:
+                # a pooled plan the server forgot (its namespace was deleted and made
+                # again, say): the others are as old; a new plan, a new upload
+                with self._plans_lock:
+                    self._plans.pop(namespace, None)
+                if attempt == 2:
+                    raise
+                continue
             answer = WriteCommitted.model_validate(committed)
             self._keep_plan(namespace, answer.next)
             return {"results": [item.model_dump() for item in answer.results]}
         raise StoreError("unreachable")
+
+    def _plan_dictionary(self, plan: WritePlanModel) -> Dictionary | None:
+        """The dictionary a plan names: fetched once and kept (checked against its
+        digest); None when it names none, or it cannot be fetched (then the routes go
+        without one, as they would before the namespace had one)."""
+        if plan.dictionary is None:
+            return None
+        digest = bytes.fromhex(plan.dictionary.digest)
+        known = self._dictionaries.get(digest)
+        if known is not None:
+            return known
+        store, _fetchers = self._direct()
+        try:
+            response = store.request("GET", plan.dictionary.url)
+            if response.status != 200:
+                raise StoreError(f"the object store answered {response.status}")
+            known = load_dictionary(response.data, digest)
+        except (urllib3.exceptions.HTTPError, R3StoreError) as exc:
+            log.warning("r3store: the namespace's dictionary is not used: %s", exc)
+            return None
+        self._dictionaries[digest] = known
+        return known
 
     def _store_put(self, url: str, headers: dict[str, str], blob: bytes) -> None:
         """PUT a blob to a plan's URL, retried on a failed connection; 403 (expired) and

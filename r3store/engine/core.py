@@ -52,12 +52,14 @@ from r3store.errors import (
     CorruptShard,
     Forbidden,
     InvalidInput,
+    InvalidRoutes,
     NotFound,
     ObjectNotFound,
     StalePolicy,
     StoreError,
 )
 from r3store.logic import codec, stats, streams
+from r3store.logic.codec import Dictionary
 from r3store.logic.routes import Routes
 from r3store.logic.sampling import Strategy
 from r3store.logic.sources import choose_source, engine_segments, inherit
@@ -233,14 +235,25 @@ class Engine:
         return _canonical(spec, write)
 
     def prepare(
-        self, spec: RouteSpec, write: TrajectoryWrite, writer: str | None = None
+        self,
+        spec: RouteSpec,
+        write: TrajectoryWrite,
+        writer: str | None = None,
+        dictionary: Dictionary | None = None,
     ) -> ShardRow:
         """Validate and encode one checked segment, or check the streams a client
-        encoded (pure CPU work, in the caller's thread); `writer`: the key uploading it."""
+        encoded (pure CPU work, in the caller's thread; `dictionary`: the namespace's
+        that they name); `writer`: the key uploading it."""
         if write.encoded is not None:
             where = write.trajectory_id
             encoded, load = streams.accept_counted(
-                write.encoded, spec, write.num_tokens, _salt(write), write.tokens(), where
+                write.encoded,
+                spec,
+                write.num_tokens,
+                _salt(write),
+                write.tokens(),
+                where,
+                dictionary,
             )
         else:
             routes = _canonical(spec, write)
@@ -335,14 +348,36 @@ class Engine:
                     f"version {info.policy_version} (the limit R3STORE_MAX_POLICY_AHEAD): "
                     "set the policy version first (PUT .../policy-version)"
                 )
+        dictionaries = self._dictionaries(namespace, writes)
         rows = []
         for write in writes:
             if stop is not None and stop():
                 raise StoreError("the upload was answered before its routes were encoded")
-            rows.append(self.prepare(info.spec, write, writer))
+            named = None if write.encoded is None else write.encoded.dictionary
+            rows.append(self.prepare(info.spec, write, writer, dictionaries.get(named)))
         fresh, results = settle_rows(rows, stored)  # refuse now what the commit would
         order = [row_key(r) for r in rows]
         return EncodedPut(namespace, info.spec, fresh, results, order)
+
+    def _dictionaries(
+        self, namespace: str, writes: Sequence[TrajectoryWrite]
+    ) -> dict[bytes | None, Dictionary]:
+        """The namespace dictionaries that client-encoded writes name (a direct write's
+        ids compressed with one); `InvalidRoutes` for one the namespace does not have."""
+        named = {w.encoded.dictionary for w in writes if w.encoded is not None}
+        found: dict[bytes | None, Dictionary] = {}
+        for digest in named - {None}:
+            assert digest is not None
+            try:
+                dictionary = self._reader.dictionaries.get(namespace, digest)
+            except (ObjectNotFound, CorruptShard):
+                raise InvalidRoutes(
+                    f"the writes name dictionary {digest.hex()}, which namespace "
+                    f"{namespace!r} does not have"
+                ) from None
+            assert dictionary is not None
+            found[digest] = dictionary
+        return found
 
     def commit(self, put: EncodedPut) -> list[PutResult]:
         """The second half of `put`: store the fresh rows and wait for the commit."""

@@ -16,6 +16,7 @@ so the bytes checked are the bytes readers get.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from r3store.errors import (
     InvalidInput,
     ObjectNotFound,
     PayloadTooLarge,
+    PlanGone,
     StoreError,
 )
 from r3store.logic import signing
@@ -37,7 +39,7 @@ from r3store.records import PutResult, TrajectoryWrite
 from r3store.storage.blob import write_index
 from r3store.storage.catalog import Catalog
 from r3store.storage.catalog.ledger import DIRECT
-from r3store.storage.keys import blob_key, is_blob
+from r3store.storage.keys import blob_key, dictionary_key, is_blob
 from r3store.storage.shard import ShardRow
 from r3store.storage.store.base import ObjectStore
 
@@ -57,6 +59,7 @@ class WritePlan:
     headers: dict[str, str]
     expires_at: float
     max_bytes: int
+    dictionary: tuple[bytes, str] | None = None  # the namespace's newest: digest, URL
 
 
 class Encode(Protocol):
@@ -116,7 +119,12 @@ class DirectWrites:
         self._catalog.ledger.plan_upload(key, namespace, DIRECT, now + expires)
         url, headers = self._store.presign_put(key, expires)
         token = signing.sign(self._key(), {"n": namespace, "k": key, "w": writer})
-        return WritePlan(token, url, headers, now + expires, MAX_BLOB_BYTES)
+        newest = self._catalog.ledger.newest_dictionary(namespace)
+        dictionary = None
+        if newest is not None:
+            where = self._store.presign_get(dictionary_key(namespace, newest), expires)
+            dictionary = (newest, where)
+        return WritePlan(token, url, headers, now + expires, MAX_BLOB_BYTES, dictionary)
 
     def commit(
         self,
@@ -163,7 +171,7 @@ class DirectWrites:
                 _stored_spans(sent[(r.trajectory_id, r.source, r.start)], r) for r in put.fresh
             ]
             if not self._catalog.ledger.is_planned(key, DIRECT):
-                raise Conflict(
+                raise PlanGone(
                     "the write plan was committed before (with other segments) or its blob "
                     "collected as an orphan: ask for a new plan"
                 )
@@ -190,5 +198,5 @@ def _stored_spans(segment: DirectSegment, row: ShardRow) -> RouteSpans:
     K are not stored (`streams.accept` drops them), so neither is their span."""
     spans = segment.spans()
     if row.routes.counts is None and spans.counts is not None:
-        return RouteSpans(spans.ids, None, spans.order, spans.transform, spans.tokens)
+        return dataclasses.replace(spans, counts=None)
     return spans

@@ -391,8 +391,9 @@ class Maintenance:
             data = memoryview(self.store.get(usage.key))
             held = self.catalog.segments.entries_in(usage.key)
             streams = [e.spans.streams(_reader(data), e.digest) for e in held]
-            if usage.rest_level is None:
-                fresh += [len(stored) + i for i, s in enumerate(streams) if codec.self_contained(s)]
+            if usage.rest_level is None:  # as ingest wrote them (a direct write's may
+                # name the dictionary it was encoded with, and be token-major)
+                fresh += [len(stored) + i for i, s in enumerate(streams) if s.prefix is None]
             entries += held
             stored += streams
         before = sum(route_bytes(stored))
@@ -402,7 +403,12 @@ class Maintenance:
         for version, picked in sorted(by_version.items()):
             cold = [
                 rest.ColdRow(
-                    codec.decode(stored[i], spec, entries[i].num_tokens),
+                    codec.decode(
+                        stored[i],
+                        spec,
+                        entries[i].num_tokens,
+                        self._dictionaries.get(namespace, stored[i].dictionary),
+                    ),
                     stored[i],
                     entries[i].group_id,
                     entries[i].source,

@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from r3store.catalog_types import TrajectoryEntry
-from r3store.errors import Backpressure, Conflict, R3StoreError, StoreError
+from r3store.errors import Backpressure, Conflict, PlanGone, R3StoreError, StoreError
 from r3store.logic.spans import RouteSpans
 from r3store.policy import ENGINE, Source
 from r3store.records import Held, PutResult, Segment, settle
@@ -374,7 +374,7 @@ class GroupCommitter:
                     self._catalog.shards.commit(shard, entries, load_records(namespace, key, fresh))
                 except Conflict:
                     if not self._catalog.ledger.is_planned(key, DIRECT):
-                        raise Conflict(
+                        raise PlanGone(
                             f"{key} is no longer planned: committed before with other "
                             "segments, or collected as an orphan; ask for a new plan"
                         ) from None

@@ -26,7 +26,13 @@ import zstandard
 
 from r3store.errors import InvalidInput, InvalidRoutes
 from r3store.logic import codec
-from r3store.logic.codec import LEHMER_MAX_K, EncodedRoutes, Transform, lehmer_table
+from r3store.logic.codec import (
+    LEHMER_MAX_K,
+    Dictionary,
+    EncodedRoutes,
+    Transform,
+    lehmer_table,
+)
 from r3store.logic.routes import CHUNK_VALUES, Routes
 from r3store.logic.stats import Counts, expert_load
 from r3store.spec import RouteSpec
@@ -48,22 +54,34 @@ def fits(spec: RouteSpec, num_tokens: int) -> bool:
 @dataclass(frozen=True)
 class SentStreams:
     """What a client sends for one segment: the `codec.encode` streams, and (a direct
-    write) the token ids as the `tokens` stream, a zstd frame of `[T]` int32 LE."""
+    write) the token ids as the `tokens` stream, a zstd frame of `[T]` int32 LE, and
+    the digest of the namespace dictionary the ids stream was compressed with."""
 
     ids: bytes
     transform: int
     counts: bytes | None = None
     order: bytes | None = None
     tokens: bytes | None = None
+    dictionary: bytes | None = None
 
     @classmethod
     def of(cls, encoded: EncodedRoutes, with_tokens: bool = False) -> SentStreams:
         tokens = encoded.tokens if with_tokens else None
-        return cls(encoded.ids, int(encoded.transform), encoded.counts, encoded.order, tokens)
+        return cls(
+            encoded.ids,
+            int(encoded.transform),
+            encoded.counts,
+            encoded.order,
+            tokens,
+            encoded.dictionary,
+        )
 
 
-def _exact(blob: bytes, expected: int, what: str, where: str) -> bytes:
-    """The one zstd frame of `blob`, declaring and holding exactly `expected` bytes."""
+def _exact(
+    blob: bytes, expected: int, what: str, where: str, dictionary: Dictionary | None = None
+) -> bytes:
+    """The one zstd frame of `blob`, declaring and holding exactly `expected` bytes
+    (compressed with `dictionary`, when given)."""
     try:
         declared = zstandard.frame_content_size(blob)
     except zstandard.ZstdError:
@@ -75,9 +93,10 @@ def _exact(blob: bytes, expected: int, what: str, where: str) -> bytes:
             f"make it {expected} bytes"
         )
     try:  # the output is bounded as it is made: a frame that lies about its size stops here
-        data = zstandard.ZstdDecompressor().decompress(
-            blob, max_output_size=expected, allow_extra_data=False
+        decompressor = (
+            zstandard.ZstdDecompressor() if dictionary is None else dictionary.decompressor()
         )
+        data = decompressor.decompress(blob, max_output_size=expected, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise InvalidRoutes(
             f"{where}: the {what} stream is not one zstd frame of {expected} bytes: {exc}"
@@ -202,10 +221,11 @@ def accept(
     salt: bytes,
     token_ids: npt.NDArray[np.int32] | None,
     where: str,
+    dictionary: Dictionary | None = None,
 ) -> EncodedRoutes:
     """Check `sent` against `spec` and return what to store: the client's frames, and
     the digest `codec.encode` would give the same routes. Raises `InvalidRoutes`."""
-    return accept_counted(sent, spec, num_tokens, salt, token_ids, where)[0]
+    return accept_counted(sent, spec, num_tokens, salt, token_ids, where, dictionary)[0]
 
 
 def accept_counted(
@@ -215,10 +235,13 @@ def accept_counted(
     salt: bytes,
     token_ids: npt.NDArray[np.int32] | None,
     where: str,
+    dictionary: Dictionary | None = None,
 ) -> tuple[EncodedRoutes, Counts]:
     """`accept`, and the expert load of the routes (`r3store.logic.stats.expert_load`).
     Sent `tokens` (a frame holding exactly `num_tokens` ids in [0, 2**31)) are stored as
-    sent; `token_ids` must then be None."""
+    sent; `token_ids` must then be None. An ids stream that names a dictionary is
+    decompressed with `dictionary`, which must be that one; token-major ids
+    (`Transform.TOKEN_MAJOR`) are checked as the layer-major ids they hold."""
     layers, k, itemsize = spec.num_layers, spec.top_k, spec.id_dtype.itemsize
     if sent.tokens is not None:
         if token_ids is not None:
@@ -233,12 +256,22 @@ def accept_counted(
             f"{where}: {num_tokens} tokens of encoded routes decode to more than "
             f"{MAX_ROW_BYTES >> 20} MiB: send them as segments, or as ids"
         )
-    if sent.transform not in (Transform.SORTED, Transform.DELTA):
+    if sent.transform not in (Transform.SORTED, Transform.DELTA, Transform.TOKEN_MAJOR):
         raise InvalidRoutes(f"{where}: unknown route transform {sent.transform}")
+    if sent.dictionary is not None and (dictionary is None or dictionary.digest != sent.dictionary):
+        raise InvalidRoutes(
+            f"{where}: the ids stream names dictionary {sent.dictionary.hex()}, which the "
+            "namespace does not have"
+        )
     if spec.ordered != (sent.order is not None):
         need = "needs an order stream" if spec.ordered else "takes no order stream"
         raise InvalidRoutes(f"{where}: the namespace {need}")
-    ids = np.frombuffer(_exact(sent.ids, cells * k * itemsize, "ids", where), spec.id_dtype)
+    used = None if sent.dictionary is None else dictionary
+    raw = _exact(sent.ids, cells * k * itemsize, "ids", where, used)
+    ids = np.frombuffer(raw, spec.id_dtype)
+    if sent.transform == Transform.TOKEN_MAJOR:  # [T, L, K] as sent: checked layer-major
+        ids = np.ascontiguousarray(ids.reshape(num_tokens, layers, k).transpose(1, 0, 2))
+        ids = ids.reshape(-1)
     if sent.transform == Transform.DELTA:
         ids = ids.copy()  # undone in place
         codec.undelta(ids, k)
@@ -276,4 +309,5 @@ def accept_counted(
         transform=Transform(sent.transform),
         digest=codec.content_digest(spec, ids, shape, counts_raw, order_raw, tokens_raw, salt),
         tokens=sent.tokens if sent.tokens is not None else codec.compress_tokens(token_ids),
+        dictionary=sent.dictionary,
     ), load

@@ -40,15 +40,25 @@ class WritePlanRequest(BaseModel):
     )
 
 
+class PlanDictionary(BaseModel):
+    """The namespace's newest zstd dictionary: compress ids streams with it."""
+
+    digest: str = Field(description="hex: SHA-256[:16] of its bytes (check them against it)")
+    url: str = Field(description="a presigned GET of it (it never changes)")
+
+
 class WritePlanModel(BaseModel):
     """Where to upload one blob: PUT it to `url` with `headers` (create-only) before
-    `expires_at`, then commit it naming `plan`."""
+    `expires_at`, then commit it naming `plan`; encode with `dictionary` when given."""
 
     plan: str = Field(description="the plan's signed token: send it back with the commit")
     url: str = Field(description="a presigned, create-only PUT of the blob")
     headers: dict[str, str] = Field(description="headers the PUT must carry (signed)")
     expires_at: float = Field(description="when the URL stops working (Unix seconds)")
     max_bytes: int = Field(description="the largest blob a commit accepts")
+    dictionary: PlanDictionary | None = Field(
+        None, description="the namespace's dictionary (made by compression at rest), or none"
+    )
 
 
 class DirectSegment(BaseModel):
@@ -69,6 +79,9 @@ class DirectSegment(BaseModel):
     route_counts: SpanModel | None = None
     route_order: SpanModel | None = None
     token_ids: SpanModel | None = None
+    route_dictionary: str | None = Field(
+        None, pattern="^[0-9a-f]{32}$", description="hex digest of the ids stream's dictionary"
+    )
 
     def spans(self) -> RouteSpans:
         """Where its streams lie (as a catalog row records them)."""
@@ -82,6 +95,7 @@ class DirectSegment(BaseModel):
             span(self.route_order),
             self.route_transform,
             span(self.token_ids),
+            None if self.route_dictionary is None else bytes.fromhex(self.route_dictionary),
         )
 
 
@@ -140,6 +154,7 @@ def pack(writes: Sequence[TrajectoryWrite]) -> tuple[bytes, list[DirectSegment]]
                 route_counts=place(sent.counts),
                 route_order=place(sent.order),
                 token_ids=place(tokens),
+                route_dictionary=None if sent.dictionary is None else sent.dictionary.hex(),
             )
         )
     return b"".join(parts), segments
@@ -179,6 +194,7 @@ def unpack(
             cut(s, "counts", s.route_counts),
             cut(s, "order", s.route_order),
             cut(s, "tokens", s.token_ids),
+            None if s.route_dictionary is None else bytes.fromhex(s.route_dictionary),
         )
         writes.append(
             TrajectoryWrite(

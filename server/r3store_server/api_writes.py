@@ -13,6 +13,7 @@ from r3store.engine.direct import WritePlan
 from r3store.errors import StoreError
 from r3store.protocol.direct import (
     PLAN_SECONDS,
+    PlanDictionary,
     WriteCommit,
     WriteCommitted,
     WritePlanModel,
@@ -57,12 +58,17 @@ async def plan_write(
 
 
 def _model(plan: WritePlan) -> WritePlanModel:
+    dictionary = None
+    if plan.dictionary is not None:
+        digest, url = plan.dictionary
+        dictionary = PlanDictionary(digest=digest.hex(), url=url)
     return WritePlanModel(
         plan=plan.plan,
         url=plan.url,
         headers=plan.headers,
         expires_at=plan.expires_at,
         max_bytes=plan.max_bytes,
+        dictionary=dictionary,
     )
 
 

@@ -336,6 +336,20 @@ class Ledger:
 
     # dictionaries
 
+    def newest_dictionary(self, namespace: str) -> bytes | None:
+        """The digest of the namespace's dictionary of the highest policy version (not
+        being deleted), or None."""
+        d = dictionaries
+        query = (
+            sa.select(d.c.digest)
+            .where(d.c.namespace == namespace, d.c.used_at != DROPPING)
+            .order_by(d.c.policy_version.desc(), d.c.used_at.desc())
+            .limit(1)
+        )
+        with self._db.connect() as conn:
+            found: bytes | None = conn.execute(query).scalar_one_or_none()
+        return found
+
     def dictionary_keys(self) -> set[str]:
         """The keys of every dictionary this catalog recorded."""
         with self._db.connect() as conn:
