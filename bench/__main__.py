@@ -1,4 +1,4 @@
-"""Run the benchmarks: `python -m bench [--quick] [--only codec,rest,...,leases,ray,async,grpo]`."""
+"""Run the benchmarks: `python -m bench [--quick] [--only codec,rest,...,direct,ray,grpo]`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from bench import (
     catalog_bench,
     codec_bench,
     datapath_bench,
+    direct_fuzz_bench,
     engine_bench,
     grpo_bench,
     hardening_bench,
@@ -32,8 +33,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     parser.add_argument(
         "--only",
-        default="codec,rest,engine,http,datapath,catalog,memory,hardening,abuse,leases,replay,ray,async"
-        ",grpo",
+        default="codec,rest,engine,http,datapath,direct,catalog,memory,hardening,abuse,leases,replay"
+        ",ray,async,grpo",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -58,6 +59,12 @@ def main() -> None:
         print("datapath (starting SeaweedFS) ...", flush=True)
         with seaweedfs.running() as server:
             figures += datapath_bench.run(server, count=32 if args.quick else 256)
+    if "direct" in sections:
+        print("direct (fuzzing direct commits, starting SeaweedFS) ...", flush=True)
+        with seaweedfs.running() as server:
+            more, detail = direct_fuzz_bench.run(server, cases=300 if args.quick else 2000)
+        figures += more
+        details["direct_fuzz"] = detail
     if "catalog" in sections:
         print("catalog ...", flush=True)
         figures += catalog_bench.run(count=32 if args.quick else 128)

@@ -14,12 +14,25 @@ from r3store.testing.direct_fuzz import run as campaign
 from r3store.testing.seaweedfs import SeaweedFS
 
 
-def run(seaweed: SeaweedFS, cases: int = 2000, seed: int = 1) -> list[Figure]:
-    """`cases` direct-commit cases (`--quick`: a few hundred is plenty)."""
+def run(
+    seaweed: SeaweedFS, cases: int = 2000, seed: int = 1
+) -> tuple[list[Figure], dict[str, object]]:
+    """`cases` direct-commit cases (`--quick`: a few hundred is plenty), and the
+    campaign's counts by kind of case and by answer status, and its first failures."""
     started = time.perf_counter()
     report = campaign(seaweed, cases, seed)
     seconds = time.perf_counter() - started
-    return [
+    detail = {
+        "cases": report.cases,
+        "bad_acks": report.bad_acks,
+        "server_errors": report.server_errors,
+        "deaths": report.deaths,
+        "setup_failures": report.setup_failures,
+        "by_kind": dict(report.by_kind),
+        "statuses": dict(report.statuses),
+        "failures": report.failures[:20],
+    }
+    figures = [
         Figure("direct-commit fuzz: cases", report.cases, "cases"),
         Figure("direct-commit fuzz: refused 4xx, nothing readable", report.rejected, "cases"),
         Figure(
@@ -33,3 +46,4 @@ def run(seaweed: SeaweedFS, cases: int = 2000, seed: int = 1) -> list[Figure]:
         Figure("direct-commit fuzz: server deaths", report.deaths, "cases", target="0"),
         Figure("direct-commit fuzz: rate", report.cases / seconds, "cases/s"),
     ]
+    return figures, detail
