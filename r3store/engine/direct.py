@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
     from r3store.engine.writer import GroupCommitter
 
 SECRET = "write_plan_secret"  # the catalog value that signs plans
+DICTIONARY_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,8 @@ class DirectWrites:
         self._catalog = catalog
         self._clock = clock
         self._secret: bytes | None = None
+        self._lock = threading.Lock()
+        self._newest: dict[str, tuple[bytes | None, float]] = {}  # dictionary, when looked up
 
     @property
     def available(self) -> bool:
@@ -104,6 +108,20 @@ class DirectWrites:
         if self._secret is None:
             self._secret = self._catalog.ledger.secret(SECRET)
         return self._secret
+
+    def _dictionary(self, namespace: str, now: float) -> bytes | None:
+        """The namespace's newest dictionary, looked up at most every `DICTIONARY_SECONDS`
+        (one a plan names and collection took since is refused at the commit, which
+        the client answers with a new plan)."""
+        with self._lock:
+            known = self._newest.get(namespace)
+        if known is not None and now - known[1] < DICTIONARY_SECONDS:
+            return known[0]
+        newest = self._catalog.ledger.newest_dictionary(namespace)
+        if newest is not None:  # none yet: asked again, so a new one is used at once
+            with self._lock:
+                self._newest[namespace] = (newest, now)
+        return newest
 
     def plan(self, namespace: str, writer: str | None, expires: int) -> WritePlan:
         """A plan for one blob of `namespace`, for the API key named `writer`."""
@@ -119,7 +137,7 @@ class DirectWrites:
         self._catalog.ledger.plan_upload(key, namespace, DIRECT, now + expires)
         url, headers = self._store.presign_put(key, expires)
         token = signing.sign(self._key(), {"n": namespace, "k": key, "w": writer})
-        newest = self._catalog.ledger.newest_dictionary(namespace)
+        newest = self._dictionary(namespace, now)
         dictionary = None
         if newest is not None:
             where = self._store.presign_get(dictionary_key(namespace, newest), expires)

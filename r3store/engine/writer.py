@@ -372,6 +372,8 @@ class GroupCommitter:
                 )
                 try:
                     self._catalog.shards.commit(shard, entries, load_records(namespace, key, fresh))
+                except PlanGone:
+                    raise
                 except Conflict:
                     if not self._catalog.ledger.is_planned(key, DIRECT):
                         raise PlanGone(

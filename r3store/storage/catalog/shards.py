@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from r3store.catalog_types import NamespaceInfo, ShardInfo, ShardUsage, TrajectoryEntry
-from r3store.errors import Conflict, InvalidInput, NotFound
+from r3store.errors import Conflict, NotFound, PlanGone
 from r3store.storage.catalog import ledger, stats
 from r3store.storage.catalog.database import Database, namespace_row, segment_row
 from r3store.storage.catalog.stats import LoadRecord
@@ -46,13 +46,14 @@ class Shards:
     ) -> None:
         """Record a stored shard, its rows and their expert load in one transaction:
         all visible, or none. The dictionaries rows name (a direct write's) are held in
-        it: one collected meanwhile refuses the commit (`InvalidInput`)."""
+        it: one collected meanwhile refuses the commit (`PlanGone`: encode again)."""
         with self._db.begin() as conn:
             if not ledger.unplan(conn, [shard.key]):
                 raise Conflict(f"{shard.key} was not planned, or was collected as an orphan")
             named = {e.spans.dictionary for e in entries if e.spans.dictionary is not None}
-            if named and not ledger.hold(conn, shard.namespace, named, time.time()):
-                raise InvalidInput(
+            held = ledger.hold(conn, shard.namespace, named, shard.created_at)  # its clock
+            if named and not held:
+                raise PlanGone(
                     "a dictionary the rows were compressed with is no longer the namespace's "
                     "(collected meanwhile): encode them again with a new plan's dictionary"
                 )
