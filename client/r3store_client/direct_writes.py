@@ -28,7 +28,8 @@ log = logging.getLogger("r3store_client")
 
 
 PLAN_MARGIN = 60.0  # seconds a pooled plan must still work to be used
-MAX_POOLED = 64  # plans kept per namespace (one per concurrent put, about)
+MAX_POOLED = 64  # plans kept per namespace
+PLAN_BATCH = 8  # plans a commit asks for when fewer than a quarter of that are left
 
 
 class _Refused(Exception):
@@ -73,12 +74,18 @@ class DirectWrites:
                     return plan
         return None
 
-    def _keep_plan(self, namespace: str, plan: WritePlanModel | None) -> None:
-        if plan is not None:
-            with self._plans_lock:
-                pool = self._plans.setdefault(namespace, [])
-                if len(pool) < MAX_POOLED:
-                    pool.append(plan)
+    def _keep_plan(self, namespace: str, plan: WritePlanModel) -> None:
+        with self._plans_lock:
+            pool = self._plans.setdefault(namespace, [])
+            if len(pool) < MAX_POOLED:
+                pool.append(plan)
+
+    def _plans_wanted(self, namespace: str) -> int:
+        """How many plans a commit should answer: a batch when the pool runs low (the
+        server makes them in one transaction), else none."""
+        with self._plans_lock:
+            left = len(self._plans.get(namespace, []))
+        return PLAN_BATCH if left < PLAN_BATCH // 4 else 0
 
     def _put_direct(
         self,
@@ -127,7 +134,7 @@ class DirectWrites:
                 "plan": plan.plan,
                 "size": len(blob),
                 "segments": [s.model_dump(mode="json", exclude_none=True) for s in segments],
-                "next_plan": True,
+                "next_plans": self._plans_wanted(namespace),
             }
             try:
                 committed = yield from self._json(
@@ -142,7 +149,8 @@ class DirectWrites:
                     raise
                 continue
             answer = WriteCommitted.model_validate(committed)
-            self._keep_plan(namespace, answer.next)
+            for following in answer.next:
+                self._keep_plan(namespace, following)
             return {"results": [item.model_dump() for item in answer.results]}
         raise StoreError("unreachable")
 

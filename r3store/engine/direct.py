@@ -125,6 +125,13 @@ class DirectWrites:
 
     def plan(self, namespace: str, writer: str | None, expires: int) -> WritePlan:
         """A plan for one blob of `namespace`, for the API key named `writer`."""
+        return self.plans(namespace, writer, expires, 1)[0]
+
+    def plans(
+        self, namespace: str, writer: str | None, expires: int, count: int
+    ) -> list[WritePlan]:
+        """`count` plans (each for one blob) at once: their uploads planned in one
+        catalog transaction."""
         if not self.available:
             raise DirectUnavailable(
                 f"direct writes need an object store that signs URLs (S3); "
@@ -132,17 +139,20 @@ class DirectWrites:
             )
         self._namespaces.get(namespace)
         now = self._clock()
-        key = blob_key(namespace, now)
-        # planned as of when its URL stops working: never an orphan while it can be used
-        self._catalog.ledger.plan_upload(key, namespace, DIRECT, now + expires)
-        url, headers = self._store.presign_put(key, expires)
-        token = signing.sign(self._key(), {"n": namespace, "k": key, "w": writer})
+        keys = [blob_key(namespace, now) for _ in range(count)]
+        # planned as of when their URLs stop working: never orphans while they can be used
+        self._catalog.ledger.plan_uploads(keys, namespace, DIRECT, now + expires)
         newest = self._dictionary(namespace, now)
         dictionary = None
         if newest is not None:
             where = self._store.presign_get(dictionary_key(namespace, newest), expires)
             dictionary = (newest, where)
-        return WritePlan(token, url, headers, now + expires, MAX_BLOB_BYTES, dictionary)
+        out = []
+        for key in keys:
+            url, headers = self._store.presign_put(key, expires)
+            token = signing.sign(self._key(), {"n": namespace, "k": key, "w": writer})
+            out.append(WritePlan(token, url, headers, now + expires, MAX_BLOB_BYTES, dictionary))
+        return out
 
     def commit(
         self,

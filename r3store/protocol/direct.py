@@ -30,6 +30,7 @@ MAX_SEGMENTS = 4096  # segments one commit names (its JSON stays under 4 MiB)
 MAX_BLOB_BYTES = 256 << 20  # one blob, as uploaded
 PLAN_SECONDS = 600  # a plan's URL works this long by default
 MAX_PLAN_SECONDS = 3600
+MAX_NEXT_PLANS = 16  # plans one commit may answer
 
 
 class WritePlanRequest(BaseModel):
@@ -107,15 +108,17 @@ class WriteCommit(BaseModel):
     plan: str = Field(min_length=1, max_length=2048)
     size: int = Field(ge=1, le=MAX_BLOB_BYTES)
     segments: list[DirectSegment] = Field(min_length=1, max_length=MAX_SEGMENTS)
-    next_plan: bool = Field(False, description="answer a plan for the next blob too")
+    next_plans: int = Field(
+        0, ge=0, le=MAX_NEXT_PLANS, description="answer this many plans for the next blobs"
+    )
 
 
 class WriteCommitted(BaseModel):
-    """A commit's answer: a result per segment, as an upload's, and the next plan when
-    one was asked for (saving its request)."""
+    """A commit's answer: a result per segment, as an upload's, and the plans for the
+    next blobs asked for (saving their requests)."""
 
     results: list[PutItem]
-    next: WritePlanModel | None = None
+    next: list[WritePlanModel] = Field(default_factory=list)
 
 
 def pack(writes: Sequence[TrajectoryWrite]) -> tuple[bytes, list[DirectSegment]]:

@@ -93,8 +93,9 @@ async def commit_write(
     (as an upload's encoded routes) before anything is acknowledged: all are stored, or
     none. Sent again, the same commit answers the same results (`created: false`).
     403 from another API key than the plan's; 400 when nothing (or another size) was
-    uploaded; 429 when uploads in flight hold the memory budget. With `next_plan`, the
-    answer carries a plan for the next blob (`next`)."""
+    uploaded; 429 when uploads in flight hold the memory budget. With `next_plans`, the
+    answer carries that many plans for the next blobs (`next`), made in one catalog
+    transaction."""
     spec = await deadline.run(engine.namespaces.spec, namespace)
     reservation = await budget.admit(
         UPLOAD_COST * body.size, settings.request_timeout / 2, who.name
@@ -116,11 +117,12 @@ async def commit_write(
         metrics.commit.observe(time.perf_counter() - started)
         metrics.token_layers_in.inc(sum(s.num_tokens for s in body.segments) * spec.num_layers)
         following = (
-            engine.direct.plan(namespace, who.name, PLAN_SECONDS) if body.next_plan else None
+            engine.direct.plans(namespace, who.name, PLAN_SECONDS, body.next_plans)
+            if body.next_plans
+            else []
         )
         return WriteCommitted(
-            results=[PutItem.of(r) for r in results],
-            next=None if following is None else _model(following),
+            results=[PutItem.of(r) for r in results], next=[_model(p) for p in following]
         )
 
     return await deadline.run(store, what="the commit", reservation=reservation)

@@ -313,6 +313,12 @@ class Ledger:
         with self._db.begin() as conn:
             plan(conn, key, namespace, kind, now)
 
+    def plan_uploads(self, keys: list[str], namespace: str, kind: str, now: float) -> None:
+        """`plan_upload` of several keys, in one transaction."""
+        with self._db.begin() as conn:
+            for key in keys:
+                plan(conn, key, namespace, kind, now)
+
     def claim_orphan(self, key: str, cutoff: float) -> bool:
         """Take an upload planned before `cutoff` and never committed for deletion; a
         commit of it after this fails, so collection and a late commit never both win."""
