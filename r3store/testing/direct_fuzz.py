@@ -20,6 +20,7 @@ import subprocess
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
+from json import dumps
 from pathlib import Path
 from typing import Any
 
@@ -109,10 +110,12 @@ class DirectFuzz:
     def post(self, who: str, path: str, json: Any) -> Any:
         """The answer, or None for a dropped connection."""
         try:
+            headers = {"Content-Type": "application/json"}
             if isinstance(json, Raw):
-                headers = {"Content-Type": "application/json"}
-                return self.http[who].post(path, content=json.text.encode(), headers=headers)
-            return self.http[who].post(path, json=json)
+                body = json.text.encode("utf-8", "surrogatepass")
+            else:  # as ASCII JSON: a lone surrogate a case made goes as its escape
+                body = dumps(json).encode()
+            return self.http[who].post(path, content=body, headers=headers)
         except self._transport_error:
             return None
 
