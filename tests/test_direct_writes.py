@@ -711,6 +711,32 @@ def test_direct_writes_encode_with_the_namespace_dictionary(
             assert _put_blob(plan, blob) in (200, 201)
             named = [segments[0].model_copy(update={"route_dictionary": "ab" * 16})]
             refused = _commit(http, ns, _body(plan, len(blob), named))
-            assert refused.status_code == 400, refused.text
+            assert refused.status_code == 409, refused.text  # the client plans again
+            assert refused.json()["error"]["code"] == "plan_gone"
             assert "does not have" in refused.json()["error"]["message"]
             assert client.get_batch(ns, ["d3-0"]).missing == ["d3-0"]
+
+
+def test_commits_that_cannot_be_held_hold_no_memory(server: ServerProcess) -> None:
+    """A forged plan is refused before any of the upload memory is held, a blob larger
+    than a commit can ever hold is refused at once (413, and plans say so), and
+    overlapping spans are refused: the honest commit after many of each still goes."""
+    ns = _namespace(server)
+    blob, segments = _encoded([make_write("m0"), make_write("m1")])
+    with _http(server, KEYS["writer"]) as http:
+        plan = _plan(http, ns)
+        assert _put_blob(plan, blob) in (200, 201)
+        huge = 200 << 20
+        for _ in range(8):  # each would hold 3x its size were it admitted first
+            forged = _commit(http, ns, {**_body(plan, huge, segments), "plan": "x.y"})
+            assert forged.status_code == 400, forged.text
+        too_big = _commit(http, ns, _body(plan, huge, segments))
+        assert too_big.status_code == 413, too_big.text
+        assert plan["max_bytes"] < huge
+        whole = SpanModel(offset=0, length=len(blob))  # every segment names every byte
+        overlapping = [s.model_copy(update={"route_ids": whole}) for s in segments]
+        doubled = _commit(http, ns, _body(plan, len(blob), overlapping))
+        assert doubled.status_code == 400, doubled.text
+        assert "overlap" in doubled.json()["error"]["message"]
+        done = _commit(http, ns, _body(plan, len(blob), segments))
+        assert done.status_code == 200, done.text

@@ -21,7 +21,7 @@ from helpers import MakeEngine
 from http_helpers import KEYS, ServerProcess
 from r3store.engine import Engine
 from r3store.engine.maintenance import MaintenanceOptions
-from r3store.errors import InvalidRoutes
+from r3store.errors import InvalidRoutes, PlanGone
 from r3store.logic import codec, rest
 from r3store.logic.codec import Transform
 from r3store.logic.routes import Routes, from_topk
@@ -342,7 +342,7 @@ def test_writes_encoded_with_the_namespace_dictionary_are_checked_kept_and_reste
     first = encoded[0]
     assert first.encoded is not None
     unknown = dataclasses.replace(first.encoded, dictionary=bytes(16))
-    with pytest.raises(InvalidRoutes, match="does not have"):
+    with pytest.raises(PlanGone, match="does not have"):
         engine.put("ns", [dataclasses.replace(first, encoded=unknown)])
     other = rest.train(rest.samples(SPEC, [_cold_row(w) for w, _ids in later.values()]))
     assert other is not None

@@ -680,7 +680,8 @@ class Calls(LeaseCalls, DirectWrites):
         asks for a new plan."""
         store, _fetchers = self._direct()
         try:
-            response = store.request("GET", url, headers=headers)
+            # the bytes as stored: a Content-Encoding a writer set is not undone here
+            response = store.request("GET", url, headers=headers, decode_content=False)
         except urllib3.exceptions.HTTPError as exc:
             raise StoreError(f"cannot read from the object store: {exc}") from None
         if response.status in (403, 404):

@@ -142,9 +142,12 @@ class DirectWrites:
                 )
             except PlanGone:
                 # a pooled plan the server forgot (its namespace was deleted and made
-                # again, say): the others are as old; a new plan, a new upload
+                # again, say), or its dictionary collected: the others are as old; a new
+                # plan, a new upload (encoded again, with the dictionary it names)
                 with self._plans_lock:
                     self._plans.pop(namespace, None)
+                if digest is not None:
+                    self._dictionaries.pop(digest, None)
                 if attempt == 2:
                     raise
                 continue
@@ -166,7 +169,7 @@ class DirectWrites:
             return known
         store, _fetchers = self._direct()
         try:
-            response = store.request("GET", plan.dictionary.url)
+            response = store.request("GET", plan.dictionary.url, decode_content=False)
             if response.status != 200:
                 raise StoreError(f"the object store answered {response.status}")
             known = load_dictionary(response.data, digest)

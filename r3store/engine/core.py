@@ -52,9 +52,9 @@ from r3store.errors import (
     CorruptShard,
     Forbidden,
     InvalidInput,
-    InvalidRoutes,
     NotFound,
     ObjectNotFound,
+    PlanGone,
     StalePolicy,
     StoreError,
 )
@@ -371,9 +371,10 @@ class Engine:
             try:
                 dictionary = self._reader.dictionaries.get(namespace, digest)
             except (ObjectNotFound, CorruptShard):
-                raise InvalidRoutes(
+                raise PlanGone(  # collected since the plan named it, or never the namespace's
                     f"the writes name dictionary {digest.hex()}, which namespace "
-                    f"{namespace!r} does not have"
+                    f"{namespace!r} does not have (any more): encode them again with a new "
+                    "plan's dictionary"
                 ) from None
             assert dictionary is not None
             found[digest] = dictionary

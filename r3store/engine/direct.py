@@ -7,7 +7,8 @@ token naming the namespace, the key and the API key that asked. `commit` takes t
 token back, from that API key only, reads the blob the worker uploaded, checks every
 segment's streams exactly as an upload's (`Engine.encode`: the namespace, staleness,
 `streams.accept`), writes the blob's index (`storage/blob.py`) and commits the catalog
-(`GroupCommitter.commit_stored`). A commit sent again answers the same results
+(`GroupCommitter.commit_stored`, which writes the index of exactly the rows it
+commits, before it commits them). A commit sent again answers the same results
 (`created=False` once committed); nothing the engine did not check is acknowledged,
 cataloged or served. The store is trusted with what it holds: the URL is create-only,
 so the bytes checked are the bytes readers get.
@@ -15,7 +16,6 @@ so the bytes checked are the bytes readers get.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 import time
@@ -24,14 +24,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from r3store.errors import (
-    Conflict,
     DirectUnavailable,
     Forbidden,
     InvalidInput,
     ObjectNotFound,
     PayloadTooLarge,
     PlanGone,
-    StoreError,
 )
 from r3store.logic import signing
 from r3store.logic.spans import ByteRange, RouteSpans
@@ -154,6 +152,17 @@ class DirectWrites:
             out.append(WritePlan(token, url, headers, now + expires, MAX_BLOB_BYTES, dictionary))
         return out
 
+    def check_plan(self, namespace: str, plan: str, writer: str | None) -> str:
+        """The blob key of a plan this catalog signed for `namespace` and the API key
+        `writer` (`InvalidInput`, `Forbidden` otherwise): checked before anything else."""
+        fields = signing.verify(self._key(), plan, "write plan")
+        key = fields.get("k")
+        if fields.get("n") != namespace or not isinstance(key, str) or not is_blob(key):
+            raise InvalidInput(f"the write plan is not one of namespace {namespace!r}")
+        if fields.get("w") != writer:
+            raise Forbidden("the write plan was made for another API key")
+        return key
+
     def commit(
         self,
         namespace: str,
@@ -167,12 +176,7 @@ class DirectWrites:
         """Check and commit the blob `plan` named, `size` bytes holding `segments`; the
         same results as `Engine.put` of those segments. `admit(size)` may refuse the
         read of the blob (a memory budget)."""
-        fields = signing.verify(self._key(), plan, "write plan")
-        key = fields.get("k")
-        if fields.get("n") != namespace or not isinstance(key, str) or not is_blob(key):
-            raise InvalidInput(f"the write plan is not one of namespace {namespace!r}")
-        if fields.get("w") != writer:
-            raise Forbidden("the write plan was made for another API key")
+        key = self.check_plan(namespace, plan, writer)
         if size > MAX_BLOB_BYTES:
             raise PayloadTooLarge(f"a blob of {size} bytes; at most {MAX_BLOB_BYTES}")
         if admit is not None:
@@ -187,7 +191,7 @@ class DirectWrites:
         if len(blob) != size:
             shown = f"more than {size}" if len(blob) > size else str(len(blob))
             raise InvalidInput(f"the uploaded blob holds {shown} bytes; the commit says {size}")
-        spec = self._namespaces.spec(namespace)  # cached; `encode` reads the namespace
+        spec = self._namespaces.spec(namespace)  # cached: bounds only; `encode` reads it
         writes: list[TrajectoryWrite] = unpack(blob, segments, spec)
         del blob
         put = self._encode(namespace, writes, writer=writer, annotate_any=annotate_any)
@@ -198,26 +202,22 @@ class DirectWrites:
             spans = [
                 _stored_spans(sent[(r.trajectory_id, r.source, r.start)], r) for r in put.fresh
             ]
-            if not self._catalog.ledger.is_planned(key, DIRECT):
-                raise PlanGone(
-                    "the write plan was committed before (with other segments) or its blob "
-                    "collected as an orphan: ask for a new plan"
-                )
-            now = self._clock()
-            index = write_index(self._store, key, namespace, spec, now, put.fresh, spans, now)
+
+            def index(rows: list[ShardRow], at: list[RouteSpans]) -> str:
+                now = self._clock()
+                return write_index(self._store, key, namespace, put.spec, now, rows, at, now)
+
             try:
                 committed = self._committer.commit_stored(
-                    namespace, spec, key, size, put.fresh, spans
+                    namespace, put.spec, key, size, put.fresh, spans, index
                 )
-            except (Conflict, InvalidInput):
-                # refused, and certainly not committed: its index must not bring the rows
-                # back in a rebuild (another replica's content, or an orphan's)
-                with contextlib.suppress(StoreError):
-                    self._store.delete(index)
+            except PlanGone:
+                with self._lock:  # its dictionary may be the one gone: look again
+                    self._newest.pop(namespace, None)
                 raise
             for result in committed:
                 results[(result.trajectory_id, result.source, result.start)] = result
-            self._analytics.compare_sources(namespace, spec, put.fresh)
+            self._analytics.compare_sources(namespace, put.spec, put.fresh)
         return [results[k] for k in put.order]
 
 

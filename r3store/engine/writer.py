@@ -27,7 +27,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from r3store.catalog_types import TrajectoryEntry
-from r3store.errors import Backpressure, Conflict, PlanGone, R3StoreError, StoreError
+from r3store.errors import (
+    Backpressure,
+    Conflict,
+    InvalidInput,
+    PlanGone,
+    R3StoreError,
+    StoreError,
+)
 from r3store.logic.spans import RouteSpans
 from r3store.policy import ENGINE, Source
 from r3store.records import Held, PutResult, Segment, settle
@@ -340,6 +347,7 @@ class GroupCommitter:
         size: int,
         rows: list[ShardRow],
         spans: list[RouteSpans],
+        index: Callable[[list[ShardRow], list[RouteSpans]], str],
     ) -> list[PutResult]:
         """Commit rows whose streams are stored already, at `spans` of the planned
         object `key` of `size` bytes (a direct write's blob), as one all-or-nothing unit,
@@ -347,7 +355,10 @@ class GroupCommitter:
         settled against the catalog and committed. A commit refused because another
         replica stored one of the ids first is settled again (a duplicate is
         acknowledged, other content raises `Conflict`); one whose object is no longer
-        planned (committed before, or collected as an orphan) raises `Conflict`."""
+        planned (committed before, or collected as an orphan) raises `PlanGone`.
+        `index(rows, spans)` stores the index of the rows an attempt is about to commit
+        (a rebuild's view of them) and returns its key; an attempt that does not commit
+        deletes its index again, so no index names rows the catalog refused."""
         unit = _Unit(namespace, spec, rows, 0)
         held = {(namespace, row.trajectory_id) for row in rows}
         deadline = time.monotonic() + self.config.commit_timeout
@@ -366,15 +377,22 @@ class GroupCommitter:
                 _unit, fresh, results = accepted[0]
                 if not fresh:
                     return results
+                if not self._catalog.ledger.is_planned(key, DIRECT):
+                    raise PlanGone(
+                        f"{key} is no longer planned: committed before with other segments, "
+                        "collected as an orphan, or its namespace deleted; ask for a new plan"
+                    )
                 now = self._clock()
-                shard, entries = blob_records(
-                    namespace, key, size, now, fresh, [where[row_key(r)] for r in fresh]
-                )
+                at = [where[row_key(r)] for r in fresh]
+                shard, entries = blob_records(namespace, key, size, now, fresh, at)
+                written = index(fresh, at)
                 try:
                     self._catalog.shards.commit(shard, entries, load_records(namespace, key, fresh))
-                except PlanGone:
-                    raise
-                except Conflict:
+                except (Conflict, InvalidInput) as exc:  # refused: certainly not committed
+                    with contextlib.suppress(R3StoreError):
+                        self._store.delete(written)
+                    if isinstance(exc, PlanGone) or not isinstance(exc, Conflict):
+                        raise
                     if not self._catalog.ledger.is_planned(key, DIRECT):
                         raise PlanGone(
                             f"{key} is no longer planned: committed before with other "

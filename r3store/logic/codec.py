@@ -60,7 +60,7 @@ DEFAULT_LEVEL = 3
 class Transform(IntEnum):
     SORTED = 0
     DELTA = 1
-    TOKEN_MAJOR = 2  # sorted ids as `[T, L, K]`: only at rest
+    TOKEN_MAJOR = 2  # sorted ids as `[T, L, K]`: at rest, and direct writes with a dictionary
 
 
 EVERY_TRANSFORM = (Transform.SORTED, Transform.TOKEN_MAJOR, Transform.DELTA)

@@ -243,6 +243,11 @@ def accept_counted(
     decompressed with `dictionary`, which must be that one; token-major ids
     (`Transform.TOKEN_MAJOR`) are checked as the layer-major ids they hold."""
     layers, k, itemsize = spec.num_layers, spec.top_k, spec.id_dtype.itemsize
+    if not fits(spec, num_tokens):
+        raise InvalidRoutes(
+            f"{where}: {num_tokens} tokens of encoded routes decode to more than "
+            f"{MAX_ROW_BYTES >> 20} MiB: send them as segments, or as ids"
+        )
     if sent.tokens is not None:
         if token_ids is not None:
             raise InvalidInput(f"{where}: token ids given twice (as ids and as a stream)")
@@ -251,11 +256,6 @@ def accept_counted(
         if token_ids.size and int(token_ids.min()) < 0:
             raise InvalidRoutes(f"{where}: token ids must be in [0, 2**31)")
     cells = layers * num_tokens
-    if not fits(spec, num_tokens):
-        raise InvalidRoutes(
-            f"{where}: {num_tokens} tokens of encoded routes decode to more than "
-            f"{MAX_ROW_BYTES >> 20} MiB: send them as segments, or as ids"
-        )
     if sent.transform not in (Transform.SORTED, Transform.DELTA, Transform.TOKEN_MAJOR):
         raise InvalidRoutes(f"{where}: unknown route transform {sent.transform}")
     if sent.dictionary is not None and (dictionary is None or dictionary.digest != sent.dictionary):

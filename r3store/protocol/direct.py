@@ -170,7 +170,19 @@ def unpack(
     an upload's encoded rows. `InvalidInput` for a span outside the blob, or more
     routes than one upload may decode."""
     view = memoryview(blob)
-    total = sum(decoded_bytes(spec, s.num_tokens) for s in segments)
+    # what checking them decompresses (ids and token ids), bounded before any of it
+    total = sum(decoded_bytes(spec, s.num_tokens) + 4 * s.num_tokens for s in segments)
+    spanned = sum(
+        m.length
+        for s in segments
+        for m in (s.route_ids, s.route_counts, s.route_order, s.token_ids)
+        if m is not None
+    )
+    if spanned > len(view):  # streams laid end to end (`pack`) never name a byte twice
+        raise InvalidInput(
+            f"the segments' streams span {spanned} bytes of a {len(view)}-byte blob: "
+            "streams may not overlap"
+        )
     if total > MAX_UPLOAD_BYTES:
         raise InvalidInput(
             f"the commit's routes decode to {total} bytes; at most {MAX_UPLOAD_BYTES} in one "

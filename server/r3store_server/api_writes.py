@@ -10,7 +10,7 @@ import time
 from fastapi import APIRouter, Path
 
 from r3store.engine.direct import WritePlan
-from r3store.errors import StoreError
+from r3store.errors import PayloadTooLarge, StoreError
 from r3store.protocol.direct import (
     PLAN_SECONDS,
     PlanDictionary,
@@ -31,6 +31,7 @@ from r3store_server.deps import (
     allowed,
 )
 from r3store_server.errors import ERROR_RESPONSES
+from r3store_server.limits import MemoryBudget
 from r3store_server.settings import UPLOAD_COST
 
 router = APIRouter(prefix="/v1/namespaces", tags=["routes"], responses=ERROR_RESPONSES)
@@ -48,16 +49,23 @@ async def plan_write(
     engine: EngineDep,
     who: PrincipalDep,
     deadline: DeadlineDep,
+    budget: BudgetDep,
     namespace: str = NamespacePath,
 ) -> WritePlanModel:
     """A plan for one blob: a presigned, create-only PUT that works for `expires`
     seconds, and the token to commit it with (this API key only). 400
     `direct_unavailable` where the object store signs no URLs (the embedded store):
     upload through `POST .../trajectories` instead."""
-    return _model(await deadline.run(engine.direct.plan, namespace, who.name, body.expires))
+    plan = await deadline.run(engine.direct.plan, namespace, who.name, body.expires)
+    return _model(plan, budget)
 
 
-def _model(plan: WritePlan) -> WritePlanModel:
+def admissible(budget: MemoryBudget) -> int:
+    """The largest blob a commit can ever hold in the upload memory budget."""
+    return min(budget.limit, budget.per_key) // UPLOAD_COST
+
+
+def _model(plan: WritePlan, budget: MemoryBudget) -> WritePlanModel:
     dictionary = None
     if plan.dictionary is not None:
         digest, url = plan.dictionary
@@ -67,7 +75,7 @@ def _model(plan: WritePlan) -> WritePlanModel:
         url=plan.url,
         headers=plan.headers,
         expires_at=plan.expires_at,
-        max_bytes=plan.max_bytes,
+        max_bytes=min(plan.max_bytes, admissible(budget)),
         dictionary=dictionary,
     )
 
@@ -97,10 +105,23 @@ async def commit_write(
     answer carries that many plans for the next blobs (`next`), made in one catalog
     transaction."""
     spec = await deadline.run(engine.namespaces.spec, namespace)
+    # the plan's own before any memory is held: a forged or foreign one holds none
+    await deadline.run(engine.direct.check_plan, namespace, body.plan, who.name)
+    most = admissible(budget)
+    if body.size > most:
+        raise PayloadTooLarge(
+            f"a blob of {body.size} bytes; one commit may hold at most {most} while it is "
+            "checked (R3STORE_UPLOAD_MEMORY_BYTES, R3STORE_UPLOAD_MEMORY_PER_KEY): write "
+            "fewer segments a blob"
+        )
     reservation = await budget.admit(
         UPLOAD_COST * body.size, settings.request_timeout / 2, who.name
     )
-    charge_rows(len(body.segments), spec, budget, reservation)
+    try:
+        charge_rows(len(body.segments), spec, budget, reservation)
+    except BaseException:
+        reservation.release()
+        raise
 
     def store() -> WriteCommitted:
         if deadline.cancelled.is_set():
@@ -122,7 +143,7 @@ async def commit_write(
             else []
         )
         return WriteCommitted(
-            results=[PutItem.of(r) for r in results], next=[_model(p) for p in following]
+            results=[PutItem.of(r) for r in results], next=[_model(p, budget) for p in following]
         )
 
     return await deadline.run(store, what="the commit", reservation=reservation)
