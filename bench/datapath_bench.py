@@ -74,12 +74,7 @@ def run(seaweed: SeaweedFS, count: int = 256, tokens: int = 4096) -> list[Figure
     tmp = Path(tempfile.mkdtemp(prefix="r3store-datapath-"))
     env = {
         "R3STORE_API_KEYS": json.dumps([{"name": "bench", "role": "admin", "key": KEY}]),
-        "R3STORE_STORE": "s3",
-        "R3STORE_S3__ENDPOINT_URL": seaweed.endpoint_url,
-        "R3STORE_S3__BUCKET": probe.bucket,
-        "R3STORE_S3__PREFIX": probe.config.prefix,
-        "R3STORE_S3__ACCESS_KEY_ID": seaweed.access_key_id,
-        "R3STORE_S3__SECRET_ACCESS_KEY": seaweed.secret_access_key,
+        **seaweed.server_env(probe.config.prefix),
     }
     probe.close()
     process, url = start_server(tmp, env)

@@ -284,19 +284,9 @@ def check_indexes(fuzz: DirectFuzz, store: ObjectStore) -> None:
 
 def start(seaweed: SeaweedFS, directory: Path) -> tuple[subprocess.Popen[bytes], str, str]:
     """A server on SeaweedFS (a fresh prefix, returned) with namespaces "fa" and "fb"."""
-    probe = seaweed.new_store()
     keys = [{"name": who, "role": ROLES[who], "key": key} for who, key in KEYS.items()]
-    env = {
-        "R3STORE_API_KEYS": json.dumps(keys),
-        "R3STORE_STORE": "s3",
-        "R3STORE_S3__ENDPOINT_URL": seaweed.endpoint_url,
-        "R3STORE_S3__BUCKET": probe.bucket,
-        "R3STORE_S3__PREFIX": probe.config.prefix,
-        "R3STORE_S3__ACCESS_KEY_ID": seaweed.access_key_id,
-        "R3STORE_S3__SECRET_ACCESS_KEY": seaweed.secret_access_key,
-    }
-    probe.close()
-    return (*start_server(directory, env), probe.config.prefix)
+    env = {"R3STORE_API_KEYS": json.dumps(keys), **seaweed.server_env()}
+    return (*start_server(directory, env), env["R3STORE_S3__PREFIX"])
 
 
 def run(seaweed: SeaweedFS, cases: int, seed: int = 1) -> DirectFuzzReport:

@@ -84,6 +84,18 @@ class SeaweedFS:
         """
         return S3Store(self.config(prefix or f"t-{uuid.uuid4().hex[:16]}", **overrides))
 
+    def server_env(self, prefix: str | None = None) -> dict[str, str]:
+        """The settings of a server on the shared bucket under `prefix` (a fresh one by
+        default): `R3STORE_STORE=s3` and its `R3STORE_S3__*` variables."""
+        return {
+            "R3STORE_STORE": "s3",
+            "R3STORE_S3__ENDPOINT_URL": self.endpoint_url,
+            "R3STORE_S3__BUCKET": BUCKET,
+            "R3STORE_S3__PREFIX": prefix or f"t-{uuid.uuid4().hex[:16]}",
+            "R3STORE_S3__ACCESS_KEY_ID": self.access_key_id,
+            "R3STORE_S3__SECRET_ACCESS_KEY": self.secret_access_key,
+        }
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
