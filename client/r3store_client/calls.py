@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 import random
 import threading
@@ -51,6 +52,7 @@ from r3store.logic.sampling import Strategy
 from r3store.logic.spans import ByteRange
 from r3store.logic.streams import fits
 from r3store.policy import NamespaceSettings, Source
+from r3store.protocol.direct import WritePlanModel
 from r3store.protocol.models import (
     AgreementModel,
     DriftModel,
@@ -69,6 +71,7 @@ from r3store.spec import RouteSpec
 from r3store_client.direct_writes import DirectWrites
 from r3store_client.lease_calls import LeaseCalls
 
+log = logging.getLogger("r3store_client")
 T = TypeVar("T")
 P = ParamSpec("P")
 
@@ -451,7 +454,7 @@ class Calls(LeaseCalls, DirectWrites):
         sent. Encoded puts go straight to the object store where the server allows it
         (`direct_writes`; `r3store_client.direct_writes`)."""
         spec = yield from self._spec(namespace)
-        answer = None
+        items: list[PutItem] | None = None
         if (
             self.encode
             and self._chooses_direct()
@@ -459,8 +462,8 @@ class Calls(LeaseCalls, DirectWrites):
         ):
             for w in writes:
                 check_shape(w, spec)
-            answer = yield from self._put_direct(namespace, spec, writes, Work, encoded_writes)
-        if answer is None:
+            items = yield from self._put_direct(namespace, spec, writes, Work, encoded_writes)
+        if items is None:
             body = yield Work(upload_body, (list(writes), spec, self.encode))
             answer = yield from self._json(
                 "POST",
@@ -468,7 +471,8 @@ class Calls(LeaseCalls, DirectWrites):
                 content=body,
                 headers={"Content-Type": CONTENT_TYPE},
             )
-        results = [PutItem.model_validate(item).result() for item in answer["results"]]
+            items = [PutItem.model_validate(item) for item in answer["results"]]
+        results = [item.result() for item in items]
         return [dataclasses.replace(r, ref=RouteRef.of(namespace, r)) for r in results]
 
     def _get_batch(
@@ -693,14 +697,29 @@ class Calls(LeaseCalls, DirectWrites):
     def _dictionaries_of(self, plan: ReadPlan) -> Dictionaries:
         """The dictionaries a plan's streams need: fetched once, checked against their
         digests, and kept (they never change)."""
-        out: Dictionaries = {}
-        for planned in plan.dictionaries:
-            known = self._dictionaries.get(planned.digest)
-            if known is None:
-                known = load_dictionary(self._store_get(planned.url)[1], planned.digest)
-                self._dictionaries[planned.digest] = known
-            out[planned.digest] = known
-        return out
+        return {d.digest: self._dictionary(d.digest, d.url) for d in plan.dictionaries}
+
+    def _dictionary(self, digest: bytes, url: str) -> Dictionary:
+        """The dictionary `digest` names, read from a presigned `url` the first time and
+        checked against the digest, then kept (a dictionary never changes)."""
+        known = self._dictionaries.get(digest)
+        if known is None:
+            known = load_dictionary(self._store_get(url)[1], digest)
+            self._dictionaries[digest] = known
+        return known
+
+    def _plan_dictionary(self, plan: WritePlanModel) -> Dictionary | None:
+        """The dictionary a write plan names, or None when it names none or it cannot be
+        read (the routes then go without one, as before the namespace had one)."""
+        if plan.dictionary is None:
+            return None
+        try:
+            return self._dictionary(bytes.fromhex(plan.dictionary.digest), plan.dictionary.url)
+        except (_Replan, R3StoreError) as exc:
+            log.warning(
+                "r3store: the namespace's dictionary is not used: %s", exc or "refused by the store"
+            )
+            return None
 
     def _fetch_objects(self, plan: ReadPlan) -> list[Fetched]:
         """Each object's planned ranges, fetched in parallel (urllib3: about twice as

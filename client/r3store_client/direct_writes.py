@@ -18,9 +18,10 @@ from typing import Any
 
 import urllib3
 
-from r3store.errors import DirectUnavailable, PlanGone, R3StoreError, StoreError
-from r3store.logic.codec import Dictionaries, Dictionary, load_dictionary
+from r3store.errors import DirectUnavailable, PlanGone, StoreError
+from r3store.logic.codec import Dictionaries, Dictionary
 from r3store.protocol.direct import WriteCommitted, WritePlanModel, pack
+from r3store.protocol.models import PutItem
 from r3store.records import TrajectoryWrite
 from r3store.spec import RouteSpec
 
@@ -52,6 +53,9 @@ class DirectWrites:
 
     def _direct(self) -> tuple[urllib3.PoolManager, Any]:
         raise NotImplementedError  # `Calls`
+
+    def _plan_dictionary(self, plan: WritePlanModel) -> Dictionary | None:
+        raise NotImplementedError  # `Calls`, beside the dictionaries direct reads fetch
 
     def _chooses_direct(self) -> bool:
         """Whether the next put should try a write plan."""
@@ -94,7 +98,7 @@ class DirectWrites:
         writes: Sequence[TrajectoryWrite],
         work: Any,
         encoded_writes: Callable[..., list[TrajectoryWrite]],
-    ) -> Generator[Any, Any, dict[str, Any] | None]:
+    ) -> Generator[Any, Any, list[PutItem] | None]:
         """The server's answer to a direct write of `writes` (shapes checked), or None
         when the server does not take direct writes (then the put goes through it). The
         routes are encoded (`encoded_writes`, as `Work`) with the namespace's dictionary
@@ -154,30 +158,8 @@ class DirectWrites:
             answer = WriteCommitted.model_validate(committed)
             for following in answer.next:
                 self._keep_plan(namespace, following)
-            return {"results": [item.model_dump() for item in answer.results]}
+            return answer.results
         raise StoreError("unreachable")
-
-    def _plan_dictionary(self, plan: WritePlanModel) -> Dictionary | None:
-        """The dictionary a plan names: fetched once and kept (checked against its
-        digest); None when it names none, or it cannot be fetched (then the routes go
-        without one, as they would before the namespace had one)."""
-        if plan.dictionary is None:
-            return None
-        digest = bytes.fromhex(plan.dictionary.digest)
-        known = self._dictionaries.get(digest)
-        if known is not None:
-            return known
-        store, _fetchers = self._direct()
-        try:
-            response = store.request("GET", plan.dictionary.url, decode_content=False)
-            if response.status != 200:
-                raise StoreError(f"the object store answered {response.status}")
-            known = load_dictionary(response.data, digest)
-        except (urllib3.exceptions.HTTPError, R3StoreError) as exc:
-            log.warning("r3store: the namespace's dictionary is not used: %s", exc)
-            return None
-        self._dictionaries[digest] = known
-        return known
 
     def _store_put(self, url: str, headers: dict[str, str], blob: bytes) -> None:
         """PUT a blob to a plan's URL, retried on a failed connection; 403 (expired) and

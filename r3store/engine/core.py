@@ -59,7 +59,7 @@ from r3store.errors import (
     StoreError,
 )
 from r3store.logic import codec, stats, streams
-from r3store.logic.codec import Dictionary
+from r3store.logic.codec import Dictionaries, Dictionary
 from r3store.logic.routes import Routes
 from r3store.logic.sampling import Strategy
 from r3store.logic.sources import choose_source, engine_segments, inherit
@@ -97,6 +97,14 @@ class EncodedPut:
     fresh: list[ShardRow]  # the rows to store
     results: dict[RowKey, PutResult]  # per (id, source, start); fresh ones until committed
     order: list[RowKey]  # the writes' order, for the answer
+
+    def answer(self, committed: Sequence[PutResult] = ()) -> list[PutResult]:
+        """A result per write, in their order: the `committed` results of the fresh rows
+        (as their commit answered them), the settled ones for the others."""
+        results = dict(self.results)
+        for result in committed:
+            results[(result.trajectory_id, result.source, result.start)] = result
+        return [results[key] for key in self.order]
 
 
 @dataclass(frozen=True)
@@ -354,35 +362,28 @@ class Engine:
             if stop is not None and stop():
                 raise StoreError("the upload was answered before its routes were encoded")
             named = None if write.encoded is None else write.encoded.dictionary
-            rows.append(self.prepare(info.spec, write, writer, dictionaries.get(named)))
+            dictionary = None if named is None else dictionaries[named]
+            rows.append(self.prepare(info.spec, write, writer, dictionary))
         fresh, results = settle_rows(rows, stored)  # refuse now what the commit would
         order = [row_key(r) for r in rows]
         return EncodedPut(namespace, info.spec, fresh, results, order)
 
-    def _dictionaries(
-        self, namespace: str, writes: Sequence[TrajectoryWrite]
-    ) -> dict[bytes | None, Dictionary]:
+    def _dictionaries(self, namespace: str, writes: Sequence[TrajectoryWrite]) -> Dictionaries:
         """The namespace dictionaries that client-encoded writes name (a direct write's
-        ids compressed with one); `InvalidRoutes` for one the namespace does not have."""
-        named = {w.encoded.dictionary for w in writes if w.encoded is not None}
-        found: dict[bytes | None, Dictionary] = {}
-        for digest in named - {None}:
-            assert digest is not None
-            try:
-                dictionary = self._reader.dictionaries.get(namespace, digest)
-            except (ObjectNotFound, CorruptShard):
-                raise PlanGone(  # collected since the plan named it, or never the namespace's
-                    f"the writes name dictionary {digest.hex()}, which namespace "
-                    f"{namespace!r} does not have (any more): encode them again with a new "
-                    "plan's dictionary"
-                ) from None
-            assert dictionary is not None
-            found[digest] = dictionary
-        return found
+        ids compressed with one); `PlanGone` for one the namespace does not have (any
+        more: collected since the plan named it, or never its)."""
+        named = [w.encoded.dictionary for w in writes if w.encoded is not None]
+        try:
+            return self._reader.dictionaries.many(namespace, named)
+        except (ObjectNotFound, CorruptShard):
+            raise PlanGone(
+                f"the writes name a dictionary that namespace {namespace!r} does not have "
+                "(any more): encode them again with a new plan's dictionary"
+            ) from None
 
     def commit(self, put: EncodedPut) -> list[PutResult]:
         """The second half of `put`: store the fresh rows and wait for the commit."""
-        results = dict(put.results)
+        committed: list[PutResult] = []
         if put.fresh:
             future = self._writer.submit(put.namespace, put.spec, put.fresh)
             try:
@@ -393,10 +394,8 @@ class Engine:
                     "(the object store or catalog is slow); it may still land: retry, "
                     "retries are idempotent"
                 ) from None
-            for result in committed:
-                results[(result.trajectory_id, result.source, result.start)] = result
             self.analytics.compare_sources(put.namespace, put.spec, put.fresh)
-        return [results[key] for key in put.order]
+        return put.answer(committed)
 
     def flush(self) -> None:
         """Commit pending writes now instead of waiting for the commit interval."""

@@ -171,16 +171,13 @@ class DirectWrites:
         segments: Sequence[DirectSegment],
         writer: str | None,
         annotate_any: bool = True,
-        admit: Callable[[int], None] | None = None,
     ) -> list[PutResult]:
         """Check and commit the blob `plan` named, `size` bytes holding `segments`; the
-        same results as `Engine.put` of those segments. `admit(size)` may refuse the
-        read of the blob (a memory budget)."""
+        same results as `Engine.put` of those segments. The caller holds the memory
+        the blob takes while it is checked (the server: its upload budget)."""
         key = self.check_plan(namespace, plan, writer)
         if size > MAX_BLOB_BYTES:
             raise PayloadTooLarge(f"a blob of {size} bytes; at most {MAX_BLOB_BYTES}")
-        if admit is not None:
-            admit(size)
         try:  # a byte more than said: a larger object is refused without reading it all
             blob = self._store.get(key, ByteRange(0, size + 1))
         except ObjectNotFound:
@@ -196,7 +193,7 @@ class DirectWrites:
         del blob
         put = self._encode(namespace, writes, writer=writer, annotate_any=annotate_any)
         del writes
-        results = dict(put.results)
+        committed: list[PutResult] = []
         if put.fresh:
             sent = {(s.trajectory_id, s.source, s.start): s for s in segments}
             spans = [
@@ -215,10 +212,8 @@ class DirectWrites:
                 with self._lock:  # its dictionary may be the one gone: look again
                     self._newest.pop(namespace, None)
                 raise
-            for result in committed:
-                results[(result.trajectory_id, result.source, result.start)] = result
             self._analytics.compare_sources(namespace, put.spec, put.fresh)
-        return [results[k] for k in put.order]
+        return put.answer(committed)
 
 
 def _stored_spans(segment: DirectSegment, row: ShardRow) -> RouteSpans:

@@ -84,6 +84,11 @@ class DirectSegment(BaseModel):
         None, pattern="^[0-9a-f]{32}$", description="hex digest of the ids stream's dictionary"
     )
 
+    @property
+    def dictionary(self) -> bytes | None:
+        """The digest of the dictionary its ids stream was compressed with, if any."""
+        return None if self.route_dictionary is None else bytes.fromhex(self.route_dictionary)
+
     def spans(self) -> RouteSpans:
         """Where its streams lie (as a catalog row records them)."""
 
@@ -96,7 +101,7 @@ class DirectSegment(BaseModel):
             span(self.route_order),
             self.route_transform,
             span(self.token_ids),
-            None if self.route_dictionary is None else bytes.fromhex(self.route_dictionary),
+            self.dictionary,
         )
 
 
@@ -209,7 +214,7 @@ def unpack(
             cut(s, "counts", s.route_counts),
             cut(s, "order", s.route_order),
             cut(s, "tokens", s.token_ids),
-            None if s.route_dictionary is None else bytes.fromhex(s.route_dictionary),
+            s.dictionary,
         )
         writes.append(
             TrajectoryWrite(
