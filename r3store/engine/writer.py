@@ -30,7 +30,6 @@ from r3store.catalog_types import TrajectoryEntry
 from r3store.errors import (
     Backpressure,
     Conflict,
-    InvalidInput,
     PlanGone,
     R3StoreError,
     StoreError,
@@ -388,10 +387,10 @@ class GroupCommitter:
                 written = index(fresh, at)
                 try:
                     self._catalog.shards.commit(shard, entries, load_records(namespace, key, fresh))
-                except (Conflict, InvalidInput) as exc:  # refused: certainly not committed
+                except Conflict as exc:  # refused: certainly not committed
                     with contextlib.suppress(R3StoreError):
                         self._store.delete(written)
-                    if isinstance(exc, PlanGone) or not isinstance(exc, Conflict):
+                    if isinstance(exc, PlanGone):
                         raise
                     if not self._catalog.ledger.is_planned(key, DIRECT):
                         raise PlanGone(
