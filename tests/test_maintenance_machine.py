@@ -1,7 +1,9 @@
 """Two maintenance passes against a plain model (a hypothesis state machine): puts over
 moving policy versions, passes of retention, compaction, rest and collection (with no
-grace and no orphan age), one pass's catalog call running the other pass first, and
-rebuilds from the store alone. Nothing retention may keep is lost or changed, and a
+grace and no orphan age), one pass's catalog call running the other pass first or a
+trainer's consumption (a lease committed, a lease released, a checkpoint resumed), and
+rebuilds from the store alone. Nothing retention may keep is lost or changed, every
+trajectory's sampling count is the model's whatever a pass rewrote meanwhile, and a
 rebuild holds exactly what the catalog holds."""
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ SPEC = RouteSpec(num_layers=2, num_experts=8, top_k=2)
 KEEP = 2  # policy versions retention keeps
 STEPS = ["whole", "rest", "no rest"]
 HOOKS = ["shards.replace", "leases.drop", "shards.retire_empty", "shards.forget"]
+# what runs when the hooked call is reached: the other pass, or a trainer's step
+MEANWHILE = ["pass", "commit", "release", "resume"]
 
 
 def routes(tid: str, tokens: int) -> np.ndarray:
@@ -48,7 +52,10 @@ class MaintenanceMachine(RuleBasedStateMachine):
         retention = Retention(keep_versions=KEEP)
         self.engine.namespaces.create("ns", SPEC, NamespaceSettings(retention=retention))
         self.version = 0
+        self.newest = 0  # the newest policy version set: retention keeps KEEP below it
         self.model: dict[str, tuple[int, int]] = {}  # id: policy version, tokens
+        self.sampled: dict[str, int] = {}  # id: times committed leases took it
+        self.checkpoints: list[tuple[int, dict[str, int]]] = []  # step, counts then
         self.catalogs = [Catalog(self.url), Catalog(self.url)]
         self.passes = [
             Maintenance(
@@ -70,7 +77,7 @@ class MaintenanceMachine(RuleBasedStateMachine):
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def kept(self) -> dict[str, tuple[int, int]]:
-        floor = self.version - KEEP + 1
+        floor = self.newest - KEEP + 1  # a resume takes the version back, not what went
         return {tid: held for tid, held in self.model.items() if held[0] >= floor}
 
     @rule(tokens=st.integers(2, 40), count=st.integers(1, 3))
@@ -88,19 +95,49 @@ class MaintenanceMachine(RuleBasedStateMachine):
 
     @rule()
     def advance(self) -> None:
-        self.version += 1
+        self.newest = self.version = self.newest + 1
         self.engine.namespaces.set_policy_version("ns", self.version)
+
+    def consume(self, action: str) -> None:
+        """A trainer's step: a lease of every trajectory (whichever shard a pass moves
+        holds some) committed or released, or a resume to the newest checkpoint (made
+        first when there is none)."""
+        consumption = self.engine.consumption
+        if action == "resume" and self.checkpoints:
+            step, counts = self.checkpoints[-1]
+            resumed = consumption.resume("ns", step)
+            self.version = resumed.policy_version
+            self.sampled = {tid: counts.get(tid, 0) for tid in self.sampled}
+        elif action == "resume":
+            step = len(self.checkpoints)
+            consumption.checkpoint("ns", step)
+            self.checkpoints.append((step, dict(self.sampled)))
+        else:
+            lease = consumption.lease("ns", n=64)
+            if action == "release":
+                consumption.release("ns", lease.lease_id)
+                return
+            consumption.commit("ns", lease.lease_id)
+            for tid in lease.trajectory_ids:
+                self.sampled[tid] = self.sampled.get(tid, 0) + 1
+
+    @rule(action=st.sampled_from(MEANWHILE[1:]))
+    def trainer_step(self, action: str) -> None:
+        self.consume(action)
 
     @rule(
         first=st.integers(0, 1),
         hook=st.sampled_from(HOOKS),
         kind=st.sampled_from(STEPS),
         other_kind=st.sampled_from(STEPS),
+        meanwhile=st.sampled_from(MEANWHILE),
     )
-    def interleaved(self, first: int, hook: str, kind: str, other_kind: str) -> None:
+    def interleaved(
+        self, first: int, hook: str, kind: str, other_kind: str, meanwhile: str
+    ) -> None:
         """Pass `first` runs (a whole pass, its rest step alone, or all but rest); when
-        it calls `hook` on its catalog, the other pass runs before the call does its
-        work."""
+        it calls `hook` on its catalog, the other pass (or a trainer's step,
+        `meanwhile`) runs before the call does its work."""
         mine, other = self.passes[first], self.passes[1 - first]
         owner, method = hook.split(".")
         repository = getattr(self.catalogs[first], owner)
@@ -110,7 +147,10 @@ class MaintenanceMachine(RuleBasedStateMachine):
         def hooked(*args: Any, **kwargs: Any) -> Any:
             if not ran:
                 ran.append(True)
-                _step(other, other_kind)
+                if meanwhile == "pass":
+                    _step(other, other_kind)
+                else:
+                    self.consume(meanwhile)
             return real(*args, **kwargs)
 
         setattr(repository, method, hooked)
@@ -149,6 +189,8 @@ class MaintenanceMachine(RuleBasedStateMachine):
             want = np.sort(routes(tid, tokens - 1), axis=-1).astype(np.int16)
             got = item.routes.to_topk()
             assert np.array_equal(got[: tokens - 1], want), tid
+        for tid, segments in self.engine._catalog.segments.lookup("ns", list(self.model)).items():
+            assert segments[0].times_sampled == self.sampled.get(tid, 0), tid
         for info in self.store.list("shards/"):  # every object is the catalog's
             assert info.key in self.engine._catalog.shards.all_keys() or info.key in {
                 p.key for p in self.engine._catalog.ledger.pending_uploads()

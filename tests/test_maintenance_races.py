@@ -248,3 +248,97 @@ def test_a_namespace_deletion_that_fails_midway_is_finished_by_maintenance(
     assert report.unknown_objects == 0
     assert list(store.list("shards/")) == []
     assert make_engine.catalog().ledger.pending_uploads() == []
+
+
+def _counted(settings: NamespaceSettings, engine: Engine) -> dict[str, TrajectoryWrite]:
+    """One shard of 20 rows in a namespace of `settings`, every row cold."""
+    engine.namespaces.create("ns", SPEC, settings)
+    writes = {f"t{i}": make_write(f"t{i}") for i in range(20)}
+    engine.put("ns", list(writes.values()))
+    return writes
+
+
+def _rest_pass(engine: Engine, make_engine: MakeEngine) -> tuple[Maintenance, Catalog]:
+    catalog = make_engine.catalog()
+    return _pass(engine, catalog), catalog
+
+
+def test_a_lease_committed_while_a_pass_rewrites_its_rows_stays_counted(
+    store: ObjectStore, make_engine: MakeEngine
+) -> None:
+    engine = make_engine(store)
+    writes = _counted(NamespaceSettings(max_times_sampled=1), engine)
+    x, x_catalog = _rest_pass(engine, make_engine)
+    taken: list[str] = []
+
+    def consume() -> None:  # a trainer's step, between the pass's read and its switch
+        lease = engine.consumption.lease("ns", n=8)
+        engine.consumption.commit("ns", lease.lease_id)
+        taken.extend(lease.trajectory_ids)
+
+    ran = _before(x_catalog, "shards.replace", consume)
+    report = MaintenanceReport()
+    x.settle(report)
+    assert ran
+    assert len(taken) == 8
+    assert report.shards_at_rest == 1, "the switch itself goes through"
+    counts = {e.trajectory_id: e.times_sampled for e in _entries(engine, list(writes))}
+    assert counts == {tid: int(tid in taken) for tid in writes}
+    # sampled max_times_sampled times: never handed out again
+    rest = engine.consumption.lease("ns", n=20)
+    assert not set(rest.trajectory_ids) & set(taken)
+    assert len(rest.trajectory_ids) == 12
+    _exact(engine, "ns", writes)
+
+
+def test_a_resume_while_a_pass_rewrites_its_rows_gives_them_back(
+    store: ObjectStore, make_engine: MakeEngine
+) -> None:
+    engine = make_engine(store)
+    writes = _counted(NamespaceSettings(max_times_sampled=1), engine)
+    engine.consumption.checkpoint("ns", step=0)
+    first = engine.consumption.lease("ns", n=8)
+    engine.consumption.commit("ns", first.lease_id)
+    x, x_catalog = _rest_pass(engine, make_engine)
+    ran = _before(x_catalog, "shards.replace", lambda: engine.consumption.resume("ns", step=0))
+    report = MaintenanceReport()
+    x.settle(report)
+    assert ran
+    assert report.shards_at_rest == 1
+    assert all(e.times_sampled == 0 for e in _entries(engine, list(writes)))
+    again = engine.consumption.lease("ns", n=8)  # as the docs say: available again
+    assert again.trajectory_ids == first.trajectory_ids
+
+
+def _entries(engine: Engine, ids: list[str]) -> list[Any]:
+    found = engine._catalog.segments.lookup("ns", ids)
+    return [e for segments in found.values() for e in segments]
+
+
+def test_shards_committed_while_collection_reads_the_catalog_are_not_unknown(
+    store: ObjectStore, make_engine: MakeEngine
+) -> None:
+    """Puts that commit between each of collection's reads (the store's listing, the
+    uploads pending, the shards committed) are never reported as objects this catalog
+    did not write."""
+    engine = make_engine(store)
+    engine.namespaces.create("ns", SPEC)
+    engine.put("ns", [make_write("first")])
+    sweep_catalog = make_engine.catalog()
+    sweep = _pass(engine, sweep_catalog)
+    puts = iter(range(100))
+
+    def put() -> None:
+        engine.put("ns", [make_write(f"during{next(puts)}")])
+
+    hooks = [
+        _before(sweep_catalog, name, put)
+        for name in ("ledger.pending_uploads", "shards.all_keys", "ledger.dictionary_keys")
+    ]
+    report = MaintenanceReport()
+    sweep.collect(report)
+    assert all(hooks), "each read ran after a put committed"
+    assert report.unknown_objects == 0
+    assert report.orphans_deleted == 0
+    ids = ["first", *(f"during{i}" for i in range(3))]
+    _exact(engine, "ns", {tid: make_write(tid) for tid in ids})

@@ -47,7 +47,6 @@ run (`preview`) walks the same steps.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import defaultdict
@@ -268,7 +267,7 @@ class Maintenance:
         if not entries:
             self._abandon(new_key)
             return
-        built = self._replace(new_key, [key], namespace, entries, rows, now, at_rest)
+        built = self._replace(new_key, [key], namespace, rows, now, at_rest)
         log.info("compacted %s into %s (%d rows)", key, built.key, len(rows))
 
     def _plan(self, namespace: str) -> str:
@@ -293,14 +292,15 @@ class Maintenance:
         key: str,
         old: list[str],
         namespace: str,
-        entries: list[TrajectoryEntry],
         rows: list[ShardRow],
         now: float,
         rest_level: int | None,
     ) -> BuiltShard:
-        """Write `rows` (those of `entries`, in order) into the planned shard `key` and
-        point the catalog at it instead of `old`. Refused by the catalog (rows dropped or
-        moved meanwhile, a dictionary collected), the new object goes again."""
+        """Write `rows` (those `old` holds) into the planned shard `key` and point the
+        catalog at it instead of `old`; each row keeps when it was stored and how often
+        it was sampled, as the catalog holds them at the switch. Refused by the catalog
+        (rows dropped or moved meanwhile, a dictionary collected), the new object goes
+        again."""
         try:
             built = build_shard(
                 namespace,
@@ -314,11 +314,7 @@ class Maintenance:
             self._abandon(key)
             raise
         self.store.put_if_absent(built.key, built.data)
-        shard, fresh = shard_records(namespace, built, rows)
-        moved = [  # the rows keep when they were stored and how often they were sampled
-            dataclasses.replace(new, created_at=e.created_at, times_sampled=e.times_sampled)
-            for new, e in zip(fresh, entries, strict=True)
-        ]
+        shard, moved = shard_records(namespace, built, rows)
         try:
             self.catalog.shards.replace(old, shard, moved, now)
         except Conflict:
@@ -367,12 +363,12 @@ class Maintenance:
     def _settle(self, batch: list[ShardUsage], report: MaintenanceReport) -> None:
         key = self._plan(batch[0].namespace)
         try:
-            rows, entries, before, after = self._encode_at_rest(batch, report)
+            rows, before, after = self._encode_at_rest(batch, report)
         except BaseException:
             self._abandon(key)
             raise
         namespace, keys = batch[0].namespace, [u.key for u in batch]
-        built = self._replace(key, keys, namespace, entries, rows, self.clock(), self.rest_level)
+        built = self._replace(key, keys, namespace, rows, self.clock(), self.rest_level)
         report.shards_merged += len(batch)
         report.shards_at_rest += 1
         report.rest_bytes_saved += before - after
@@ -380,9 +376,9 @@ class Maintenance:
 
     def _encode_at_rest(
         self, batch: list[ShardUsage], report: MaintenanceReport
-    ) -> tuple[list[ShardRow], list[TrajectoryEntry], int, int]:
-        """The rows of `batch`'s shards encoded at rest, their entries, and their route
-        bytes before and after."""
+    ) -> tuple[list[ShardRow], int, int]:
+        """The rows of `batch`'s shards encoded at rest, and their route bytes before and
+        after."""
         namespace, spec = batch[0].namespace, self.spec(batch[0].namespace)
         entries: list[TrajectoryEntry] = []
         stored: list[EncodedRoutes] = []
@@ -422,7 +418,7 @@ class Maintenance:
             for i, encoded in zip(picked, settled, strict=True):
                 stored[i] = encoded
         rows = [row_of(e, s) for e, s in zip(entries, stored, strict=True)]
-        return rows, entries, before, sum(route_bytes(stored))
+        return rows, before, sum(route_bytes(stored))
 
     def _dictionary(
         self,
@@ -520,14 +516,20 @@ class Maintenance:
             return found
         for key in self.catalog.shards.retired_before(cutoff):
             found.deletions.append(Deletion(key, RETIRED, "retired for over the grace"))
-        known = self.catalog.shards.all_keys()
+        # the store first, then the uploads pending, then what is committed: an object
+        # listed was planned before the listing, so it is pending at the second read or
+        # committed by the third (a commit in between cannot look unknown)
+        shard_objects = list(self.store.list(SHARD_PREFIX))
+        dictionary_objects = list(self.store.list(DICTIONARY_PREFIX))
         pending = {p.key: p for p in self.catalog.ledger.pending_uploads()}
+        known = self.catalog.shards.all_keys()
+        recorded = self.catalog.ledger.dictionary_keys()
         for under_way in pending.values():  # deletions begun (a namespace's, a crash's)
             if under_way.kind == ledger.DELETING:
                 why = "its deletion was under way"
                 found.deletions.append(Deletion(under_way.key, DELETING, why))
         listed = set()
-        for info in self.store.list(SHARD_PREFIX):
+        for info in shard_objects:
             listed.add(info.key)
             plan = pending.get(info.key)
             if info.key in known or (plan is not None and plan.kind == ledger.DELETING):
@@ -555,10 +557,9 @@ class Maintenance:
             found.deletions.append(
                 Deletion(key, DICTIONARY, "a dictionary no row names", (namespace, digest))
             )
-        recorded = self.catalog.ledger.dictionary_keys()
         found.unknown += [
             info.key
-            for info in self.store.list(DICTIONARY_PREFIX)
+            for info in dictionary_objects
             if info.key not in recorded and info.key not in pending
         ]
         # a tombstone matters while an object that may hold its segments exists: a shard

@@ -24,6 +24,7 @@ from r3store.errors import Conflict, StoreError
 from r3store.logic.spans import COLUMNS, RouteSpans
 from r3store.policy import NamespaceSettings
 from r3store.spec import RouteSpec
+from r3store.storage.catalog.tables import namespaces
 
 BATCH = 500  # ids per IN (...) query
 
@@ -152,6 +153,16 @@ def segment_of(row: Any) -> TrajectoryEntry:
     for name in COLUMNS:
         del data[name]
     return TrajectoryEntry(**data, spans=spans)
+
+
+def lock(conn: Connection, name: str) -> bool:
+    """Hold the namespace's row for the transaction (an UPDATE that changes nothing:
+    PostgreSQL's row lock, SQLite's write lock), as consumption's changes do; False when
+    there is no such namespace. The first statement of its transaction, on SQLite."""
+    done = conn.execute(
+        namespaces.update().where(namespaces.c.name == name).values(consumed=namespaces.c.consumed)
+    )
+    return bool(done.rowcount)
 
 
 def namespace_of(row: Any) -> NamespaceInfo:

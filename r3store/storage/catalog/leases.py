@@ -29,7 +29,7 @@ from r3store.errors import Conflict, Fenced, InvalidInput, NotFound
 from r3store.leases import Checkpoint, Lease, LeaseState, Resumed
 from r3store.logic.leasing import refusal
 from r3store.policy import ENGINE, NamespaceSettings
-from r3store.storage.catalog.database import BATCH, Database
+from r3store.storage.catalog.database import BATCH, Database, lock
 from r3store.storage.catalog.segments import delete_in, lookup_in
 from r3store.storage.catalog.tables import (
     checkpoints,
@@ -47,16 +47,6 @@ Pick = Callable[[list[Candidate]], list[str]]
 Now = float | Callable[[], float]
 # sees the segments (every source) of what a lease takes, and may refuse it by raising
 Admit = Callable[[dict[str, list[TrajectoryEntry]]], None]
-
-
-def lock(conn: Connection, name: str) -> bool:
-    """Hold the namespace's row for the transaction (an UPDATE that changes nothing:
-    PostgreSQL's row lock, SQLite's write lock), as consumption's changes do; False when
-    there is no such namespace. The first statement of its transaction, on SQLite."""
-    done = conn.execute(
-        namespaces.update().where(namespaces.c.name == name).values(consumed=namespaces.c.consumed)
-    )
-    return bool(done.rowcount)
 
 
 def _lock(conn: Connection, namespace: str, now: Now) -> tuple[Any, float]:

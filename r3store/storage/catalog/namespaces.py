@@ -11,7 +11,7 @@ from r3store.errors import Conflict, InvalidInput, NotFound
 from r3store.policy import NamespaceSettings
 from r3store.spec import RouteSpec
 from r3store.storage.catalog import leases, ledger, stats
-from r3store.storage.catalog.database import Database, namespace_of, namespace_row
+from r3store.storage.catalog.database import Database, lock, namespace_of, namespace_row
 from r3store.storage.catalog.tables import namespaces, shards, trajectories
 from r3store.storage.keys import dictionary_key
 
@@ -73,7 +73,7 @@ class Namespaces:
         """Move the namespace's current policy version forward (never back), at most
         `max_step` at once; `force`: to `version`, whatever the current one."""
         with self._db.begin() as conn:
-            leases.lock(conn, name)  # against a resume setting it back meanwhile
+            lock(conn, name)  # against a resume setting it back meanwhile
             row = conn.execute(
                 sa.select(namespaces.c.policy_version).where(namespaces.c.name == name)
             ).first()
@@ -101,7 +101,7 @@ class Namespaces:
         on the ledger as deletions under way (`ledger.forget_upload` each once deleted),
         so that collection finishes what a failure leaves."""
         with self._db.begin() as conn:
-            leases.lock(conn, name)  # no lease or checkpoint is recorded meanwhile
+            lock(conn, name)  # no lease or checkpoint is recorded meanwhile
             keys = list(
                 conn.execute(sa.select(shards.c.key).where(shards.c.namespace == name)).scalars()
             )

@@ -6,6 +6,7 @@ holds (`usage`); and the whole catalog filled again by a rebuild (`replace_all`)
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 
@@ -15,7 +16,7 @@ from sqlalchemy.engine import Connection
 from r3store.catalog_types import NamespaceInfo, ShardInfo, ShardUsage, TrajectoryEntry
 from r3store.errors import Conflict, NotFound, PlanGone
 from r3store.storage.catalog import ledger, stats
-from r3store.storage.catalog.database import Database, namespace_row, segment_row
+from r3store.storage.catalog.database import Database, lock, namespace_row, segment_row
 from r3store.storage.catalog.stats import LoadRecord
 from r3store.storage.catalog.tables import namespaces, shards, trajectories
 
@@ -69,24 +70,47 @@ class Shards:
         when any of `entries` was dropped by retention or moved by a pass running
         elsewhere since they were read, nothing changes and `Conflict` is raised (the new
         object would hold rows the catalog no longer has, which a rebuild could bring
-        back). The dictionaries the rows name are held in the same transaction, and a
-        collected one refuses the switch too. Returns rows moved.
+        back). What a row's life changes meanwhile (`times_sampled`, counted by leases,
+        samples and resumes that ran while the pass built the object) is taken from the
+        rows removed, never from `entries`; the namespace's row is locked first, as
+        consumption locks it, so that no count lands on the rows being removed. The
+        dictionaries the rows name are held in the same transaction, and a collected one
+        refuses the switch too. Returns rows moved.
         """
         t = trajectories
         try:
             with self._db.begin() as conn:
+                if not lock(conn, new.namespace):
+                    raise Conflict(f"the namespace {new.namespace!r} was deleted")
                 taken = conn.execute(
                     t.delete()
                     .where(t.c.shard_key.in_(old))
-                    .returning(t.c.trajectory_id, t.c.source, t.c.start, t.c.dictionary)
-                ).all()
-                still = {(r.trajectory_id, r.source, r.start) for r in taken}
-                wanted = {(e.trajectory_id, e.source, e.start) for e in entries}
-                if still != wanted:
-                    raise Conflict(
-                        f"{len(wanted - still)} of its rows were dropped or moved meanwhile, "
-                        f"{len(still - wanted)} added"
+                    .returning(
+                        t.c.trajectory_id,
+                        t.c.source,
+                        t.c.start,
+                        t.c.dictionary,
+                        t.c.times_sampled,
+                        t.c.created_at,
                     )
+                ).all()
+                still = {(r.trajectory_id, r.source, r.start): r for r in taken}
+                wanted = {(e.trajectory_id, e.source, e.start) for e in entries}
+                if set(still) != wanted:
+                    raise Conflict(
+                        f"{len(wanted - set(still))} of its rows were dropped or moved "
+                        f"meanwhile, {len(set(still) - wanted)} added"
+                    )
+                moved = [
+                    dataclasses.replace(
+                        e,
+                        times_sampled=(
+                            row := still[(e.trajectory_id, e.source, e.start)]
+                        ).times_sampled,
+                        created_at=row.created_at,
+                    )
+                    for e in entries
+                ]
                 # a dictionary the old rows named cannot have been collected (recorded
                 # if an older server did not); one the pass chose must still be held
                 named = {r.dictionary for r in taken if r.dictionary is not None}
@@ -97,7 +121,7 @@ class Shards:
                     raise Conflict("a dictionary its rows use was collected meanwhile")
                 if not ledger.unplan(conn, [new.key]):
                     raise Conflict(f"{new.key} was collected as an orphan meanwhile")
-                insert(conn, new, list(entries))
+                insert(conn, new, moved)
                 conn.execute(shards.update().where(shards.c.key.in_(old)).values(retired_at=now))
         except Conflict as exc:
             raise Conflict(f"rewriting {', '.join(old)} raced another pass: {exc}") from exc
