@@ -4,10 +4,12 @@ A `RouteRef` names stored routes by content: the namespace, the trajectory, the
 segments (start and length each, contiguous, in token order), the source, the oldest
 policy version, and one digest over the named segments' content digests. It is a few
 hundred bytes as JSON (`to_json`), picklable, hashable, and equal to another exactly
-when it names the same content. `resolve` checks a read against the refs it answers:
-a ref whose segments are gone, cut differently, or stored with other content (the
-trajectory rewritten, deleted by retention, or a tampered ref) raises `RefMismatch`
-naming the ref; it never answers other routes.
+when it names the same content. `resolve` checks every field of a ref against the read
+it answers (the segments, their digest, the source and the policy version; the
+namespace and the trajectory are what is read): a ref whose segments are gone, cut
+differently, or stored with other content or at another version (the trajectory
+rewritten, deleted by retention, or a tampered ref) raises `RefMismatch` naming the
+ref; it never answers other routes or another ref's metadata.
 
     refs = [result.ref for result in client.put("run1", writes)]
     spec, batch = client.resolve(refs[rank::world])   # the rank's own, checked
@@ -250,6 +252,12 @@ def _named(ref: RouteRef, read: TrajectoryRead) -> TrajectoryRead:
         raise RefMismatch(
             f"{ref}: the stored routes have digest {digest}, the ref names {ref.digest} "
             "(rewritten since, or the ref was altered)"
+        )
+    stored = min(s.policy_version for s in named)
+    if stored != ref.policy_version:
+        raise RefMismatch(
+            f"{ref}: its segments were stored at policy version {stored}, the ref names "
+            f"{ref.policy_version} (the ref was altered)"
         )
     if any(s.encoded is None for s in named):
         raise RefMismatch(f"{ref}: resolve reads stored streams (decode=False)")

@@ -170,6 +170,7 @@ def test_a_tampered_ref_raises_naming_it(client: Client, namespace: str) -> None
         dataclasses.replace(ref, segments=((0, 10), (10, n - 10))),
         dataclasses.replace(ref, trajectory_id="never-stored"),
         dataclasses.replace(ref, source="trainer"),
+        dataclasses.replace(ref, policy_version=ref.policy_version + 1),
     ]
     for bad in altered:
         with pytest.raises(RefMismatch, match=f"ref {namespace}/{bad.trajectory_id}"):
@@ -195,6 +196,14 @@ def test_a_rewritten_trajectory_does_not_resolve(client: Client, namespace: str)
     same = client.put(namespace, [make_write("again", tokens=64)])[0].ref
     assert same == old  # equal content, equal refs
     assert client.resolve([old])[1].items[0] is not None
+
+
+def test_a_ref_into_a_deleted_namespace_does_not_resolve(client: Client, namespace: str) -> None:
+    ref = client.put(namespace, [make_write("gone")])[0].ref
+    client.request("DELETE", f"/v1/namespaces/{namespace}")
+    for direct in (False, True):
+        with pytest.raises(RefMismatch, match=f"ref {namespace}/gone: .*no longer stored"):
+            client.resolve([ref], direct=direct)
 
 
 def test_a_ref_retention_dropped_does_not_resolve(client: Client, namespace: str) -> None:

@@ -44,6 +44,7 @@ from r3store.errors import (
     InvalidRoutes,
     NotFound,
     R3StoreError,
+    RefMismatch,
     StoreError,
     error_class,
 )
@@ -590,8 +591,10 @@ class Calls(LeaseCalls, DirectWrites):
         only the segments its ref names, as stored streams (`tensors.compact` decodes
         them). Only these trajectories are read, and with `layers` only those layers
         (a pipeline stage's; `MegatronReplay.needed_layers`); `direct`: from the object
-        store, as `fetch_direct`. A ref whose trajectory is gone or stale, or stored with
-        other content since, raises `RefMismatch` naming it."""
+        store, as `fetch_direct` (whole segments: not with `layers`, refused before any
+        round trip). A ref whose trajectory is gone or stale (its namespace deleted
+        included), or stored with other content or at another policy version than the
+        ref says, raises `RefMismatch` naming it."""
         namespace, wanted = by_source(refs)
         if direct and layers is not None:
             raise InvalidInput(
@@ -599,15 +602,20 @@ class Calls(LeaseCalls, DirectWrites):
                 "server (direct=False)"
             )
         reads: dict[Source, Batch] = {}
-        for source, ids in wanted.items():
-            if direct:
-                spec, reads[source] = yield from self._fetch_direct(
-                    namespace, ids, include_stale, source
-                )
-            else:
-                spec, reads[source] = yield from self._fetch(
-                    namespace, ids, include_stale, decode=False, source=source, layers=layers
-                )
+        try:
+            for source, ids in wanted.items():
+                if direct:
+                    spec, reads[source] = yield from self._fetch_direct(
+                        namespace, ids, include_stale, source
+                    )
+                else:
+                    spec, reads[source] = yield from self._fetch(
+                        namespace, ids, include_stale, decode=False, source=source, layers=layers
+                    )
+        except NotFound as exc:  # the namespace: gone, and every trajectory in it
+            raise RefMismatch(
+                f"{refs[0]}: the trajectory is no longer stored (its namespace: {exc})"
+            ) from exc
         return spec, resolve(refs, reads)
 
     def _sample(
