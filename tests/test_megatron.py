@@ -12,6 +12,7 @@ from the token ids stored with the routes (checked in every layout).
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -20,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import make_write
 from http_helpers import KEYS, ServerProcess
 from megatron_world import causal_mask, cpu_shims, quiet, spawn, tiny_config, tiny_gpt, world
 from r3store.errors import InvalidRoutes
@@ -839,3 +841,121 @@ def test_a_stage_reads_only_the_layers_its_routers_replay(model: Any, client: Cl
     with pytest.raises(ValueError, match="read them with layers="):
         replay.indices(other, layout)
     replay.detach()
+
+
+def other_ranks() -> dict[str, str | None]:
+    """A layout declared for this rank, and for other ranks (tensor-parallel rank,
+    context-parallel rank, sequence parallelism flipped): queued with the input ids cut
+    by the same layout, and checked alone. Routers of a TP=2, SP model."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    config = tiny_config(
+        tensor_model_parallel_size=2, context_parallel_size=2, sequence_parallel=True
+    )
+    routers = torch.nn.ModuleList()
+    for number in (2, 3):  # the MoE layers of tiny_config's pattern [0, 1, 1]
+        router = TopKRouter(config, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+        router.set_layer_number(number)
+        routers.append(router)
+    replay = MegatronReplay(routers, SPEC)
+    lengths, seq = [16, 11, 5], 16
+    routes = packed_routes(lengths)
+    assert routes.tokens is not None
+    inputs = torch.zeros((len(lengths), seq), dtype=torch.long)
+    inputs[:, : routes.tokens.shape[1]] = routes.tokens.clamp(min=0)
+    mine = get_batch_on_this_cp_rank({"tokens": inputs})["tokens"]
+    here = Parallel.of_this_rank(sequence_parallel=True)
+    declared = {
+        "this rank": here,
+        "tp rank": dataclasses.replace(here, tp_rank=1 - here.tp_rank),
+        "cp rank": dataclasses.replace(here, cp_rank=1 - here.cp_rank),
+        "no sp": dataclasses.replace(here, sequence_parallel=False),
+    }
+    out: dict[str, str | None] = {}
+    for name, parallel in declared.items():
+        layout = TokenLayout.sbhd(lengths, seq, parallel)
+        try:
+            replay.queue(routes, layout, tokens=mine)
+            replay.verify()
+            out[name] = None
+        except InvalidRoutes as exc:
+            out[name] = str(exc)
+        replay.finish()
+        try:
+            check = check_tokens(routes, layout, mine)
+            assert check is not None
+            check.verify()
+            out[f"{name}, alone"] = None
+        except InvalidRoutes as exc:
+            out[f"{name}, alone"] = str(exc)
+    replay.detach()
+    return out
+
+
+def test_a_layout_declared_for_another_rank_is_refused() -> None:
+    """Cut by the declared layout, the input ids agree with the routes whatever rank the
+    layout names: the layout itself is held against Megatron's parallel state."""
+    for result in spawn(4, other_ranks, tp=2, cp=2):
+        assert result["this rank"] is None
+        assert result["this rank, alone"] is None
+        for name in ("tp rank", "cp rank"):
+            for case in (name, f"{name}, alone"):
+                assert result[case] is not None
+                assert "the layout is declared for Parallel(" in result[case]
+        assert result["no sp"] is not None  # against the model's sequence_parallel
+        assert "this process is Parallel(" in result["no sp"]
+
+
+def test_a_token_check_that_never_ran_raises(model: Any) -> None:
+    """A pipeline stage after the first: its model is given hidden states, not input
+    ids, so no forward hands the check its tokens. Unless given `tokens=` (or built
+    with `check_tokens=False`), the step raises instead of replaying unchecked."""
+    tokens = torch.randint(0, 64, (B, S), generator=torch.Generator().manual_seed(5))
+    routes = dataclasses.replace(packed_routes([S, S]), tokens=tokens.to(torch.int32))
+    layout = TokenLayout.sbhd([S, S], seq_len=S)
+    positions = torch.arange(S).expand_as(tokens)
+
+    def later_stage() -> None:  # the decoder alone, as a later stage runs it
+        hidden = model.embedding(input_ids=tokens, position_ids=positions)
+        model.decoder(hidden_states=hidden, attention_mask=causal_mask(S))
+
+    replay = MegatronReplay(model, SPEC)
+    with (
+        pytest.raises(InvalidRoutes, match=r"the token check did not run.*tokens="),
+        torch.no_grad(),
+        replay.micro_batch(routes, layout),
+    ):
+        later_stage()
+    with torch.no_grad(), replay.micro_batch(routes, layout, tokens=tokens):
+        later_stage()
+    with torch.no_grad(), replay.micro_batch(routes, layout):
+        forward(model, tokens)  # the first stage: its forward hands the check its ids
+    replay.detach()
+    unchecked = MegatronReplay(model, SPEC, check_tokens=False)
+    with torch.no_grad(), unchecked.micro_batch(routes, layout):
+        later_stage()
+    unchecked.detach()
+
+
+def test_a_stage_of_dense_layers_reads_nothing(model: Any, client: Client) -> None:
+    client.create_namespace("dense-stage", SPEC)
+    writes = [make_write(f"d{i}", SPEC, tokens=n) for i, n in enumerate((S, 5))]
+    refs = [r.ref for r in client.put("dense-stage", writes)]
+    with Client("http://127.0.0.1:9", KEYS["admin"]) as nowhere:  # nothing answers there
+        for layout in ("padded", "packed"):
+            routes = TrainerReader(nowhere, "dense-stage", layout=layout, layers=[]).fetch(refs)
+            assert isinstance(routes, CompactRoutes)
+            assert routes.lengths.tolist() == [S, 5]
+            assert routes.origin.layers == ()
+            assert routes.origin.trajectory_ids == ("d0", "d1")
+        assert routes.cu_seqlens is not None
+        assert routes.cu_seqlens.tolist() == [0, S, S + 5]
+        wide = TrainerReader(nowhere, "dense-stage", layers=[], compact=False).fetch(refs)
+        assert wide.ids.shape[:3] == (2, S, 0)
+        with pytest.raises(ValueError, match="by route refs"):
+            TrainerReader(nowhere, "dense-stage", layers=[]).fetch(["d0"])
+        TrainerReader(nowhere, "dense-stage", layers=[], direct=True)  # nothing to fetch
+    with pytest.raises(ValueError, match="a direct read fetches whole stored segments"):
+        TrainerReader(client, "dense-stage", layers=[1], direct=True)

@@ -122,6 +122,29 @@ class Parallel:
         )
 
 
+def check_parallel(parallel: Parallel, sequence_parallel: bool | None = None) -> None:
+    """Refuse a layout declared for another rank than this process (its tensor- and
+    context-parallel size and rank, as Megatron's `parallel_state` has them; no parallel
+    state: one rank), and, given the model's `sequence_parallel`, another setting of
+    it. The token check cuts the input ids by the declared layout too, so it cannot see
+    such a layout: this does."""
+    from megatron.core import parallel_state
+
+    sp = parallel.sequence_parallel if sequence_parallel is None else sequence_parallel
+    actual = Parallel(sequence_parallel=sp)
+    if parallel_state.model_parallel_is_initialized():
+        actual = Parallel.of_this_rank(sp)
+    declared = (parallel.tp_size, parallel.tp_rank, parallel.cp_size, parallel.cp_rank)
+    if declared != (actual.tp_size, actual.tp_rank, actual.cp_size, actual.cp_rank) or (
+        actual.tp_size > 1 and parallel.sequence_parallel != sp
+    ):
+        raise InvalidRoutes(
+            f"the layout is declared for {parallel}; this process is {actual} "
+            "(Megatron's parallel_state and the model's sequence_parallel): build it with "
+            "Parallel.of_this_rank(config.sequence_parallel)"
+        )
+
+
 def _cp_chunks(length: int, cp_size: int, cp_rank: int, what: str) -> torch.Tensor:
     """Offsets within a `length`-long sequence kept by context-parallel rank `cp_rank`."""
     if cp_size == 1:
@@ -420,7 +443,9 @@ def check_tokens(
     """The token check `MegatronReplay` makes, on its own: `input_ids` as this rank's
     model is called with them, against the routes' stored tokens in the layout's
     order. `verify()` on the result raises `TokenMismatch`; None when the routes carry
-    no token ids."""
+    no token ids. A layout of another rank than this process is refused
+    (`check_parallel`)."""
+    check_parallel(layout.parallel)
     _line_up(routes, layout)
     expected = _expected(routes.tokens, layout, routes.origin)
     return None if expected is None else expected.compare(input_ids)
@@ -466,6 +491,7 @@ def _input_ids_hook(ref: Callable[[], MegatronReplay | None]) -> Callable[..., N
         ids = kwargs.get("input_ids", args[0] if args else None)
         if isinstance(ids, torch.Tensor) and not ids.is_floating_point() and ids.dim() <= 2:
             replay._pending.append(replay._expected.compare(ids))
+            replay._unchecked = False
 
     return hook
 
@@ -490,8 +516,11 @@ class MegatronReplay:
     against the input ids each chunk's forward is called with (or `tokens=` given to
     `micro_batch`/`queue`), in the order this rank's routers see them; the outcome is
     read before backward and at the end of the micro-batch, and a mismatch raises
-    `TokenMismatch` naming the trajectory and the first differing token. Routes without
-    token ids are replayed unchecked, said once per namespace (`TokensNotChecked`).
+    `TokenMismatch` naming the trajectory and the first differing token; a check that
+    never ran (a stage whose forward got no input ids, and no `tokens=`) raises
+    `InvalidRoutes` there too. Routes without token ids are replayed unchecked, said
+    once per namespace (`TokensNotChecked`). A layout declared for another rank than
+    this process is refused when loaded (`check_parallel`).
     """
 
     def __init__(
@@ -510,6 +539,7 @@ class MegatronReplay:
         config = routers[0].config if routers else _config_of(self.chunks)
         if config is not None:
             self._check(config, spec)
+        self._sequence_parallel = None if config is None else bool(config.sequence_parallel)
         missing = [r.layer_number for r in routers if r.router_replay is None]
         if missing:
             raise ValueError(
@@ -531,6 +561,7 @@ class MegatronReplay:
         self.instances = [r.router_replay for r in routers]
         self._expected: _Expected | None = None
         self._pending: list[TokenCheck] = []
+        self._unchecked = False  # routes with token ids loaded, no input ids compared yet
         self._attached = True
         for instance in self.instances:
             instance.__dict__.pop("get_replay_topk", None)  # attached before: start afresh
@@ -627,7 +658,7 @@ class MegatronReplay:
         registry = self._m.RouterReplay.global_router_replay_instances
         registry[:] = [r for r in registry if id(r) not in mine]
         self._attached = False
-        self._expected, self._pending = None, []
+        self._expected, self._pending, self._unchecked = None, [], False
 
     def indices(
         self, routes: RouteTensors | CompactRoutes, layout: TokenLayout
@@ -690,6 +721,7 @@ class MegatronReplay:
         self._mine()
         if not self.instances:
             return  # a stage without MoE layers: nothing to replay
+        check_parallel(layout.parallel, self._sequence_parallel)
         if device is not None and isinstance(routes, CompactRoutes):
             routes = routes.to(device)  # a byte a slot across; widened there
         wide = as_wide(routes)
@@ -704,16 +736,31 @@ class MegatronReplay:
             instance.set_target_indices(indices)
         self._act(self._m.Action.REPLAY_FORWARD)
         self._expected = expected
+        self._unchecked = expected is not None
         if expected is not None and tokens is not None:
             self._pending.append(expected.compare(tokens))
+            self._unchecked = False
 
     def verify(self) -> None:
         """Raise `TokenMismatch` if a micro-batch loaded since the last call was given
         other tokens than its routes' (`before_backward` and the end of `micro_batch`
-        call it; on a GPU it waits only for the comparisons, queued long before)."""
+        call it; on a GPU it waits only for the comparisons, queued long before).
+        Routes that carry token ids whose check never ran (no chunk's forward was given
+        input ids, as on every pipeline stage but the first, and no `tokens=`) raise
+        `InvalidRoutes`: pass the stage's input ids as `tokens=`, or build the replay
+        with `check_tokens=False` to replay unchecked."""
         pending, self._pending = self._pending, []
         for check in pending:
             check.verify()
+        if self._unchecked:
+            self._unchecked = False
+            raise InvalidRoutes(
+                "the token check did not run: no forward of this stage's model was given "
+                "input ids since the routes were loaded (a pipeline stage after the first "
+                "gets hidden states): pass this micro-batch's input ids as tokens= to "
+                "micro_batch or queue, or build MegatronReplay(..., check_tokens=False) "
+                "to replay unchecked"
+            )
 
     def before_backward(self) -> None:
         """Recomputation during backward replays the same routes (`REPLAY_BACKWARD`),
@@ -723,7 +770,7 @@ class MegatronReplay:
 
     def finish(self) -> None:
         """Forget the routes and checks of this step; the routers route live again."""
-        self._expected, self._pending = None, []
+        self._expected, self._pending, self._unchecked = None, [], False
         for instance in self.instances:
             instance.clear_indices()
             instance.clear_router_replay_action()

@@ -33,7 +33,14 @@ try:
     import torch  # noqa: F401  (the error names this module, not tensors)
 except ImportError as exc:
     raise missing("torch", __name__, "torch") from exc
-from r3store_client.tensors import CompactRoutes, Layout, Major, RouteTensors, compact
+from r3store_client.tensors import (
+    CompactRoutes,
+    Layout,
+    Major,
+    RouteTensors,
+    compact,
+    no_layers,
+)
 
 
 class TrainerReader:
@@ -45,7 +52,10 @@ class TrainerReader:
     copies; `depth`: micro-batches fetched ahead by `iterate`; `direct`: read the bytes
     from the object store itself, the server only planning the read (S3-backed servers
     whose store the trainer can reach); `layers`: only those of the namespace's layers
-    travel (a pipeline stage's, `MegatronReplay.needed_layers`; through the server).
+    travel (a pipeline stage's, `MegatronReplay.needed_layers`), through the server: a
+    direct read fetches whole segments, so `direct=True` with layers is refused here.
+    No layers (a stage of dense layers only) reads nothing: micro-batches named by refs
+    get routes of no layer, as long as the refs say, without a round trip.
     Micro-batches are named by trajectory ids or by route refs (`r3store.refs`).
     """
 
@@ -66,6 +76,12 @@ class TrainerReader:
     ) -> None:
         if depth < 1:
             raise ValueError(f"depth must be at least 1, got {depth}")
+        if direct and layers:
+            raise ValueError(
+                "a direct read fetches whole stored segments, not some layers: read a "
+                "stage's layers through the server (direct=False), or drop layers (the "
+                "replay takes its own layers out of whole routes)"
+            )
         self.client = client
         self.namespace = namespace
         self.layout = layout
@@ -84,12 +100,12 @@ class TrainerReader:
         """One micro-batch's routes, in the order of `ids`: trajectory ids (`KeyError`
         names missing or stale ones) or route refs (resolved: `RefMismatch` names a ref
         that no longer resolves)."""
+        if self.layers == []:
+            return self._nothing(ids)
         if ids and all(isinstance(i, RouteRef) for i in ids):
             refs = [i for i in ids if isinstance(i, RouteRef)]
             spec, batch = self.client.resolve(refs, self.include_stale, self.direct, self.layers)
         elif self.direct:
-            if self.layers is not None:
-                raise ValueError("a direct read fetches whole segments: drop layers or direct")
             names = [str(i) for i in ids]
             spec, batch = self.client.fetch_direct(self.namespace, names, self.include_stale)
         else:
@@ -117,6 +133,23 @@ class TrainerReader:
             return routes
         wide = routes.widen()
         return wide.pin_memory() if self.pin else wide
+
+    def _nothing(self, ids: Sequence[str] | Sequence[RouteRef]) -> CompactRoutes | RouteTensors:
+        """A read of no layers: nothing travels; refs say how long each sequence is."""
+        refs = [i for i in ids if isinstance(i, RouteRef)]
+        if len(refs) != len(ids):
+            raise ValueError(
+                "a read of no layers (layers=[]) names its micro-batches by route refs, "
+                "whose token counts it needs without reading: trajectory ids would need "
+                "a round trip"
+            )
+        routes = no_layers(
+            [r.num_tokens for r in refs],
+            [r.trajectory_id for r in refs],
+            self.layout,
+            self.namespace,
+        )
+        return routes if self.compact else routes.widen()
 
     def iterate(
         self,

@@ -244,6 +244,30 @@ def compact(
     return CompactRoutes(seen_ids, seen_counts, sizes, None, tokens, origin)
 
 
+def no_layers(
+    lengths: Sequence[int],
+    trajectory_ids: Sequence[str],
+    layout: Layout = "padded",
+    namespace: str | None = None,
+) -> CompactRoutes:
+    """The routes of a read of no layers (a pipeline stage of dense layers only):
+    `lengths` tokens each, no token-layer, no token ids; made without reading."""
+    sizes = torch.tensor(list(lengths), dtype=torch.int32)
+    origin = Origin(namespace, tuple(trajectory_ids), (), ())
+    if layout == "packed":
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(sizes, 0)
+        total = int(cu[-1])
+        ids = torch.zeros((total, 0, 0), dtype=torch.uint8)
+        return CompactRoutes(
+            ids, torch.zeros((total, 0), dtype=torch.uint8), sizes, cu, None, origin
+        )
+    width = max(lengths, default=0)
+    ids = torch.zeros((len(lengths), width, 0, 0), dtype=torch.uint8)
+    counts = torch.zeros((len(lengths), width, 0), dtype=torch.uint8)
+    return CompactRoutes(ids, counts, sizes, None, None, origin)
+
+
 def _has_tokens(read: TrajectoryRead) -> bool:
     if read.routes is not None:
         return read.token_ids is not None
