@@ -1,4 +1,5 @@
-"""Namespace policies: staleness window, sampling limits and retention settings.
+"""Namespace policies: staleness window, sampling limits, retention and what one key
+may hold through leases.
 
 Pure values and rules; the engine applies them, the catalog stores them as JSON. Every
 number has a range the catalog can hold (64-bit versions, 32-bit sampling counts), and
@@ -10,6 +11,8 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from r3store.leases import MAX_LEASE_SECONDS
 
 MAX_POLICY_VERSION = 2**63 - 1
 MAX_TIMES_SAMPLED = 2**31 - 1
@@ -52,6 +55,34 @@ class Retention(BaseModel):
     )
 
 
+class Leasing(BaseModel):
+    """What one API key may hold of a namespace through leases at once, so that no
+    key (a dashboard's, say) keeps the trajectories from the trainer's.
+    `Leasing(max_open=4, max_held=8192, max_seconds=3600)`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    max_open: int | None = Field(
+        1024,
+        ge=1,
+        le=MAX_TIMES_SAMPLED,
+        description="open leases one key holds at once; None: no limit",
+    )
+    max_held: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_TIMES_SAMPLED,
+        description="trajectories one key's open leases hold at once; None: no limit",
+    )
+    max_seconds: float = Field(
+        86400.0,
+        gt=0,
+        le=MAX_LEASE_SECONDS,
+        allow_inf_nan=False,
+        description="the longest a lease is taken or renewed for",
+    )
+
+
 class NamespaceSettings(BaseModel):
     """A namespace's policies. `max_policy_lag=2` accepts and serves routes of the
     current policy version and the two before it."""
@@ -71,6 +102,7 @@ class NamespaceSettings(BaseModel):
         description="a trajectory is sampled at most this often; None: no limit",
     )
     retention: Retention = Field(default_factory=Retention)
+    leasing: Leasing = Field(default_factory=Leasing)
     read_sources: list[Source] = Field(
         default_factory=lambda: list(DEFAULT_READ_SOURCES),
         min_length=1,

@@ -27,6 +27,9 @@ SETTINGS = (
     "ttl",
     "evict_after_sampled",
     "keep_checkpoints",
+    "max_open_leases",
+    "max_held",
+    "max_lease_seconds",
 )
 
 

@@ -154,6 +154,9 @@ def test_cli_refuses_to_make_an_empty_store_and_says_which_it_opens(tmp_path: Pa
     assert "[#" not in maintained.stderr  # no progress bar when stderr is not a terminal
 
 
+LEASING = {"max_open": 1024, "max_held": None, "max_seconds": 86400.0}  # the defaults
+
+
 def test_cli_settings_change_only_what_is_given(tmp_path: Path) -> None:
     def settings(*args: str) -> dict[str, object]:
         result = cli(tmp_path, "--json", "settings", "run1", *args)
@@ -171,6 +174,7 @@ def test_cli_settings_change_only_what_is_given(tmp_path: Path) -> None:
             "evict_after_sampled": False,
             "keep_checkpoints": 3,
         },
+        "leasing": LEASING,
         "read_sources": ["predicted", "engine"],
     }
     after = settings("--keep-versions", "2", "--max-times-sampled", "5", "--evict-after-sampled")
@@ -183,6 +187,7 @@ def test_cli_settings_change_only_what_is_given(tmp_path: Path) -> None:
             "evict_after_sampled": True,
             "keep_checkpoints": 3,
         },
+        "leasing": LEASING,
         "read_sources": ["predicted", "engine"],
     }
     assert settings() == after  # nothing given: nothing changes
@@ -196,8 +201,12 @@ def test_cli_settings_change_only_what_is_given(tmp_path: Path) -> None:
             "evict_after_sampled": False,
             "keep_checkpoints": 3,
         },
+        "leasing": LEASING,
         "read_sources": ["predicted", "engine"],
     }
+    limited = settings("--max-open-leases", "4", "--max-held", "100", "--max-lease-seconds", "1h")
+    assert limited["leasing"] == {"max_open": 4, "max_held": 100, "max_seconds": 3600.0}
+    assert settings("--max-held", "none")["leasing"]["max_held"] is None  # type: ignore[index]
 
 
 def test_docs_work_offline_and_declare_the_key_schemes(tmp_path: Path) -> None:

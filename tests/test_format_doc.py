@@ -336,7 +336,8 @@ def test_manifest_fields_are_documented(stored: tuple[Path, dict[str, Any]]) -> 
     values = dict((code(f), v) for f, v in rows)
     assert set(re.findall(r'"(\w+)"', values["spec"])) == set(manifest["spec"])
     settings = manifest["settings"]
-    assert set(re.findall(r'"(\w+)"', values["settings"])) == {*settings, *settings["retention"]}
+    nested = {*settings["retention"], *settings["leasing"]}
+    assert set(re.findall(r'"(\w+)"', values["settings"])) == {*settings, *nested}
     assert settings == NamespaceSettings().model_dump(mode="json")
 
 
@@ -392,7 +393,7 @@ def test_namespace_answers_are_documented(server: str) -> None:
         assert set(re.findall(r"\w+", code(rows["spec"]))) == set(namespace["spec"])
         settings = namespace["settings"]
         words = set(re.findall(r"\w+", code(rows["settings"])))
-        assert words == {*settings, *settings["retention"]}
+        assert words == {*settings, *settings["retention"], *settings["leasing"]}
         if endpoint == "GET /v1/namespaces/{ns}":
             assert namespace["trajectories"] == 0
         else:

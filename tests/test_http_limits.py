@@ -10,14 +10,18 @@ import os
 import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
+import zstandard
 
 from helpers import make_write
 from http_helpers import KEYS, SPEC_JSON, ServerProcess
+from r3store.logic.streams import MAX_ROW_BYTES, SentStreams
 from r3store.protocol.wire import CONTENT_TYPE, encode_writes
+from r3store.records import TrajectoryWrite
 
 STATS = "/v1/namespaces/ns/stats/experts/trajectories"
 
@@ -357,3 +361,66 @@ def test_a_sample_holds_whole_groups_and_at_most_n(tmp_path: Path, strategy: str
         assert refused.json()["error"]["code"] == "invalid_input"
         assert "the smallest 2" in refused.json()["error"]["message"]
         assert len(decode_batch(sample(300).content, decode=False)[1].ids) <= 300
+
+
+# 4. what checking costs: charged before anything is decompressed
+
+LARGE = {"num_layers": 48, "num_experts": 128, "top_k": 8}
+
+
+def _bomb(name: str, segments: int = 4) -> bytes:
+    """An upload of about 10 KB whose encoded segments decode to 64 MiB each: valid
+    routes (experts 0 to 7 for every token-layer), so every one is checked in full."""
+    tokens = MAX_ROW_BYTES // (48 * 8)
+    raw = bytes(range(8)) * (48 * tokens)
+    ids = zstandard.ZstdCompressor(level=19).compress(raw)
+    sent = SentStreams(ids, 0)
+    return encode_writes(
+        [TrajectoryWrite(f"{name}-{i}", tokens, encoded=sent) for i in range(segments)]
+    )
+
+
+def _peak_rss(server: ServerProcess) -> int:
+    for line in Path(f"/proc/{server.process.pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError("no VmHWM")
+
+
+def test_checking_encoded_routes_is_charged_to_the_upload_memory(tmp_path: Path) -> None:
+    budget = 640 << 20
+    limits = {
+        "max_body_bytes": str(8 << 20),
+        "upload_memory_bytes": str(budget),
+        "upload_memory_per_key": str(budget),
+        "request_timeout": "120",
+    }
+    with running(tmp_path, **limits) as server, httpx.Client(base_url=server.url) as http:
+        admin = {"Authorization": f"Bearer {KEYS['admin']}"}
+        made = http.post("/v1/namespaces", json={"name": "large", "spec": LARGE}, headers=admin)
+        assert made.status_code == 201, made.text
+        bodies = [_bomb(f"u{i}") for i in range(12)]
+        assert max(len(b) for b in bodies) < 64 << 10
+        idle = _peak_rss(server)
+        headers = {"Authorization": f"Bearer {KEYS['writer']}", "Content-Type": CONTENT_TYPE}
+
+        def upload(body: bytes) -> list[int]:
+            """Sent again on 429 (backpressure: no room now), as the clients do."""
+            statuses: list[int] = []
+            deadline = time.monotonic() + 120
+            with httpx.Client(base_url=server.url, timeout=300) as own:
+                while not statuses or (statuses[-1] == 429 and time.monotonic() < deadline):
+                    path = "/v1/namespaces/large/trajectories"
+                    statuses.append(own.post(path, content=body, headers=headers).status_code)
+                    time.sleep(0.05 * (statuses[-1] == 429))
+            return statuses
+
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            tries = list(pool.map(upload, bodies))
+        grown = _peak_rss(server) - idle
+    assert [t[-1] for t in tries] == [200] * len(bodies), tries  # each stored in the end
+    assert all(set(t[:-1]) <= {429} for t in tries), tries
+    assert sum(len(t) > 1 for t in tries) > 0, "all 12 at once fit: the test proves nothing"
+    # 12 at once would hold about 12 x 150 MiB (936 MiB more measured before checking
+    # was charged); charged, at most the budget is held
+    assert grown < budget + (128 << 20), f"peak RSS grew {grown >> 20} MiB"

@@ -26,7 +26,7 @@ from r3store.errors import (
     NotFound,
 )
 from r3store.leases import Lease, LeaseState
-from r3store.policy import NamespaceSettings, Retention
+from r3store.policy import Leasing, NamespaceSettings, Retention
 from r3store.testing.seaweedfs import SeaweedFS
 from r3store_client import AsyncClient, Client, Retry
 
@@ -252,3 +252,51 @@ def test_the_async_client_leases_too(server: ServerProcess, client: Client, name
     assert done.state == LeaseState.COMMITTED
     assert halves == [list(_ids(2)), list(_ids(2, 2))]
     assert [c.step for c in client.checkpoints(namespace)[1]] == [5]
+
+
+def test_a_lease_belongs_to_the_key_that_took_it(
+    server: ServerProcess, client: Client, namespace: str
+) -> None:
+    """Another reader key (a dashboard's) neither sees a trainer's lease ids nor reads,
+    commits, releases or renews the lease; an admin may; a refusal changes nothing."""
+    with _client(server, "trainer") as trainer, _client(server, "reader") as dashboard:
+        lease = trainer.lease(namespace, n=4, seconds=60)
+        assert dashboard.leases(namespace)[1] == []
+        assert [held.lease_id for held in trainer.leases(namespace)[1]] == [lease.lease_id]
+        assert [held.lease_id for held in client.leases(namespace)[1]] == [lease.lease_id]
+        for act in (
+            dashboard.get_lease,
+            dashboard.commit,
+            dashboard.release,
+            lambda held: dashboard.renew(held, 3600),
+        ):
+            with pytest.raises(Forbidden, match="taken by another API key"):
+                act(lease)
+        still = trainer.get_lease(lease)
+        assert still.state is LeaseState.OPEN
+        assert still.expires_at == lease.expires_at  # the renewal did nothing
+        assert trainer.commit(lease).state is LeaseState.COMMITTED
+        other = trainer.lease(namespace, n=1)
+        assert client.release(other).state is LeaseState.RELEASED  # an admin may
+
+
+def test_what_one_key_may_hold_is_bounded_by_the_namespace(
+    server: ServerProcess, client: Client, request: pytest.FixtureRequest
+) -> None:
+    settings = NamespaceSettings(leasing=Leasing(max_open=2, max_held=5, max_seconds=60))
+    namespace = _namespace(client, request, settings)
+    with _client(server, "trainer") as trainer, _client(server, "reader") as dashboard:
+        with pytest.raises(InvalidInput, match=r"leasing\.max_seconds"):
+            trainer.lease(namespace, n=1, seconds=61)
+        first = trainer.lease(namespace, n=3, seconds=60)
+        with pytest.raises(Conflict, match=r"leasing\.max_held"):
+            trainer.lease(namespace, n=3, seconds=30)
+        second = trainer.lease(namespace, n=2, seconds=30)
+        with pytest.raises(Conflict, match=r"leasing\.max_open"):
+            trainer.lease(namespace, n=1, seconds=30)
+        with pytest.raises(InvalidInput, match=r"leasing\.max_seconds"):
+            trainer.renew(first, 120)
+        assert len(dashboard.lease(namespace, n=5, seconds=30).trajectory_ids) == 5  # its own
+        assert trainer.leases(namespace)[1] == [first, second]  # refusals held nothing
+        trainer.release(first)
+        assert len(trainer.lease(namespace, n=3, seconds=30).trajectory_ids) == 3

@@ -33,10 +33,10 @@ from r3store.leases import (
     check_lease_seconds,
     check_step,
 )
-from r3store.logic.leasing import state_at
+from r3store.logic.leasing import not_holder, state_at
 from r3store.logic.sampling import Candidate, Strategy, choose
 from r3store.logic.sources import choose_source
-from r3store.policy import Source, staleness_floor
+from r3store.policy import Leasing, Source, staleness_floor
 from r3store.records import check_id
 from r3store.storage.catalog import Catalog
 from r3store.storage.catalog.leases import Admit, Pick
@@ -112,6 +112,7 @@ class Consumption:
             raise InvalidInput(f"a lease takes at most {MAX_LEASE_SIZE} trajectories, not {n}")
         seconds = check_lease_seconds(seconds)
         info = self._namespaces.get(namespace)
+        _within(seconds, info.settings.leasing)
         only = None
         if trajectory_ids is not None:
             ids = [check_id(t) for t in trajectory_ids]
@@ -135,34 +136,49 @@ class Consumption:
             commit=commit,
             only=only,
             admit=admit,
+            leasing=info.settings.leasing,
         )
 
-    def get(self, namespace: str, lease_id: str) -> Lease:
-        """The lease as it stands now (open past its expiry reads as expired)."""
+    def get(self, namespace: str, lease_id: str, by: str | None = None) -> Lease:
+        """The lease as it stands now (open past its expiry reads as expired); `by`: the
+        key asking (`Forbidden` for another key's lease; None: any)."""
         self._namespaces.get(namespace)
         lease = self._catalog.leases.get(namespace, check_lease_id(lease_id))
+        foreign = not_holder(lease, by, "read")
+        if foreign is not None:
+            raise foreign
         return dataclasses.replace(lease, state=state_at(lease, self._clock()))
 
-    def commit(self, namespace: str, lease_id: str, token: str | None = None) -> Lease:
+    def commit(
+        self, namespace: str, lease_id: str, token: str | None = None, by: str | None = None
+    ) -> Lease:
         """Count the lease's trajectories as sampled once (see `Leases.commit`); `token`
-        (32 hex digits, a retry sends the same) makes a retried commit succeed again."""
+        (32 hex digits, a retry sends the same) makes a retried commit succeed again.
+        `by`: the key asking, refused (`Forbidden`) unless it took the lease (None:
+        any, an admin's)."""
         self._namespaces.get(namespace)
         if token is not None:
             check_lease_id(token)
-        return self._catalog.leases.commit(namespace, check_lease_id(lease_id), self._clock, token)
+        return self._catalog.leases.commit(
+            namespace, check_lease_id(lease_id), self._clock, token, by
+        )
 
-    def release(self, namespace: str, lease_id: str) -> Lease:
+    def release(self, namespace: str, lease_id: str, by: str | None = None) -> Lease:
         self._namespaces.get(namespace)
-        return self._catalog.leases.release(namespace, check_lease_id(lease_id), self._clock)
+        return self._catalog.leases.release(namespace, check_lease_id(lease_id), self._clock, by)
 
-    def renew(self, namespace: str, lease_id: str, seconds: float) -> Lease:
-        self._namespaces.get(namespace)
+    def renew(self, namespace: str, lease_id: str, seconds: float, by: str | None = None) -> Lease:
+        info = self._namespaces.get(namespace)
         seconds = check_lease_seconds(seconds)
-        return self._catalog.leases.renew(namespace, check_lease_id(lease_id), seconds, self._clock)
+        _within(seconds, info.settings.leasing)
+        return self._catalog.leases.renew(
+            namespace, check_lease_id(lease_id), seconds, self._clock, by
+        )
 
-    def open_leases(self, namespace: str) -> list[Lease]:
+    def open_leases(self, namespace: str, by: str | None = None) -> list[Lease]:
+        """The namespace's open leases; `by`: only those that key took (None: all)."""
         self._namespaces.get(namespace)
-        return self._catalog.leases.open(namespace, self._clock())
+        return self._catalog.leases.open(namespace, self._clock(), holder=by)
 
     def epoch(self, namespace: str) -> int:
         """The namespace's epoch: 0, and one more at each resume."""
@@ -193,6 +209,14 @@ class Consumption:
     def protected(self, namespace: str) -> set[str]:
         """What retention must keep (`Leases.protected`)."""
         return self._catalog.leases.protected(namespace, self._clock())
+
+
+def _within(seconds: float, leasing: Leasing) -> None:
+    if seconds > leasing.max_seconds:
+        raise InvalidInput(
+            f"a lease of {seconds:g} s: the namespace holds leases at most "
+            f"{leasing.max_seconds:g} s (leasing.max_seconds); renew it during a long step"
+        )
 
 
 def admitting(wanted: Sequence[Source], admit: Callable[[list[TrajectoryEntry]], None]) -> Admit:

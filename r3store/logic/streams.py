@@ -39,11 +39,22 @@ from r3store.spec import RouteSpec
 
 MAX_ROW_BYTES = 64 << 20  # decompressed ids of one segment; longer ones: send segments
 MAX_UPLOAD_BYTES = 256 << 20  # decompressed ids of all encoded segments of one upload
+CHECK_COST = 3  # memory checking a segment holds, per byte of its decompressed ids
 
 
 def decoded_bytes(spec: RouteSpec, num_tokens: int) -> int:
     """The ids a segment of `num_tokens` tokens decodes to, in bytes."""
     return spec.num_layers * num_tokens * spec.top_k * spec.id_dtype.itemsize
+
+
+def checking_bytes(spec: RouteSpec, num_tokens: int) -> int:
+    """The most memory checking one encoded segment of `num_tokens` tokens holds at
+    once (`accept_counted`: the decompressed ids, a copy to undo deltas or the token-
+    major transpose, counts, order and the load count; measured at 2.4x the ids for
+    48 layers, 8 of 128, with `tracemalloc`), so that it is charged before anything is
+    decompressed: `CHECK_COST` times `decoded_bytes`, of at most `MAX_ROW_BYTES` (a
+    longer segment is refused before anything is decompressed)."""
+    return CHECK_COST * min(decoded_bytes(spec, num_tokens), MAX_ROW_BYTES)
 
 
 def fits(spec: RouteSpec, num_tokens: int) -> bool:

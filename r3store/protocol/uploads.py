@@ -14,7 +14,7 @@ import numpy.typing as npt
 import pyarrow as pa
 
 from r3store.errors import InvalidInput, InvalidRoutes
-from r3store.logic.streams import MAX_UPLOAD_BYTES, SentStreams, decoded_bytes
+from r3store.logic.streams import MAX_UPLOAD_BYTES, SentStreams, checking_bytes, decoded_bytes
 from r3store.policy import ENGINE
 from r3store.protocol.formats import (
     MAX_ROWS,
@@ -159,21 +159,37 @@ def decode_writes(
     body: bytes | bytearray | memoryview,
     spec: RouteSpec,
     max_rows: int = MAX_ROWS,
-    admit: Callable[[int], None] | None = None,
+    admit: Callable[[int, int], None] | None = None,
 ) -> list[TrajectoryWrite]:
     """Parse an upload body into writes (the stream fully validated first, shapes and
     dtypes checked; routes are validated later, on the values as sent).
 
     More than `max_rows` rows raise `PayloadTooLarge` before their batch is validated;
-    `admit(rows)` is called once the rows are counted, before any write is made (a
-    memory budget charges them there, or refuses them)."""
+    `admit(rows, checking)` is called once the rows are counted, before any write is
+    made or any stream decompressed (a memory budget charges them there, or refuses
+    them): `checking` is what checking its largest encoded segment will hold
+    (`streams.checking_bytes`; segments are checked one at a time), 0 without any."""
     table = read_table(body, min(max_rows, MAX_ROWS))
     if table.num_rows == 0:
         raise InvalidInput("the upload holds no rows")
-    if admit is not None:
-        admit(table.num_rows)
-    ids = _column(table, "trajectory_id", "str")
     num_tokens = _column(table, "num_tokens", "int")
+    kinds = _column(table, "routes_kind", "str", "topk")
+    encoded = RouteKind.ENCODED in kinds
+    lengths = [
+        max(0, n or 0)
+        for n, kind in zip(num_tokens, kinds, strict=True)
+        if kind == RouteKind.ENCODED
+    ]
+    if encoded:  # what checking them will decompress, bounded first
+        total = sum(decoded_bytes(spec, n) for n in lengths)
+        if total > MAX_UPLOAD_BYTES:
+            raise InvalidInput(
+                f"the upload's encoded routes decode to {total} bytes; at most "
+                f"{MAX_UPLOAD_BYTES} in one upload: send fewer at a time"
+            )
+    if admit is not None:
+        admit(table.num_rows, checking_bytes(spec, max(lengths, default=0)))
+    ids = _column(table, "trajectory_id", "str")
     blobs = _column(table, "routes", "bin")
     starts = _column(table, "start", "int", 0)
     prompts = _column(table, "prompt_len", "int", 0)
@@ -183,25 +199,12 @@ def decode_writes(
         if "group_id" in table.column_names
         else [None] * table.num_rows
     )
-    kinds = _column(table, "routes_kind", "str", "topk")
     dtypes = _column(table, "routes_dtype", "str", "int32")
-    encoded = RouteKind.ENCODED in kinds
     transforms = _column(table, "route_transform", "int", -1) if encoded else []
     counts = _optional_binaries(table, "route_counts") if encoded else []
     orders = _optional_binaries(table, "route_order") if encoded else []
     tokens = _optional_binaries(table, "token_ids")
     sources = _column(table, "source", "str", ENGINE)
-    if encoded:  # what checking them will decompress, bounded first
-        total = sum(
-            decoded_bytes(spec, max(0, n or 0))
-            for n, kind in zip(num_tokens, kinds, strict=True)
-            if kind == RouteKind.ENCODED
-        )
-        if total > MAX_UPLOAD_BYTES:
-            raise InvalidInput(
-                f"the upload's encoded routes decode to {total} bytes; at most "
-                f"{MAX_UPLOAD_BYTES} in one upload: send fewer at a time"
-            )
     writes = []
     for i in range(table.num_rows):
         if ids[i] is None or num_tokens[i] is None or blobs[i] is None:

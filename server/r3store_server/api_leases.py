@@ -1,6 +1,8 @@
 """Consumption by trainers: leases, step checkpoints and resume (docs/api.md, "Leases and
-checkpoints"). Taking, reading, committing and releasing leases is a reader's (as
-sampling is); checkpoints and resume are a trainer's or an admin's."""
+checkpoints"). Taking leases is a reader's (as sampling is); reading, committing,
+releasing and renewing one is the key's that took it (or an admin's: `manage`), and
+a reader lists its own open leases only. Checkpoints and resume are a trainer's or an
+admin's."""
 
 from __future__ import annotations
 
@@ -21,10 +23,18 @@ from r3store.protocol.consumption import (
     ResumedModel,
 )
 from r3store.protocol.models import NAME_PATTERN
+from r3store_server.auth import Principal
 from r3store_server.deps import DeadlineDep, EngineDep, PrincipalDep, allowed
 from r3store_server.errors import ERROR_RESPONSES
 
 router = APIRouter(prefix="/v1/namespaces", tags=["leases"], responses=ERROR_RESPONSES)
+
+
+def holder(who: Principal, namespace: str) -> str | None:
+    """Whose leases `who` may act on: its own, or (an admin) anyone's."""
+    return None if who.may("manage", namespace) else who.name
+
+
 NamespacePath = Path(pattern=NAME_PATTERN, description="the namespace")
 LeasePath = Path(pattern=LEASE_ID.pattern, description="the lease")
 StepPath = Path(ge=0, le=MAX_STEP, description="the trainer step")
@@ -75,12 +85,13 @@ async def take_lease(
 
 @router.get("/{namespace}/leases", response_model=LeaseList, dependencies=[allowed("read")])
 async def open_leases(
-    engine: EngineDep, deadline: DeadlineDep, namespace: str = NamespacePath
+    engine: EngineDep, who: PrincipalDep, deadline: DeadlineDep, namespace: str = NamespacePath
 ) -> LeaseList:
-    """The namespace's open, unexpired leases, oldest first, and its epoch."""
+    """The namespace's open, unexpired leases that this key took (an admin: all of
+    them), oldest first, and its epoch."""
 
     def listed() -> LeaseList:
-        found = engine.consumption.open_leases(namespace)
+        found = engine.consumption.open_leases(namespace, holder(who, namespace))
         epoch = engine.consumption.epoch(namespace)
         return LeaseList(epoch=epoch, leases=[LeaseModel.of(lease) for lease in found])
 
@@ -92,13 +103,15 @@ async def open_leases(
 )
 async def get_lease(
     engine: EngineDep,
+    who: PrincipalDep,
     deadline: DeadlineDep,
     namespace: str = NamespacePath,
     lease_id: str = LeasePath,
 ) -> LeaseModel:
     """A lease and its state (past its expiry: `expired`); 404 once forgotten (a day
-    after it closed)."""
-    return LeaseModel.of(await deadline.run(engine.consumption.get, namespace, lease_id))
+    after it closed); 403 for a lease another key took."""
+    by = holder(who, namespace)
+    return LeaseModel.of(await deadline.run(engine.consumption.get, namespace, lease_id, by))
 
 
 @router.post(
@@ -108,6 +121,7 @@ async def get_lease(
 )
 async def commit_lease(
     engine: EngineDep,
+    who: PrincipalDep,
     deadline: DeadlineDep,
     body: CommitRequest | None = None,
     namespace: str = NamespacePath,
@@ -116,9 +130,11 @@ async def commit_lease(
     """Count each of the lease's trajectories as sampled once (after the trainer's step).
     409 `lease_committed` when committed before (unless with the same `token`: a retry,
     answered again), `lease_expired` past its expiry, `lease_closed` when released,
-    `fenced` for a lease of an epoch before a resume; nothing changes then."""
+    `fenced` for a lease of an epoch before a resume; 403 for a lease another key took;
+    nothing changes then."""
     token = None if body is None else body.token
-    lease = await deadline.run(engine.consumption.commit, namespace, lease_id, token)
+    by = holder(who, namespace)
+    lease = await deadline.run(engine.consumption.commit, namespace, lease_id, token, by)
     return LeaseModel.of(lease)
 
 
@@ -129,12 +145,15 @@ async def commit_lease(
 )
 async def release_lease(
     engine: EngineDep,
+    who: PrincipalDep,
     deadline: DeadlineDep,
     namespace: str = NamespacePath,
     lease_id: str = LeasePath,
 ) -> LeaseModel:
-    """Give the lease's trajectories back to the pool uncounted (a step abandoned)."""
-    return LeaseModel.of(await deadline.run(engine.consumption.release, namespace, lease_id))
+    """Give the lease's trajectories back to the pool uncounted (a step abandoned); 403
+    for a lease another key took."""
+    by = holder(who, namespace)
+    return LeaseModel.of(await deadline.run(engine.consumption.release, namespace, lease_id, by))
 
 
 @router.post(
@@ -145,12 +164,15 @@ async def release_lease(
 async def renew_lease(
     body: RenewRequest,
     engine: EngineDep,
+    who: PrincipalDep,
     deadline: DeadlineDep,
     namespace: str = NamespacePath,
     lease_id: str = LeasePath,
 ) -> LeaseModel:
-    """Hold an open, unexpired lease `seconds` from now (a long step)."""
-    lease = await deadline.run(engine.consumption.renew, namespace, lease_id, body.seconds)
+    """Hold an open, unexpired lease `seconds` from now (a long step; at most the
+    namespace's `leasing.max_seconds`); 403 for a lease another key took."""
+    by = holder(who, namespace)
+    lease = await deadline.run(engine.consumption.renew, namespace, lease_id, body.seconds, by)
     return LeaseModel.of(lease)
 
 

@@ -144,8 +144,8 @@ async def upload(
     )
     metrics.bytes_in.inc(len(body))
 
-    def admit(rows: int) -> None:
-        charge_rows(rows, spec, budget, reservation)
+    def admit(rows: int, checking: int) -> None:
+        charge_rows(rows, spec, budget, reservation, checking)
 
     def store() -> PutResponse:
         writes = decode_writes(body, spec, settings.max_upload_rows, admit)
@@ -168,22 +168,32 @@ async def upload(
     return await deadline.run(store, what="the upload", reservation=reservation)
 
 
-def charge_rows(rows: int, spec: RouteSpec, budget: MemoryBudget, reservation: Reservation) -> None:
+def charge_rows(
+    rows: int,
+    spec: RouteSpec,
+    budget: MemoryBudget,
+    reservation: Reservation,
+    checking: int = 0,
+) -> None:
     """Hold what `rows` rows of an upload take from decoding to the commit, beyond their
-    body (`put_row_bytes`: each row's `[L, E]` expert-load counts and its records),
-    before any row is decoded: 413 when the budget could never hold it, 429 when
-    uploads in flight hold the room now."""
+    body (`put_row_bytes`: each row's `[L, E]` expert-load counts and its records), and
+    `checking`, what checking its largest encoded segment holds
+    (`streams.checking_bytes`: a small body can decompress to 64 MiB a segment), before
+    any row is decoded: 413 when the budget could never hold it, 429 when uploads in
+    flight hold the room now."""
     per_row = put_row_bytes(spec)
-    need = rows * per_row
+    need = rows * per_row + checking
     most = min(budget.limit, budget.per_key)  # what one upload can ever hold
     if reservation.nbytes + need > most:
-        fit = max(0, (most - reservation.nbytes) // per_row)
+        fit = max(0, (most - reservation.nbytes - checking) // per_row)
         raise PayloadTooLarge(
             f"{rows} rows of a namespace of {spec.num_layers} layers and {spec.num_experts} "
-            f"experts hold {need} bytes while they are stored ({per_row} a row), besides "
-            f"the {reservation.nbytes} of the body: more than one upload may hold of the "
+            f"experts hold {need} bytes while they are checked and stored ({per_row} a "
+            f"row, {checking} to check the largest encoded segment), besides the "
+            f"{reservation.nbytes} of the body: more than one upload may hold of the "
             f"upload memory (R3STORE_UPLOAD_MEMORY_BYTES, R3STORE_UPLOAD_MEMORY_PER_KEY: "
-            f"{most} bytes); send at most {fit} rows per upload of this size"
+            f"{most} bytes); send at most {fit} rows per upload of this size, or shorter "
+            "segments"
         )
     reservation.grow(need)
 

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Path
 
 from r3store.engine.direct import WritePlan
 from r3store.errors import PayloadTooLarge, StoreError
+from r3store.logic.streams import checking_bytes
 from r3store.protocol.direct import (
     PLAN_SECONDS,
     PlanDictionary,
@@ -117,8 +118,9 @@ async def commit_write(
     reservation = await budget.admit(
         UPLOAD_COST * body.size, settings.request_timeout / 2, who.name
     )
+    checking = checking_bytes(spec, max((s.num_tokens for s in body.segments), default=0))
     try:
-        charge_rows(len(body.segments), spec, budget, reservation)
+        charge_rows(len(body.segments), spec, budget, reservation, checking)
     except BaseException:
         reservation.release()
         raise

@@ -177,6 +177,9 @@ SETTINGS_FLAGS = {  # option: where it lives in NamespaceSettings
     "ttl": ("retention", "ttl_seconds"),
     "evict_after_sampled": ("retention", "evict_after_sampled"),
     "keep_checkpoints": ("retention", "keep_checkpoints"),
+    "max_open_leases": ("leasing", "max_open"),
+    "max_held": ("leasing", "max_held"),
+    "max_lease_seconds": ("leasing", "max_seconds"),
 }
 
 
@@ -551,7 +554,8 @@ def parser() -> argparse.ArgumentParser:
     settings = sub.add_parser(
         "settings",
         parents=[common],
-        help="change staleness, sampling and retention (only what is given; none clears)",
+        help="change staleness, sampling, retention and lease limits (only what is given; "
+        "none clears)",
     )
     settings.add_argument("name", help="the namespace")
     settings.add_argument(
@@ -589,6 +593,24 @@ def parser() -> argparse.ArgumentParser:
         metavar="N",
         help="keep the newest N step checkpoints (1 or more; routes consumed after the "
         "oldest kept one are kept for a resume); none: every checkpoint",
+    )
+    settings.add_argument(
+        "--max-open-leases",
+        type=_optional(_whole(1, MAX_TIMES_SAMPLED)),
+        metavar="N",
+        help="open leases one API key holds at once (1 or more); none: no limit",
+    )
+    settings.add_argument(
+        "--max-held",
+        type=_optional(_whole(1, MAX_TIMES_SAMPLED)),
+        metavar="N",
+        help="trajectories one API key's open leases hold at once; none: no limit",
+    )
+    settings.add_argument(
+        "--max-lease-seconds",
+        type=_seconds,
+        metavar="DURATION",
+        help=f"the longest a lease is taken or renewed for: {DURATIONS}",
     )
 
     cps = sub.add_parser(

@@ -27,8 +27,8 @@ from sqlalchemy.engine import Connection
 from r3store.catalog_types import TrajectoryEntry
 from r3store.errors import Conflict, Fenced, InvalidInput, NotFound
 from r3store.leases import Checkpoint, Lease, LeaseState, Resumed
-from r3store.logic.leasing import refusal
-from r3store.policy import ENGINE, NamespaceSettings
+from r3store.logic.leasing import not_holder, over_limits, refusal
+from r3store.policy import ENGINE, Leasing, NamespaceSettings
 from r3store.storage.catalog.database import BATCH, Database, lock
 from r3store.storage.catalog.segments import delete_in, lookup_in
 from r3store.storage.catalog.tables import (
@@ -252,12 +252,14 @@ class Leases:
         commit: bool = False,
         only: Sequence[str] | None = None,
         admit: Admit | None = None,
+        leasing: Leasing | None = None,
     ) -> Lease:
         """Lease what `pick` chooses among the trajectories free to take (within the
         staleness window, under `max_times`, held by no open lease; of `only`, when
         given), for `seconds`. `commit`: count it at once (a plain sample), as one
         committed consumption. `epoch`, when given, must be the namespace's (`Fenced`
-        otherwise). `admit` sees every segment of what `pick` chose (read in the same
+        otherwise). `leasing`: what `holder`'s open leases may hold (`Conflict` past
+        it). `admit` sees every segment of what `pick` chose (read in the same
         transaction). Either may raise to refuse; nothing is changed then."""
         with self._db.begin() as conn:
             ns, now = _lock(conn, namespace, now)
@@ -269,6 +271,20 @@ class Leases:
             chosen = pick(_candidates(conn, namespace, min_version, max_times, now, only))
             if len(set(chosen)) != len(chosen):
                 raise InvalidInput("a lease names a trajectory twice")
+            if leasing is not None and holder is not None and not commit:
+                count, held = conn.execute(
+                    sa.select(sa.func.count(), sa.func.coalesce(sa.func.sum(leases.c.size), 0))
+                    .select_from(leases)
+                    .where(
+                        leases.c.namespace == namespace,
+                        leases.c.holder == holder,
+                        leases.c.state == LeaseState.OPEN.value,
+                        leases.c.expires_at > now,
+                    )
+                ).one()
+                too_much = over_limits(leasing, int(count), int(held), len(chosen))
+                if too_much is not None:
+                    raise too_much
             if admit is not None:
                 admit(lookup_in(conn, namespace, chosen))
             if commit and not chosen:
@@ -320,14 +336,25 @@ class Leases:
                 _count(conn, namespace, dict.fromkeys(chosen, 1), +1)
         return lease
 
-    def commit(self, namespace: str, lease_id: str, now: Now, token: str | None = None) -> Lease:
+    def commit(
+        self,
+        namespace: str,
+        lease_id: str,
+        now: Now,
+        token: str | None = None,
+        by: str | None = None,
+    ) -> Lease:
         """Count one sampling of each of the lease's trajectories, once: a lease
         committed before answers `LeaseCommitted` (unless committed with the same
         `token`: a retry of that commit, answered as it was); one released, expired or
-        of an earlier epoch is refused too. Nothing is counted when refused."""
+        of an earlier epoch is refused too, and one another key than `by` took
+        (`Forbidden`; `by` None: any). Nothing is counted when refused."""
         with self._db.begin() as conn:
             ns, at = _lock(conn, namespace, now)
             lease = _get(conn, namespace, lease_id)
+            foreign = not_holder(lease, by, "commit")
+            if foreign is not None:
+                raise foreign
             if lease.state is LeaseState.COMMITTED and token is not None:
                 stored = conn.execute(
                     sa.select(leases.c.commit_token).where(
@@ -357,20 +384,31 @@ class Leases:
             raise why
         return lease
 
-    def release(self, namespace: str, lease_id: str, now: Now) -> Lease:
-        """Give the lease's trajectories back uncounted."""
-        return self._close(namespace, lease_id, now, "release")
+    def release(self, namespace: str, lease_id: str, now: Now, by: str | None = None) -> Lease:
+        """Give the lease's trajectories back uncounted (`by`: as `commit`)."""
+        return self._close(namespace, lease_id, now, "release", by=by)
 
-    def renew(self, namespace: str, lease_id: str, seconds: float, now: Now) -> Lease:
+    def renew(
+        self, namespace: str, lease_id: str, seconds: float, now: Now, by: str | None = None
+    ) -> Lease:
         """Hold the lease `seconds` from now (an open, unexpired lease only)."""
-        return self._close(namespace, lease_id, now, "renew", seconds)
+        return self._close(namespace, lease_id, now, "renew", seconds, by)
 
     def _close(
-        self, namespace: str, lease_id: str, now: Now, action: str, seconds: float = 0.0
+        self,
+        namespace: str,
+        lease_id: str,
+        now: Now,
+        action: str,
+        seconds: float = 0.0,
+        by: str | None = None,
     ) -> Lease:
         with self._db.begin() as conn:
             ns, at = _lock(conn, namespace, now)
             lease = _get(conn, namespace, lease_id)
+            foreign = not_holder(lease, by, action)
+            if foreign is not None:
+                raise foreign
             why = refusal(lease, ns.epoch, at, action)
             if why is None:
                 if action == "renew":
@@ -391,8 +429,11 @@ class Leases:
         with self._db.connect() as conn:
             return _get(conn, namespace, lease_id)
 
-    def open(self, namespace: str, now: float, limit: int = 1000) -> list[Lease]:
-        """The namespace's open, unexpired leases, oldest first: the first `limit`."""
+    def open(
+        self, namespace: str, now: float, limit: int = 1000, holder: str | None = None
+    ) -> list[Lease]:
+        """The namespace's open, unexpired leases (`holder`'s only, when given), oldest
+        first: the first `limit`."""
         query = (
             sa.select(leases)
             .where(
@@ -403,6 +444,8 @@ class Leases:
             .order_by(leases.c.created_at, leases.c.lease_id)
             .limit(limit)
         )
+        if holder is not None:
+            query = query.where(leases.c.holder == holder)
         with self._db.connect() as conn:
             rows = conn.execute(query).all()
             return [_lease_of(r, _items(conn, namespace, r.lease_id)) for r in rows]
