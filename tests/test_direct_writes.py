@@ -740,3 +740,9 @@ def test_commits_that_cannot_be_held_hold_no_memory(server: ServerProcess) -> No
         assert "overlap" in doubled.json()["error"]["message"]
         done = _commit(http, ns, _body(plan, len(blob), segments))
         assert done.status_code == 200, done.text
+        # bytes no segment names: not kept in a committed blob
+        padded = _plan(http, ns)
+        assert _put_blob(padded, blob + b"\0" * 4096) in (200, 201)
+        junk = _commit(http, ns, _body(padded, len(blob) + 4096, segments))
+        assert junk.status_code == 400, junk.text
+        assert "every byte of a blob belongs to one stream" in junk.json()["error"]["message"]

@@ -168,25 +168,50 @@ def pack(writes: Sequence[TrajectoryWrite]) -> tuple[bytes, list[DirectSegment]]
     return b"".join(parts), segments
 
 
+STREAMS = {
+    "route_ids": "ids",
+    "route_counts": "counts",
+    "route_order": "order",
+    "token_ids": "tokens",
+}
+
+
 def unpack(
     blob: bytes | memoryview, segments: Sequence[DirectSegment], spec: RouteSpec
 ) -> list[TrajectoryWrite]:
     """The writes a commit names in `blob` (streams copied out of it), to be checked like
-    an upload's encoded rows. `InvalidInput` for a span outside the blob, or more
-    routes than one upload may decode."""
+    an upload's encoded rows. `InvalidInput` for a span outside the blob, streams that
+    do not lie end to end over the whole blob (as `pack` lays them: no byte named twice,
+    none named by no stream), or more routes than one upload may decode."""
     view = memoryview(blob)
     # what checking them decompresses (ids and token ids), bounded before any of it
     total = sum(decoded_bytes(spec, s.num_tokens) + 4 * s.num_tokens for s in segments)
-    spanned = sum(
-        m.length
+    named = [
+        (s.trajectory_id, name, m)
         for s in segments
-        for m in (s.route_ids, s.route_counts, s.route_order, s.token_ids)
-        if m is not None
-    )
-    if spanned > len(view):  # streams laid end to end (`pack`) never name a byte twice
+        for field, name in STREAMS.items()
+        if (m := getattr(s, field)) is not None
+    ]
+    for tid, name, m in named:
+        if m.offset + m.length > len(view):
+            raise InvalidInput(
+                f"{tid}: its {name} stream [{m.offset}, {m.offset + m.length}) lies past "
+                f"the end of the {len(view)}-byte blob"
+            )
+    spans = sorted((m.offset, m.length) for _tid, _name, m in named)
+    end = 0
+    for offset, length in spans:
+        if offset != end:
+            why = "streams overlap (a byte named twice)" if offset < end else "a gap"
+            raise InvalidInput(
+                f"the segments' streams do not lie end to end over the {len(view)}-byte "
+                f"blob: {why} at byte {min(offset, end)}"
+            )
+        end = offset + length
+    if end != len(view):
         raise InvalidInput(
-            f"the segments' streams span {spanned} bytes of a {len(view)}-byte blob: "
-            "streams may not overlap"
+            f"the segments' streams span {end} bytes of a {len(view)}-byte blob: every "
+            "byte of a blob belongs to one stream"
         )
     if total > MAX_UPLOAD_BYTES:
         raise InvalidInput(
@@ -194,26 +219,19 @@ def unpack(
             "commit: write fewer at a time"
         )
 
-    def cut(segment: DirectSegment, name: str, model: SpanModel | None) -> bytes | None:
-        if model is None:
-            return None
-        if model.offset + model.length > len(view):
-            raise InvalidInput(
-                f"{segment.trajectory_id}: its {name} stream [{model.offset}, "
-                f"{model.offset + model.length}) lies past the end of the {len(view)}-byte blob"
-            )
-        return bytes(view[model.offset : model.offset + model.length])
+    def cut(model: SpanModel | None) -> bytes | None:
+        return None if model is None else bytes(view[model.offset : model.offset + model.length])
 
     writes = []
     for s in segments:
-        ids = cut(s, "ids", s.route_ids)
+        ids = cut(s.route_ids)
         assert ids is not None
         sent = SentStreams(
             ids,
             s.route_transform,
-            cut(s, "counts", s.route_counts),
-            cut(s, "order", s.route_order),
-            cut(s, "tokens", s.token_ids),
+            cut(s.route_counts),
+            cut(s.route_order),
+            cut(s.token_ids),
             s.dictionary,
         )
         writes.append(
