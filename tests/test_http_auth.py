@@ -343,3 +343,90 @@ def test_swagger_ui_does_not_keep_an_authorized_key(tmp_path: Path) -> None:
         page = client.get("/docs").text
         assert '"persistAuthorization": false' in page
         assert '"persistAuthorization": true' not in page
+
+
+# every /v1 route of the application's own route table, against docs/api.md's roles
+
+API = Path(__file__).resolve().parents[1] / "docs" / "api.md"
+# who passes a route of each documented role ("other" is a reader scoped to another
+# namespace: it passes only what names no namespace)
+PASSES = {
+    "admin": {"admin"},
+    "writer": {"admin", "writer"},
+    "reader": {"admin", "reader", "trainer"},
+    "trainer": {"admin", "trainer"},
+    "any": {"admin", "writer", "reader", "trainer"},
+    "the key that took it, or admin": {"admin", "reader", "trainer"},  # none took lease 0..0
+}
+
+
+def documented_roles() -> dict[tuple[str, str], str]:
+    """`(method, path with {} for each parameter)`: the role docs/api.md gives it."""
+    import re
+
+    rows = re.findall(
+        r"^\| `(GET|POST|PUT|DELETE) ([^`?]+)[^`]*` \| ([^|]+) \|", API.read_text(), re.M
+    )
+    return {(m, re.sub(r"\{[^}]*\}", "{}", p)): role.strip() for m, p, role in rows}
+
+
+def v1_routes(tmp: Path) -> list[tuple[str, str]]:
+    """Every (method, path template) under /v1 the application serves, from its own
+    route table (as its OpenAPI schema lists it)."""
+    app = create_app(Settings(data_dir=tmp, api_keys=[]))
+    paths = app.openapi()["paths"]
+    return sorted(
+        (method.upper(), path)
+        for path, methods in paths.items()
+        if path.startswith("/v1/")
+        for method in methods
+    )
+
+
+def test_every_v1_route_answers_each_role_as_documented(tmp_path: Path) -> None:
+    import re
+
+    import httpx
+
+    from http_helpers import ServerProcess
+
+    routes = v1_routes(tmp_path / "schema")
+    roles = documented_roles()
+    served = {(m, re.sub(r"\{[^}]*\}", "{}", p)) for m, p in routes}
+    documented = {r for r in roles if r[1].startswith("/v1/")}
+    assert served == documented, (served - documented, documented - served)
+    assert len(routes) == 26  # what the application serves today, each checked below
+    env = {"R3STORE_AUTH_FAILURE_LIMIT": "100000"}
+    server = ServerProcess(tmp_path, None, env=env)
+    wrong = []
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            admin = {"Authorization": f"Bearer {KEYS['admin']}"}
+            made = http.post(
+                "/v1/namespaces", json={"name": "ns", "spec": SPEC_JSON}, headers=admin
+            )
+            assert made.status_code == 201, made.text
+            for (method, template), caller in itertools.product(routes, CALLERS):
+                role = roles[(method, re.sub(r"\{[^}]*\}", "{}", template))]
+                namespace = "ns"
+                if method == "DELETE" and template == "/v1/namespaces/{namespace}":
+                    namespace = f"doomed{next(counter)}"
+                    body = {"name": namespace, "spec": SPEC_JSON}
+                    assert http.post("/v1/namespaces", json=body, headers=admin).status_code == 201
+                path = template.format(namespace=namespace, lease_id="0" * 32, step=7)
+                sent = {"json": {}} if method in ("POST", "PUT") else {}
+                status = http.request(method, path, headers=headers(caller), **sent).status_code
+                if caller in ("none", "bad"):
+                    want = "401"
+                elif caller in PASSES[role] or (
+                    caller == "other" and "reader" in PASSES[role] and "{namespace}" not in template
+                ):
+                    want = "passes"
+                else:
+                    want = "403"
+                got = "passes" if status not in (401, 403) else str(status)
+                if got != want:
+                    wrong.append((method, template, caller, role, status))
+    finally:
+        server.stop()
+    assert not wrong, wrong

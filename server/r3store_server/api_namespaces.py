@@ -32,6 +32,7 @@ NamespacePath = Path(pattern=NAME_PATTERN, description="the namespace")
     status_code=201,
     response_model=NamespacePublic,
     responses={200: {"model": NamespacePublic, "description": "it exists, identical"}},
+    dependencies=[allowed("manage")],  # the right before the body; its scope below
 )
 async def create_namespace(
     body: NamespaceCreate,
@@ -43,7 +44,7 @@ async def create_namespace(
 ) -> NamespacePublic:
     """Create a namespace with its route spec (fixed) and settings: 201. The same
     request again answers 200; another spec or other settings under the name, 409.
-    Admin (the name is in the body, so the right is checked here)."""
+    Admin (the name is in the body, so the key's namespace scope is checked here)."""
     keys.authorize(who, "manage", body.name)
     info, created = await deadline.run(
         engine.namespaces.create, body.name, body.spec.to_spec(), body.settings
