@@ -6,6 +6,7 @@ answers no larger than asked."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import time
@@ -14,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import zstandard
 
@@ -380,6 +382,15 @@ def _bomb(name: str, segments: int = 4) -> bytes:
     )
 
 
+def _established(port: int) -> int:
+    """Connections to `port` the server holds open (its side, in /proc/net/tcp)."""
+    lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return sum(
+        int(local.split(":")[1], 16) == port and state == "01"
+        for local, _remote, state in (line.split()[1:4] for line in lines)
+    )
+
+
 def _peak_rss(server: ServerProcess) -> int:
     for line in Path(f"/proc/{server.process.pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -424,3 +435,83 @@ def test_checking_encoded_routes_is_charged_to_the_upload_memory(tmp_path: Path)
     # 12 at once would hold about 12 x 150 MiB (936 MiB more measured before checking
     # was charged); charged, at most the budget is held
     assert grown < budget + (128 << 20), f"peak RSS grew {grown >> 20} MiB"
+
+
+# 5. answers nobody reads
+
+BIG_TOKENS = 24_000  # a trajectory of 48 layers, 8 of 128: 10.4 MB of ids and counts
+
+
+def _big_answers(server: ServerProcess, count: int) -> bytes:
+    """`count` trajectories stored in namespace "large"; the request (line, headers and
+    body) of a read of all of them as decoded ids."""
+    from r3store.spec import RouteSpec
+    from r3store_client import Client
+
+    topk = np.broadcast_to(np.arange(8, dtype=np.int32), (BIG_TOKENS - 1, 48, 8))
+    with Client(server.url, KEYS["admin"]) as client:
+        client.create_namespace("large", RouteSpec(**LARGE))
+        client.put(
+            "large", [TrajectoryWrite(f"big{i}", BIG_TOKENS, topk=topk) for i in range(count)]
+        )
+    body = json.dumps({"ids": [f"big{i}" for i in range(count)], "format": "ids"}).encode()
+    request = head(
+        "POST",
+        "/v1/namespaces/large/routes/batch",
+        bearer("reader"),
+        "Content-Type: application/json\r\n",
+        f"Content-Length: {len(body)}\r\n",
+    )
+    return request + body
+
+
+def _unread(server: ServerProcess, request: bytes) -> socket.socket:
+    """A connection that sends `request` and reads none of the answer (its receive
+    buffer small), once the answer began."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", server.port))
+    sock.sendall(request)
+    sock.settimeout(30)
+    assert sock.recv(12, socket.MSG_PEEK) == b"HTTP/1.1 200"
+    return sock
+
+
+def test_an_answer_nobody_reads_holds_one_piece_then_its_connection_goes(tmp_path: Path) -> None:
+    """Four clients each ask for 83 MB of decoded routes and read none of them: the
+    server holds a piece of each (not the whole answer, twice: built, then queued to
+    the socket), drops each connection once it has waited `R3STORE_SEND_TIMEOUT`
+    seconds on its client, and answers a bystander meanwhile."""
+    with running(tmp_path, send_timeout="2") as server:
+        request = _big_answers(server, 8)
+        idle = _peak_rss(server)
+        readers = [_unread(server, request) for _ in range(4)]
+        started = time.monotonic()
+        assert httpx.get(f"{server.url}/healthz", timeout=5).status_code == 200
+        while _established(server.port):  # each reader's connection dropped
+            assert time.monotonic() - started < 30, "unread answers kept their connections"
+            time.sleep(0.1)
+        grown = _peak_rss(server) - idle
+        full = 8 * BIG_TOKENS * 48 * 9  # the ids and counts of the answer
+        for sock in readers:
+            received, closed = until_closed(sock, 5)
+            assert closed
+            assert received.startswith(b"HTTP/1.1 200 ")
+            assert len(received) < full // 2  # dropped, not sent whole
+    # less than the answers themselves (957 MiB measured when each was built whole, then
+    # queued to its socket whole; 216 MiB in pieces)
+    assert grown < 4 * full, f"peak RSS grew {grown >> 20} MiB for four unread answers"
+
+
+def test_connections_stalled_on_unread_answers_make_room_first(tmp_path: Path) -> None:
+    """Connections whose clients read none of their answers hold every slot: a new
+    connection closes the longest stalled one instead of being refused."""
+    with running(tmp_path, max_connections="16", send_timeout="60") as server:
+        request = _big_answers(server, 1)
+        stalled = [_unread(server, request) for _ in range(16)]
+        started = time.monotonic()
+        answers = [httpx.get(f"{server.url}/healthz", timeout=5).status_code for _ in range(4)]
+        assert answers == [200] * 4
+        assert time.monotonic() - started < 5
+        for sock in stalled:
+            sock.close()

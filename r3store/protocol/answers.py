@@ -7,7 +7,7 @@ lists the columns). `answer_bytes` sizes an answer before anything is read,
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from typing import Any, Protocol
 
@@ -22,7 +22,6 @@ from r3store.policy import ENGINE
 from r3store.protocol.formats import (
     WIRE_VERSION,
     ReadFormat,
-    arrow_stream,
 )
 from r3store.protocol.ipc import read_table
 from r3store.records import (
@@ -75,6 +74,27 @@ def answer_bytes(spec: RouteSpec, fmt: ReadFormat, segments: Sequence[_Stored]) 
     return total
 
 
+CHUNK_BYTES = 4 << 20  # route bytes of one record batch of an answer sent in pieces
+_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # an Arrow IPC stream's end
+COLUMNS = pa.schema(
+    [
+        ("trajectory_id", pa.string()),
+        ("start", pa.int64()),
+        ("num_tokens", pa.int64()),
+        ("policy_version", pa.int64()),
+        ("group_id", pa.string()),
+        ("prompt_len", pa.int64()),
+        ("route_transform", pa.int8()),
+        ("route_ids", pa.large_binary()),
+        ("route_counts", pa.large_binary()),
+        ("route_order", pa.large_binary()),
+        ("token_ids", pa.large_binary()),
+        ("source", pa.string()),
+        ("digest", pa.binary()),
+    ]
+)
+
+
 def encode_batch(
     batch: Batch,
     spec: RouteSpec,
@@ -82,8 +102,24 @@ def encode_batch(
     stop: Callable[[], bool] | None = None,
     layers: Sequence[int] | None = None,
 ) -> bytes:
-    """A read response: one row per stored segment, trajectories in the order asked;
-    with `layers` (checked: `RouteSpec.check_layers`), their routes only.
+    """A read response whole (`encode_chunks`, joined)."""
+    return b"".join(encode_chunks(batch, spec, fmt, stop, layers))
+
+
+def encode_chunks(
+    batch: Batch,
+    spec: RouteSpec,
+    fmt: ReadFormat,
+    stop: Callable[[], bool] | None = None,
+    layers: Sequence[int] | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> Iterator[bytes | memoryview]:
+    """A read response, in pieces: one row per stored segment, trajectories in the
+    order asked; with `layers` (checked: `RouteSpec.check_layers`), their routes only.
+    The first piece is the stream's schema (its metadata: spec, ids, missing, stale),
+    then a record batch each time its rows hold `chunk_bytes` of routes, then the
+    stream's end: a sender holds one piece at a time, and each row is decoded only when
+    its piece is made.
 
     `batch` must come from `Engine.get_batch(..., decode=False)` (stored streams; with
     `as_stored=True`, rows at rest as stored, with `batch.dictionaries`: each crosses
@@ -91,94 +127,8 @@ def encode_batch(
     for `encoded`). `stop()` is asked before each segment is decoded: once true (the request was
     answered meanwhile), `StoreError` is raised and nothing more is decoded.
     """
-    cols: dict[str, list[Any]] = {
-        k: []
-        for k in (
-            "trajectory_id",
-            "start",
-            "num_tokens",
-            "policy_version",
-            "group_id",
-            "prompt_len",
-            "route_transform",
-            "route_ids",
-            "route_counts",
-            "route_order",
-            "token_ids",
-            "source",
-            "digest",
-        )
-    }
     chosen = None if layers is None else spec.check_layers(layers)
     answer_spec = spec if chosen is None else spec.narrowed(len(chosen))
-    seen: set[str] = set()
-    for item in batch.items:
-        if item is None or item.trajectory_id in seen:
-            continue
-        seen.add(item.trajectory_id)
-        for segment in item.segments:
-            stored = segment.encoded
-            if stored is None:
-                raise ValueError("encode_batch needs stored streams (decode=False)")
-            cols["trajectory_id"].append(item.trajectory_id)
-            cols["start"].append(segment.start)
-            cols["num_tokens"].append(segment.num_tokens)
-            cols["policy_version"].append(segment.policy_version)
-            cols["group_id"].append(item.group_id)
-            cols["prompt_len"].append(item.prompt_len)
-            cols["source"].append(item.source)
-            cols["digest"].append(segment.digest or stored.digest)
-            if stop is not None and stop():
-                raise StoreError("the read was answered before its routes were encoded")
-            need = None if stored.dictionary is None else batch.dictionaries.get(stored.dictionary)
-            if fmt is ReadFormat.ENCODED:
-                if chosen is not None:
-                    stored = codec.layer_subset(stored, spec, segment.num_tokens, chosen, need)
-                else:  # streams at rest need a dictionary or a shared prefix: not sent
-                    stored = codec.portable(stored, spec, segment.num_tokens, need)
-                cols["route_transform"].append(int(stored.transform))
-                cols["route_ids"].append(stored.ids)
-                cols["route_counts"].append(stored.counts)
-                cols["route_order"].append(stored.order)
-                cols["token_ids"].append(stored.tokens)
-                continue
-            routes = codec.decode(stored, spec, segment.num_tokens, need)
-            if chosen is not None:
-                counts_of = routes.layer_counts
-                routes = Routes(
-                    routes.layers[list(chosen)],
-                    None if counts_of is None else counts_of[list(chosen)],
-                )
-            if fmt is ReadFormat.IDS:
-                ids = np.ascontiguousarray(routes.ids)
-                counts = None if routes.layer_counts is None else routes.counts.tobytes()
-            else:
-                ids, counts = to_mask(routes, answer_spec), None
-            cols["route_transform"].append(None)
-            cols["route_ids"].append(ids.astype(ids.dtype.newbyteorder("<")).tobytes())
-            cols["route_counts"].append(counts)
-            cols["route_order"].append(None)
-            tokens = None
-            if stored.tokens is not None:
-                tokens = codec.decode_tokens(stored.tokens, segment.num_tokens).tobytes()
-            cols["token_ids"].append(tokens)
-    table = pa.table(
-        {
-            "trajectory_id": pa.array(cols["trajectory_id"], pa.string()),
-            "start": pa.array(cols["start"], pa.int64()),
-            "num_tokens": pa.array(cols["num_tokens"], pa.int64()),
-            "policy_version": pa.array(cols["policy_version"], pa.int64()),
-            "group_id": pa.array(cols["group_id"], pa.string()),
-            "prompt_len": pa.array(cols["prompt_len"], pa.int64()),
-            "route_transform": pa.array(cols["route_transform"], pa.int8()),
-            "route_ids": pa.array(cols["route_ids"], pa.large_binary()),
-            "route_counts": pa.array(cols["route_counts"], pa.large_binary()),
-            "route_order": pa.array(cols["route_order"], pa.large_binary()),
-            "token_ids": pa.array(cols["token_ids"], pa.large_binary()),
-            "source": pa.array(cols["source"], pa.string()),
-            "digest": pa.array(cols["digest"], pa.binary()),
-        }
-    )
     meta = {
         "r3store.wire_version": WIRE_VERSION,
         "r3store.format": str(fmt),
@@ -189,7 +139,102 @@ def encode_batch(
     }
     if chosen is not None:
         meta["r3store.layers"] = json.dumps(list(chosen))
-    return arrow_stream(table.replace_schema_metadata(meta))
+    schema = COLUMNS.with_metadata(meta)
+    yield schema.serialize().to_pybytes()
+    cols: dict[str, list[Any]] = {name: [] for name in COLUMNS.names}
+    held = 0
+    seen: set[str] = set()
+    for item in batch.items:
+        if item is None or item.trajectory_id in seen:
+            continue
+        seen.add(item.trajectory_id)
+        for segment in item.segments:
+            if stop is not None and stop():
+                raise StoreError("the read was answered before its routes were encoded")
+            row = _row(item, segment, spec, answer_spec, fmt, chosen, batch)
+            for name, value in row.items():
+                cols[name].append(value)
+            held += sum(len(v) for v in row.values() if isinstance(v, bytes))
+            del row
+            if held >= chunk_bytes:
+                yield _record_batch(cols, schema)
+                cols = {name: [] for name in COLUMNS.names}
+                held = 0
+    if cols["trajectory_id"]:
+        yield _record_batch(cols, schema)
+    yield _END
+
+
+def _record_batch(cols: dict[str, list[Any]], schema: pa.Schema) -> memoryview:
+    """The rows as one record batch message, in a buffer of its own (not copied again
+    into bytes: a piece of a large answer is held once)."""
+    arrays = [pa.array(cols[f.name], f.type) for f in COLUMNS]
+    cols.clear()  # the rows' bytes go as soon as their arrays are made
+    return memoryview(pa.record_batch(arrays, schema=schema).serialize())
+
+
+def _row(
+    item: TrajectoryRead,
+    segment: SegmentRead,
+    spec: RouteSpec,
+    answer_spec: RouteSpec,
+    fmt: ReadFormat,
+    chosen: Sequence[int] | None,
+    batch: Batch,
+) -> dict[str, Any]:
+    """One segment's row of a read answer, its routes in `fmt`."""
+    stored = segment.encoded
+    if stored is None:
+        raise ValueError("encode_batch needs stored streams (decode=False)")
+    row: dict[str, Any] = {
+        "trajectory_id": item.trajectory_id,
+        "start": segment.start,
+        "num_tokens": segment.num_tokens,
+        "policy_version": segment.policy_version,
+        "group_id": item.group_id,
+        "prompt_len": item.prompt_len,
+        "source": item.source,
+        "digest": segment.digest or stored.digest,
+    }
+    need = None if stored.dictionary is None else batch.dictionaries.get(stored.dictionary)
+    if fmt is ReadFormat.ENCODED:
+        if chosen is not None:
+            stored = codec.layer_subset(stored, spec, segment.num_tokens, chosen, need)
+        else:  # streams at rest need a dictionary or a shared prefix: not sent
+            stored = codec.portable(stored, spec, segment.num_tokens, need)
+        return {
+            **row,
+            "route_transform": int(stored.transform),
+            "route_ids": stored.ids,
+            "route_counts": stored.counts,
+            "route_order": stored.order,
+            "token_ids": stored.tokens,
+        }
+    routes = codec.decode(stored, spec, segment.num_tokens, need)
+    if chosen is not None:
+        counts_of = routes.layer_counts
+        routes = Routes(
+            routes.layers[list(chosen)],
+            None if counts_of is None else counts_of[list(chosen)],
+        )
+    if fmt is ReadFormat.IDS:
+        ids = routes.ids
+        counts = None if routes.layer_counts is None else routes.counts.tobytes()
+    else:
+        ids, counts = to_mask(routes, answer_spec), None
+    del routes
+    tokens = None
+    if stored.tokens is not None:
+        tokens = codec.decode_tokens(stored.tokens, segment.num_tokens).tobytes()
+    little = ids.dtype.newbyteorder("<")
+    return {
+        **row,
+        "route_transform": None,
+        "route_ids": np.ascontiguousarray(ids, dtype=little).tobytes(),  # one copy
+        "route_counts": counts,
+        "route_order": None,
+        "token_ids": tokens,
+    }
 
 
 def decode_batch(

@@ -6,13 +6,13 @@ docs/api.md lists every column. Shared by the server and the client.
 
 Each direction has its module: uploads (`uploads.py`: `encode_writes`,
 `decode_writes`) and read answers (`answers.py`: `answer_bytes`, `encode_batch`,
-`decode_batch`), over what both share (`formats.py`). This module names them all in
+`encode_chunks`, `decode_batch`), over what both share (`formats.py`). This module names them all in
 one place, the import every caller uses.
 """
 
 from __future__ import annotations
 
-from r3store.protocol.answers import answer_bytes, decode_batch, encode_batch
+from r3store.protocol.answers import answer_bytes, decode_batch, encode_batch, encode_chunks
 from r3store.protocol.formats import (
     CONTENT_TYPE,
     MAX_ROWS,
@@ -40,6 +40,7 @@ __all__ = [
     "decode_batch",
     "decode_writes",
     "encode_batch",
+    "encode_chunks",
     "encode_writes",
     "route_shape_error",
 ]

@@ -7,12 +7,15 @@ acknowledgements.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fastapi import APIRouter, Path, Request, Response
+from fastapi.responses import StreamingResponse
 
 from r3store.catalog_types import TrajectoryEntry
 from r3store.engine import put_row_bytes
@@ -31,7 +34,7 @@ from r3store.protocol.wire import (
     ReadFormat,
     answer_bytes,
     decode_writes,
-    encode_batch,
+    encode_chunks,
 )
 from r3store.records import Batch
 from r3store.spec import RouteSpec
@@ -233,13 +236,38 @@ def _answer(
     deadline: Deadline,
     layers: list[int] | None = None,
 ) -> Response:
-    data = encode_batch(batch, spec, fmt, deadline.cancelled.is_set, layers)
-    metrics.bytes_out.inc(len(data))
+    """The answer of a read: whole when it is one piece (`encode_chunks`), else its
+    first piece made here, within the request's deadline (so that what fails early is
+    answered with its status), and the others streamed, each made only once the one
+    before was handed to the connection: a client that reads slowly holds one piece,
+    and one that reads nothing is dropped (`R3STORE_SEND_TIMEOUT`)."""
+    streaming = threading.Event()  # from then on, only a client gone stops the pieces
+
+    def stop() -> bool:
+        return not streaming.is_set() and deadline.cancelled.is_set()
+
+    pieces = encode_chunks(batch, spec, fmt, stop, layers)
+    head = list(itertools.islice(pieces, 3))  # the schema, rows (or the end), more?
     metrics.token_layers_out.inc(
         sum(item.num_tokens for item in batch.items if item is not None)
         * (spec.num_layers if layers is None else len(layers))
     )
-    return Response(content=data, media_type=CONTENT_TYPE)
+    if len(head) < 3:
+        data = b"".join(head)
+        metrics.bytes_out.inc(len(data))
+        return Response(content=data, media_type=CONTENT_TYPE)
+    streaming.set()
+
+    def sent() -> Iterator[bytes | memoryview]:
+        while head:  # each piece let go once handed over
+            piece = head.pop(0)
+            metrics.bytes_out.inc(len(piece))
+            yield piece
+        for piece in pieces:
+            metrics.bytes_out.inc(len(piece))
+            yield piece
+
+    return StreamingResponse(sent(), media_type=CONTENT_TYPE)
 
 
 @router.post(

@@ -16,6 +16,11 @@ are in, counting the connections that send nothing among those that are busy).
 - at most `max_connections` connections are open: one more closes the connection that
   has waited longest for a request (idle, or still sending its headers), or, when every
   connection is busy with a request, is itself answered 429 `backpressure` and closed;
+- an answer the client does not read: once the connection's send buffer is full
+  (asyncio's high-water mark) and is not drained to its low-water mark within
+  `send_timeout` seconds, the connection is dropped with what it still had to send, so
+  an unread answer holds its memory that long at most; a connection so stalled is the
+  first closed when a new one needs room;
 - a connection closed after an answer sent before its request's body was read (a 401,
   413 or 429 from `limits.BodyGuard`) lingers: the answer and the end of the stream go
   out, and what the client still sends is read and dropped, for up to `LINGER_SECONDS`
@@ -81,12 +86,16 @@ class GuardedHttpTools(HttpToolsProtocol):
     header_timeout = 10.0
     max_connections = 1024
     max_lingering = 256
+    send_timeout = 10.0
     # the server's connections waiting for a request, longest waiting first (one order
     # per class `protocol` makes): the next to close when a new one needs room
     waiting_order: ClassVar[OrderedDict[GuardedHttpTools, None]] = OrderedDict()
     # the server's connections closing (lingering, or sending their last answer) but
     # still open, longest first: out of uvicorn's `connections`, counted all the same
     closing_order: ClassVar[OrderedDict[GuardedHttpTools, None]] = OrderedDict()
+    # the server's connections whose send buffer is full (the client reads nothing),
+    # longest first: dropped after `send_timeout`, or first when room is needed
+    stalled_order: ClassVar[OrderedDict[GuardedHttpTools, None]] = OrderedDict()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -102,6 +111,7 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._lingered = 0
         self._raw: Transport | None = None
         self._linger_timer: TimerHandle | None = None
+        self._send_timer: TimerHandle | None = None
 
     # connections
 
@@ -119,9 +129,37 @@ class GuardedHttpTools(HttpToolsProtocol):
         self.waiting_order.pop(self, None)
         self.closing_order.pop(self, None)
         self._disarm()
+        self._unstalled()
         if self._linger_timer is not None:
             self._linger_timer.cancel()
         super().connection_lost(exc)
+
+    # answers the client does not read
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.send_timeout, self._stalled)
+            self.stalled_order[self] = None
+
+    def resume_writing(self) -> None:
+        self._unstalled()
+        super().resume_writing()
+
+    def _unstalled(self) -> None:
+        self.stalled_order.pop(self, None)
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _stalled(self) -> None:
+        self._send_timer = None
+        log.info(
+            "dropped a connection whose client read none of its answer for %g s "
+            "(R3STORE_SEND_TIMEOUT)",
+            self.send_timeout,
+        )
+        self._abort()
 
     def _linger(self) -> None:
         """Send the end of the stream after the answer, and drop what still comes for a
@@ -167,6 +205,7 @@ class GuardedHttpTools(HttpToolsProtocol):
 
     def _abort(self) -> None:
         """Close now, dropping what is still to be sent: counted out at once."""
+        self._unstalled()
         self.closing_order.pop(self, None)
         self.connections.discard(self)
         self.waiting_order.pop(self, None)
@@ -188,11 +227,13 @@ class GuardedHttpTools(HttpToolsProtocol):
 
     def _make_room(self) -> None:
         """Close the connection closing longest (lingering, or sending a last answer),
+        else the one whose answer has waited longest on a client that reads none of it,
         else the one that has waited longest for a request, or refuse this one when
         every other is busy with a request."""
-        if self.closing_order:  # the first to go: lingering, or sending a last answer
-            next(iter(self.closing_order))._abort()
-            return
+        for first in (self.closing_order, self.stalled_order):  # lingering, or unread
+            if first:
+                next(iter(first))._abort()
+                return
         order = self.waiting_order
         while order:
             oldest, _ = order.popitem(last=False)
@@ -320,12 +361,14 @@ def protocol(settings: Settings, connections: int) -> type[GuardedHttpTools]:
         "max_header_bytes": settings.max_header_bytes,
         "max_headers": settings.max_headers,
         "header_timeout": settings.header_timeout,
+        "send_timeout": settings.send_timeout,
         "max_connections": connections,
         "max_lingering": max(1, connections // 4),
     }
     orders: dict[str, OrderedDict[GuardedHttpTools, None]] = {
         "waiting_order": OrderedDict(),
         "closing_order": OrderedDict(),
+        "stalled_order": OrderedDict(),
     }
     return type("GuardedHttpTools", (GuardedHttpTools,), {**limits, **orders})
 

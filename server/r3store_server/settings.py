@@ -213,6 +213,12 @@ class Settings(BaseSettings):
     body_min_rate: int = Field(
         1 << 20, ge=1, description="bytes per second a request body must keep arriving at"
     )
+    send_timeout: float = Field(
+        10.0,
+        gt=0,
+        description="seconds an answer may wait on a client that reads none of it (the "
+        "connection's send buffer full, not drained); then the connection is dropped",
+    )
     keep_alive_timeout: int = Field(
         5, ge=1, description="seconds an idle connection stays open between requests"
     )
