@@ -515,3 +515,20 @@ def test_connections_stalled_on_unread_answers_make_room_first(tmp_path: Path) -
         assert time.monotonic() - started < 5
         for sock in stalled:
             sock.close()
+
+
+def test_a_read_of_some_layers_counts_what_it_decodes(tmp_path: Path) -> None:
+    """A read of one layer decodes every segment whole to cut it: its answer is small on
+    the wire, but what it decodes counts against R3STORE_MAX_READ_BYTES."""
+    with running(tmp_path, max_read_bytes=str(12 << 20)) as server:
+        _big_answers(server, 2)  # 2 x 9.2 MB of ids decoded, a few kB stored
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            reader = {"Authorization": f"Bearer {KEYS['reader']}"}
+            path = "/v1/namespaces/large/routes/batch"
+            whole = http.post(path, json={"ids": ["big0", "big1"]}, headers=reader)
+            assert whole.status_code == 200, whole.text  # the stored streams: small
+            one = {"ids": ["big0"], "layers": [0]}
+            assert http.post(path, json=one, headers=reader).status_code == 200
+            both = http.post(path, json={"ids": ["big0", "big1"], "layers": [0]}, headers=reader)
+            assert both.status_code == 413, both.text
+            assert "decoded to cut its layers" in both.json()["error"]["message"]

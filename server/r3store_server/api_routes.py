@@ -20,6 +20,7 @@ from fastapi.responses import StreamingResponse
 from r3store.catalog_types import TrajectoryEntry
 from r3store.engine import put_row_bytes
 from r3store.errors import InvalidInput, PayloadTooLarge, StoreError, UnsupportedMediaType
+from r3store.logic.streams import decoded_bytes
 from r3store.protocol.models import (
     NAME_PATTERN,
     BatchRequest,
@@ -202,14 +203,17 @@ def charge_rows(
 
 
 def read_limit(
-    spec: RouteSpec, fmt: ReadFormat, limit: int, asked: int
+    spec: RouteSpec, fmt: ReadFormat, limit: int, asked: int, some_layers: bool = False
 ) -> Callable[[list[TrajectoryEntry]], None]:
     """The `admit` of a read or a sample: refuses (413) an answer whose routes in `fmt`
     would exceed `limit` bytes (`wire.answer_bytes`, from the catalog before anything is
-    read), saying how many of the `asked` ids would fit."""
+    read), saying how many of the `asked` ids would fit. A read of `some_layers` decodes
+    every segment whole to cut its layers: what it decodes counts too."""
 
     def admit(segments: list[TrajectoryEntry]) -> None:
         size = answer_bytes(spec, fmt, segments)
+        if some_layers:
+            size += sum(decoded_bytes(spec, s.num_tokens) for s in segments)
         if size <= limit:
             return
         trajectories = len({s.trajectory_id for s in segments}) or 1
@@ -220,9 +224,11 @@ def read_limit(
             else "this trajectory alone is larger"
         )
         raise PayloadTooLarge(
-            f"the answer would hold {size} bytes of routes as {fmt} for {trajectories} "
-            f"trajectories; the limit is {limit} bytes (R3STORE_MAX_READ_BYTES): {split}, "
-            "or read format encoded (the stored streams) or a direct read (routes/plan)"
+            f"the answer would hold {size} bytes of routes as {fmt}"
+            f"{' with the routes decoded to cut its layers' if some_layers else ''} for "
+            f"{trajectories} trajectories; the limit is {limit} bytes "
+            f"(R3STORE_MAX_READ_BYTES): {split}, or read format encoded (the stored "
+            "streams) or a direct read (routes/plan)"
         )
 
     return admit
@@ -303,7 +309,13 @@ async def read_batch(
             decode=False,
             include_stale=body.include_stale,
             source=body.source,
-            admit=read_limit(spec, body.format, settings.max_read_bytes, len(body.ids)),
+            admit=read_limit(
+                spec,
+                body.format,
+                settings.max_read_bytes,
+                len(body.ids),
+                some_layers=body.layers is not None,
+            ),
             as_stored=True,  # each row decoded once, by encode_batch
         )
         return _answer(batch, spec, body.format, metrics, deadline, body.layers)
