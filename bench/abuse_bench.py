@@ -21,6 +21,9 @@ The cases (docs/api.md, "Errors", says what bounds each):
   then five `/metrics` scrapes;
 - many rows: one upload of 100,000 one-token rows of a 48-layer, 128-expert namespace;
 - amplified reads: four very compressible segments of 64 MiB as masks, read as `mask`;
+- decode bombs: 32 uploads at once of four encoded segments of about 10 kB that decode
+  to 64 MiB each, sent again on 429;
+- unread answers: eight clients ask for 216 MiB of decoded ids each and read nothing;
 - wide schema: an upload with 20,000 extra columns;
 - planted group: a prompt group of 30,000 trajectories, sampled with `n=1` whole groups.
 """
@@ -49,7 +52,7 @@ from bench.figures import Figure
 from r3store.protocol.wire import CONTENT_TYPE, encode_writes
 from r3store.records import TrajectoryWrite
 from r3store.testing.service import start_server, stop_server
-from r3store.testing.synthetic import uniform_topk
+from r3store.testing.synthetic import decode_bomb, uniform_topk
 from r3store_client import Client
 
 MiB = 1 << 20
@@ -391,6 +394,71 @@ def amplified_reads(server: Server) -> dict[str, Any]:
         }
 
 
+def decode_bombs(server: Server) -> dict[str, Any]:
+    """32 writers at once, each an upload of four encoded segments that take about 10 kB
+    and decode to 64 MiB each; sent again on 429 (as the clients do), for 60 s at most."""
+    bodies = [encode_writes(decode_bomb(f"bomb{i}")) for i in range(32)]
+
+    def send(i: int) -> list[int]:
+        tries: list[int] = []
+        deadline = time.monotonic() + 60
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            while not tries or (tries[-1] == 429 and time.monotonic() < deadline):
+                r = http.post(
+                    "/v1/namespaces/large/trajectories",
+                    content=bodies[i],
+                    headers={**_auth("writer"), "Content-Type": CONTENT_TYPE},
+                )
+                tries.append(r.status_code)
+                time.sleep(0.05 * (r.status_code == 429))
+        return tries
+
+    tries = _in_threads(len(bodies), send)
+    return {
+        "body kB": round(max(len(b) for b in bodies) / 1e3, 1),
+        "stored": sum(t[-1] == 200 for t in tries),
+        "429 answers": sum(t.count(429) for t in tries),
+    }
+
+
+def unread_answers(server: Server) -> dict[str, Any]:
+    """Eight clients each ask for 216 MiB of decoded ids (under the read limit) and read
+    none of it, for 15 s."""
+    tokens = 24_000
+    topk = np.broadcast_to(np.arange(8, dtype=np.uint8), (tokens - 1, 48, 8))
+    count = 216 * MiB // (tokens * 48 * 9)
+    with Client(server.url, KEYS["writer"]) as client:
+        client.put("large", [TrajectoryWrite(f"u{i}", tokens, topk=topk) for i in range(count)])
+    body = json.dumps({"ids": [f"u{i}" for i in range(count)], "format": "ids"}).encode()
+    request = _head(
+        "POST",
+        "/v1/namespaces/large/routes/batch",
+        f"Authorization: Bearer {KEYS['reader']}\r\n",
+        "Content-Type: application/json\r\n",
+        f"Content-Length: {len(body)}\r\n",
+    )
+    socks = []
+    for _ in range(8):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", int(server.url.rsplit(":", 1)[1])))
+        sock.sendall(request + body)
+        socks.append(sock)
+    time.sleep(15)
+    dropped = 0
+    for sock in socks:
+        sock.settimeout(5)
+        try:
+            while sock.recv(1 << 20):
+                pass
+            dropped += 1  # the server ended it
+        except OSError:
+            dropped += 1  # reset: the server dropped it
+        finally:
+            sock.close()
+    return {"answer MiB": round(count * tokens * 48 * 9 / MiB), "connections dropped": dropped}
+
+
 def wide_schema(server: Server) -> dict[str, Any]:
     topk = np.zeros((1, 4, 4), np.uint8) + np.arange(4, dtype=np.uint8)
     table = pa.ipc.open_stream(encode_writes([TrajectoryWrite("w", 2, topk=topk)])).read_all()
@@ -445,6 +513,8 @@ CASES: list[tuple[str, Callable[[Server], dict[str, Any]]]] = [
     ("version bomb: 2000 future versions", version_bomb),
     ("many rows: 100k one-token rows", many_rows),
     ("amplified reads: 4 x 64 MiB masks", amplified_reads),
+    ("decode bombs: 32 uploads of 4 x 64 MiB encoded", decode_bombs),
+    ("unread answers: 8 x 216 MiB ids", unread_answers),
     ("wide schema: 20k columns", wide_schema),
     ("planted group of 30k, n=1", planted_group),
 ]

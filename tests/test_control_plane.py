@@ -29,6 +29,15 @@ def put_settings(client: AppClient, body: dict[str, Any]) -> Any:
     return client.put("/v1/namespaces/ns/settings", json=body, headers=auth("admin"))
 
 
+def state(client: AppClient) -> Any:
+    """What a refusal must leave as it was: every namespace (spec, settings, policy
+    version, trajectories) and the checkpoints of "ns"."""
+    listed = client.get("/v1/namespaces", headers=auth("admin")).json()
+    described = client.get("/v1/namespaces/ns", headers=auth("admin")).json()
+    points = client.get("/v1/namespaces/ns/checkpoints", headers=auth("admin")).json()
+    return listed, described, points
+
+
 def sample(client: AppClient, **body: Any) -> Any:
     return client.post(
         "/v1/namespaces/ns/routes/sample", json={"n": 2, **body}, headers=auth("reader")
@@ -55,13 +64,16 @@ def sample(client: AppClient, **body: Any) -> Any:
 def test_settings_out_of_range_or_of_the_wrong_type(
     client: AppClient, body: dict[str, Any]
 ) -> None:
+    before = state(client)
     response = put_settings(client, body)
     assert response.status_code == 422, response.text
     assert response.json()["error"]["code"] == "invalid_request"
+    assert state(client) == before
     assert sample(client).status_code == 200  # the namespace still works
 
 
 def test_non_finite_ttl(client: AppClient) -> None:
+    before = state(client)
     for text in (
         b'{"retention": {"ttl_seconds": Infinity}}',
         b'{"retention": {"ttl_seconds": NaN}}',
@@ -72,6 +84,7 @@ def test_non_finite_ttl(client: AppClient) -> None:
             headers={**auth("admin"), "Content-Type": "application/json"},
         )
         assert response.status_code == 422, response.text
+        assert state(client) == before
 
 
 def test_largest_settings_keep_the_namespace_working(client: AppClient) -> None:
@@ -115,11 +128,15 @@ def test_largest_settings_keep_the_namespace_working(client: AppClient) -> None:
     ],
 )
 def test_requests_of_the_wrong_type(client: AppClient, path: str, body: dict[str, Any]) -> None:
+    assert upload(client, [make_write("a")]).status_code == 200
+    before = state(client)
     response = client.post(path, json=body, headers=auth("admin"))
     assert response.status_code == 422, response.text
+    assert state(client) == before  # nothing made
 
 
 def test_policy_version_bounds_and_types(client: AppClient) -> None:
+    before = state(client)
     for value in (2**63, -1, "4", True):
         response = client.put(
             "/v1/namespaces/ns/policy-version",
@@ -133,6 +150,7 @@ def test_policy_version_bounds_and_types(client: AppClient) -> None:
         headers=auth("admin"),
     )
     assert forced.status_code == 422, forced.text
+    assert state(client) == before
 
 
 def set_version(client: AppClient, role: str, version: int, **body: Any) -> Any:

@@ -17,13 +17,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-import zstandard
 
 from helpers import make_write
 from http_helpers import KEYS, SPEC_JSON, ServerProcess
-from r3store.logic.streams import MAX_ROW_BYTES, SentStreams
 from r3store.protocol.wire import CONTENT_TYPE, encode_writes
 from r3store.records import TrajectoryWrite
+from r3store.testing.synthetic import decode_bomb
 
 STATS = "/v1/namespaces/ns/stats/experts/trajectories"
 
@@ -370,16 +369,9 @@ def test_a_sample_holds_whole_groups_and_at_most_n(tmp_path: Path, strategy: str
 LARGE = {"num_layers": 48, "num_experts": 128, "top_k": 8}
 
 
-def _bomb(name: str, segments: int = 4) -> bytes:
-    """An upload of about 10 KB whose encoded segments decode to 64 MiB each: valid
-    routes (experts 0 to 7 for every token-layer), so every one is checked in full."""
-    tokens = MAX_ROW_BYTES // (48 * 8)
-    raw = bytes(range(8)) * (48 * tokens)
-    ids = zstandard.ZstdCompressor(level=19).compress(raw)
-    sent = SentStreams(ids, 0)
-    return encode_writes(
-        [TrajectoryWrite(f"{name}-{i}", tokens, encoded=sent) for i in range(segments)]
-    )
+def _bomb(name: str) -> bytes:
+    """An upload of about 10 KB whose four encoded segments decode to 64 MiB each."""
+    return encode_writes(decode_bomb(name))
 
 
 def _established(port: int) -> int:

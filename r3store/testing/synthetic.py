@@ -82,3 +82,18 @@ def drifting_topk(
     top = np.argpartition(scores, experts - k, axis=-1)[..., experts - k :]
     top_scores = np.take_along_axis(scores, top, axis=-1)
     return np.take_along_axis(top, np.argsort(-top_scores, axis=-1), axis=-1).astype(dtype)
+
+
+def decode_bomb(name: str, segments: int = 4) -> list[Any]:
+    """`segments` writes of a 48-layer, 8-of-128 namespace whose encoded routes take
+    a few kB and decode to 64 MiB each (experts 0 to 7 for every token-layer: valid, so
+    checking them decodes every one in full): what an upload's memory charge is for."""
+    import zstandard
+
+    from r3store.logic.streams import MAX_ROW_BYTES, SentStreams
+    from r3store.records import TrajectoryWrite
+
+    tokens = MAX_ROW_BYTES // (48 * 8)
+    ids = zstandard.ZstdCompressor(level=19).compress(bytes(range(8)) * (48 * tokens))
+    sent = SentStreams(ids, 0)
+    return [TrajectoryWrite(f"{name}-{i}", tokens, encoded=sent) for i in range(segments)]
