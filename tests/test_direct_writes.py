@@ -746,3 +746,27 @@ def test_commits_that_cannot_be_held_hold_no_memory(server: ServerProcess) -> No
         junk = _commit(http, ns, _body(padded, len(blob) + 4096, segments))
         assert junk.status_code == 400, junk.text
         assert "every byte of a blob belongs to one stream" in junk.json()["error"]["message"]
+
+
+def test_one_key_holds_a_bounded_number_of_write_plans(tmp_path: Path, seaweed: SeaweedFS) -> None:
+    """Plans not committed and not expired are bounded per API key
+    (`R3STORE_MAX_PLANS_PER_KEY`): one more is 429, a commit's next plans are cut to
+    what is left, and another key plans as before."""
+    server = ServerProcess(tmp_path, seaweed, env={"R3STORE_MAX_PLANS_PER_KEY": "4"})
+    try:
+        ns = _namespace(server)
+        blob, segments = _encoded([make_write("p0")])
+        with _http(server, KEYS["writer"]) as http, _http(server, KEYS["admin"]) as admin:
+            plans = [_plan(http, ns) for _ in range(4)]
+            refused = http.post(f"/v1/namespaces/{ns}/writes", json={})
+            assert refused.status_code == 429, refused.text
+            assert "R3STORE_MAX_PLANS_PER_KEY" in refused.json()["error"]["message"]
+            assert _plan(admin, ns)["plan"]  # another key's own share
+            assert _put_blob(plans[0], blob) in (200, 201)
+            done = _commit(http, ns, {**_body(plans[0], len(blob), segments), "next_plans": 8})
+            assert done.status_code == 200, done.text
+            assert len(done.json()["next"]) == 1  # three still held, one more allowed
+            again = http.post(f"/v1/namespaces/{ns}/writes", json={})
+            assert again.status_code == 429, again.text
+    finally:
+        server.stop()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from r3store.errors import (
+    Backpressure,
     DirectUnavailable,
     Forbidden,
     InvalidInput,
@@ -121,15 +122,30 @@ class DirectWrites:
                 self._newest[namespace] = (newest, now)
         return newest
 
-    def plan(self, namespace: str, writer: str | None, expires: int) -> WritePlan:
-        """A plan for one blob of `namespace`, for the API key named `writer`."""
-        return self.plans(namespace, writer, expires, 1)[0]
+    def plan(
+        self, namespace: str, writer: str | None, expires: int, most: int | None = None
+    ) -> WritePlan:
+        """A plan for one blob of `namespace`, for the API key named `writer`, who may
+        hold `most` plans not committed and not expired (`Backpressure` past it)."""
+        made = self.plans(namespace, writer, expires, 1, most)
+        if not made:
+            raise Backpressure(
+                f"this API key holds {most} write plans not committed and not expired, the "
+                "most it may (R3STORE_MAX_PLANS_PER_KEY): commit or let them expire first"
+            )
+        return made[0]
 
     def plans(
-        self, namespace: str, writer: str | None, expires: int, count: int
+        self,
+        namespace: str,
+        writer: str | None,
+        expires: int,
+        count: int,
+        most: int | None = None,
     ) -> list[WritePlan]:
-        """`count` plans (each for one blob) at once: their uploads planned in one
-        catalog transaction."""
+        """`count` plans (each for one blob) at once, their uploads planned in one
+        catalog transaction; fewer (none) when `writer` would hold more than `most`
+        plans not committed and not expired."""
         if not self.available:
             raise DirectUnavailable(
                 f"direct writes need an object store that signs URLs (S3); "
@@ -139,7 +155,9 @@ class DirectWrites:
         now = self._clock()
         keys = [blob_key(namespace, now) for _ in range(count)]
         # planned as of when their URLs stop working: never orphans while they can be used
-        self._catalog.ledger.plan_uploads(keys, namespace, DIRECT, now + expires)
+        keys = self._catalog.ledger.plan_uploads(
+            keys, namespace, DIRECT, now + expires, writer, most, at=now
+        )
         newest = self._dictionary(namespace, now)
         dictionary = None
         if newest is not None:

@@ -48,6 +48,7 @@ NamespacePath = Path(pattern=NAME_PATTERN, description="the namespace")
 async def plan_write(
     body: WritePlanRequest,
     engine: EngineDep,
+    settings: SettingsDep,
     who: PrincipalDep,
     deadline: DeadlineDep,
     budget: BudgetDep,
@@ -56,8 +57,10 @@ async def plan_write(
     """A plan for one blob: a presigned, create-only PUT that works for `expires`
     seconds, and the token to commit it with (this API key only). 400
     `direct_unavailable` where the object store signs no URLs (the embedded store):
-    upload through `POST .../trajectories` instead."""
-    plan = await deadline.run(engine.direct.plan, namespace, who.name, body.expires)
+    upload through `POST .../trajectories` instead. 429 when the key holds
+    `R3STORE_MAX_PLANS_PER_KEY` plans not committed and not expired."""
+    most = settings.max_plans_per_key
+    plan = await deadline.run(engine.direct.plan, namespace, who.name, body.expires, most)
     return _model(plan, budget)
 
 
@@ -140,7 +143,9 @@ async def commit_write(
         metrics.commit.observe(time.perf_counter() - started)
         metrics.token_layers_in.inc(sum(s.num_tokens for s in body.segments) * spec.num_layers)
         following = (
-            engine.direct.plans(namespace, who.name, PLAN_SECONDS, body.next_plans)
+            engine.direct.plans(
+                namespace, who.name, PLAN_SECONDS, body.next_plans, settings.max_plans_per_key
+            )
             if body.next_plans
             else []
         )

@@ -213,6 +213,11 @@ class Settings(BaseSettings):
     body_min_rate: int = Field(
         1 << 20, ge=1, description="bytes per second a request body must keep arriving at"
     )
+    max_plans_per_key: int = Field(
+        256,
+        ge=1,
+        description="write plans one API key may hold not committed and not expired; more: 429",
+    )
     send_timeout: float = Field(
         10.0,
         gt=0,

@@ -104,8 +104,14 @@ def advance_generation(conn: Connection, seen: int) -> bool:
 # uploads
 
 
-def plan(conn: Connection, key: str, namespace: str, kind: str, now: float) -> None:
-    conn.execute(uploads.insert().values(key=key, namespace=namespace, kind=kind, planned_at=now))
+def plan(
+    conn: Connection, key: str, namespace: str, kind: str, now: float, writer: str | None = None
+) -> None:
+    conn.execute(
+        uploads.insert().values(
+            key=key, namespace=namespace, kind=kind, planned_at=now, writer=writer
+        )
+    )
 
 
 def unplan(conn: Connection, keys: list[str]) -> int:
@@ -313,11 +319,31 @@ class Ledger:
         with self._db.begin() as conn:
             plan(conn, key, namespace, kind, now)
 
-    def plan_uploads(self, keys: list[str], namespace: str, kind: str, now: float) -> None:
-        """`plan_upload` of several keys, in one transaction."""
+    def plan_uploads(
+        self,
+        keys: list[str],
+        namespace: str,
+        kind: str,
+        now: float,
+        writer: str | None = None,
+        most: int | None = None,
+        at: float | None = None,
+    ) -> list[str]:
+        """`plan_upload` of several keys, in one transaction, for the API key `writer`;
+        returns those planned. With `most`, `writer` holds at most that many uploads
+        planned, not committed and not expired at `at` (planned as of when their URLs
+        stop working): the keys past it are not planned."""
         with self._db.begin() as conn:
+            if most is not None and writer is not None:
+                held = conn.execute(
+                    sa.select(sa.func.count())
+                    .select_from(uploads)
+                    .where(uploads.c.writer == writer, uploads.c.planned_at > (at or 0.0))
+                ).scalar_one()
+                keys = keys[: max(0, most - int(held))]
             for key in keys:
-                plan(conn, key, namespace, kind, now)
+                plan(conn, key, namespace, kind, now, writer)
+        return keys
 
     def claim_orphan(self, key: str, cutoff: float) -> bool:
         """Take an upload planned before `cutoff` and never committed for deletion; a

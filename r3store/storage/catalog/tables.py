@@ -150,6 +150,7 @@ uploads = sa.Table(
     sa.Column("namespace", sa.String(128), nullable=False, index=True),
     sa.Column("kind", sa.String(16), nullable=False),
     sa.Column("planned_at", sa.Float, nullable=False),
+    sa.Column("writer", sa.String(64)),  # the API key a write plan is for (None: the server)
 )
 
 
