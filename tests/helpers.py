@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -96,3 +97,12 @@ class MakeEngine:
                 engine.close()
         for catalog in self.catalogs:
             catalog.close()
+
+
+def eventually(condition: Callable[[], object], what: str, within: float = 20.0) -> None:
+    """Wait until `condition()` is true, asking every 0.5 s, at most `within` seconds
+    (then fail naming `what`): a state to be reached, not a time to sleep."""
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {within:g} s: {what}"
+        time.sleep(0.5)

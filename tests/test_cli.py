@@ -7,13 +7,12 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from helpers import make_write
+from helpers import eventually, make_write
 from r3store.spec import RouteSpec
 from r3store.testing.seaweedfs import SeaweedFS
 from r3store_server.backends import build_engine
@@ -140,17 +139,21 @@ def test_cli_keys_work_against_the_server(tmp_path: Path) -> None:
         assert httpx.get(f"{server.url}/v1/namespaces", headers=headers).status_code == 200
         assert httpx.get(f"{server.url}/metrics", headers=headers).status_code == 403
         run("keys", "revoke", "trainer")
-        time.sleep(5.5)  # the server rereads catalog keys every 5 s
-        assert httpx.get(f"{server.url}/v1/namespaces", headers=headers).status_code == 401
+        eventually(  # the server rereads catalog keys every 5 s
+            lambda: httpx.get(f"{server.url}/v1/namespaces", headers=headers).status_code == 401,
+            "the revoked key refused",
+        )
         again = run("keys", "create", "trainer", "--role", "reader")  # a revoked name is free
         assert again["key"] != key  # type: ignore[index]
         assert run("keys", "list") == [
             {"name": "trainer", "role": "reader", "namespaces": ["*"], "revoked": False}
         ]
-        time.sleep(5.5)
-        assert httpx.get(f"{server.url}/v1/namespaces", headers=headers).status_code == 401
         renewed = {"Authorization": f"Bearer {again['key']}"}  # type: ignore[index]
-        assert httpx.get(f"{server.url}/v1/namespaces", headers=renewed).status_code == 200
+        eventually(
+            lambda: httpx.get(f"{server.url}/v1/namespaces", headers=renewed).status_code == 200,
+            "the new key taken",
+        )
+        assert httpx.get(f"{server.url}/v1/namespaces", headers=headers).status_code == 401
     finally:
         server.stop()
 

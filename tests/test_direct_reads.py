@@ -19,7 +19,7 @@ import pytest
 import torch
 import urllib3
 
-from helpers import SPEC, make_write
+from helpers import SPEC, eventually, make_write
 from http_helpers import KEYS, ServerProcess
 from r3store.errors import InvalidInput, StoreError, Unauthorized
 from r3store.protocol.plans import ReadPlan
@@ -130,12 +130,18 @@ def test_a_revoked_key_gets_no_new_plans(server: ServerProcess, client: Client) 
         return json.loads(done.stdout)
 
     key = cli("keys", "create", "trainer", "--role", "reader", "--namespace", "direct")["key"]  # type: ignore[index]
-    time.sleep(5.5)  # the server rereads the catalog's keys every 5 s
+    headers = {"Authorization": f"Bearer {key}"}
+    known = f"{server.url}/v1/namespaces/direct"
+    eventually(  # the server rereads the catalog's keys every 5 s
+        lambda: httpx.get(known, headers=headers).status_code == 200, "the new key taken"
+    )
     with Client(server.url, api_key=key) as trainer:
         plan = trainer.plan("direct", ["d0"], expires=2)
         assert trainer.fetch_direct("direct", ["d0"])[1].items[0] is not None
         cli("keys", "revoke", "trainer")
-        time.sleep(5.5)
+        eventually(
+            lambda: httpx.get(known, headers=headers).status_code == 401, "the revoked key refused"
+        )
         with pytest.raises(Unauthorized):
             trainer.plan("direct", ["d0"])
         with pytest.raises(Unauthorized):

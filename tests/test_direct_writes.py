@@ -21,7 +21,7 @@ import httpx
 import numpy as np
 import pytest
 
-from helpers import SPEC, expected_ids, make_write
+from helpers import SPEC, eventually, expected_ids, make_write
 from http_helpers import KEYS, ServerProcess, replicas
 from r3store.engine import Engine
 from r3store.engine.rebuild import rebuild_catalog
@@ -334,14 +334,19 @@ def test_a_commit_replayed_by_another_key_is_refused(
 def test_a_revoked_keys_plan_dies_at_its_expiry(server: ServerProcess, objects: S3Store) -> None:
     ns = _namespace(server)
     made = _cli(server, "keys", "create", "rollout", "--role", "writer", "--namespace", ns)
-    time.sleep(5.5)  # the server rereads the catalog's keys every 5 s
     blob, segments = _encoded([make_write("r0")])
     with _http(server, made["key"]) as worker, _http(server, KEYS["admin"]) as admin:
+        eventually(  # the server rereads the catalog's keys every 5 s
+            lambda: worker.get(f"/v1/namespaces/{ns}").status_code == 200, "the new key taken"
+        )
         uploaded = _plan(worker, ns, expires=10)
         unused = _plan(worker, ns, expires=10)
         assert _put_blob(uploaded, blob) in (200, 201)
         _cli(server, "keys", "revoke", "rollout")
-        time.sleep(5.5)
+        eventually(
+            lambda: worker.get(f"/v1/namespaces/{ns}").status_code == 401,
+            "the revoked key refused",
+        )
         refused = _commit(worker, ns, _body(uploaded, len(blob), segments))
         assert refused.status_code in (401, 403), refused.text
         assert worker.post(f"/v1/namespaces/{ns}/writes", json={}).status_code in (401, 403)

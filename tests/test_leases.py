@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from helpers import SPEC, expected_ids, make_write
+from helpers import SPEC, eventually, expected_ids, make_write
 from http_helpers import KEYS, ServerProcess
 from r3store.errors import (
     Conflict,
@@ -167,10 +167,12 @@ def test_resume_hands_out_again_what_was_consumed_after_the_checkpoint(
         client.commit(lease)
     client.checkpoint(namespace, 3)
     zombie = client.lease(namespace, n=2)  # taken, never committed: the crash
-    time.sleep(2.5)  # maintenance evicts what was sampled its one time, unless kept
-    found = client.get_batch(namespace, list(_ids(8)))
-    # consumed up to the oldest kept checkpoint (1; keep_checkpoints=2 dropped 0): evicted
-    assert found.missing == list(_ids(4))
+    # maintenance (every second) evicts what was sampled its one time, unless kept:
+    # consumed up to the oldest kept checkpoint (1; keep_checkpoints=2 dropped 0)
+    eventually(
+        lambda: client.get_batch(namespace, list(_ids(8))).missing == list(_ids(4)),
+        "what was consumed before checkpoint 1 evicted, nothing else",
+    )
     done = client.resume(namespace, 1)
     assert (done.epoch, done.leases_undone, done.samplings_undone) == (1, 2, 4)
     assert (done.leases_fenced, done.checkpoints_dropped) == (1, [3])
