@@ -775,3 +775,34 @@ def test_one_key_holds_a_bounded_number_of_write_plans(tmp_path: Path, seaweed: 
             assert again.status_code == 429, again.text
     finally:
         server.stop()
+
+
+def test_a_commit_is_charged_what_checking_its_segments_decodes(
+    tmp_path: Path, seaweed: SeaweedFS
+) -> None:
+    """A blob of a few kB whose segment decodes to 64 MiB: checking it would hold three
+    times that, more than one commit may ever hold of this budget (128 MiB), so it is
+    refused before anything is decompressed, however small the blob."""
+    from r3store.protocol.direct import pack
+    from r3store.spec import RouteSpec
+    from r3store.testing.synthetic import decode_bomb
+
+    env = {
+        "R3STORE_MAX_BODY_BYTES": str(16 << 20),
+        "R3STORE_UPLOAD_MEMORY_BYTES": str(128 << 20),
+        "R3STORE_UPLOAD_MEMORY_PER_KEY": str(128 << 20),
+    }
+    server = ServerProcess(tmp_path, seaweed, env=env)
+    try:
+        with Client(server.url, api_key=KEYS["admin"]) as admin:
+            admin.create_namespace("large", RouteSpec(num_layers=48, num_experts=128, top_k=8))
+        blob, segments = pack(decode_bomb("bomb", 1))
+        assert len(blob) < 64 << 10
+        with _http(server, KEYS["writer"]) as http:
+            plan = _plan(http, "large")
+            assert _put_blob(plan, blob) in (200, 201)
+            refused = _commit(http, "large", _body(plan, len(blob), segments))
+            assert refused.status_code == 413, refused.text
+            assert "to check the largest encoded segment" in refused.json()["error"]["message"]
+    finally:
+        server.stop()
