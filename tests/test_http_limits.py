@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import pytest
 
-from helpers import make_write
+from helpers import eventually, make_write
 from http_helpers import KEYS, SPEC_JSON, ServerProcess
 from r3store.protocol.wire import CONTENT_TYPE, encode_writes
 from r3store.records import TrajectoryWrite
@@ -252,10 +252,15 @@ def test_connections_are_bounded(tmp_path: Path) -> None:
             connect(server, head("POST", STATS, bearer("reader"), "Content-Length: 100\r\n"))
             for _ in range(32)
         ]
-        time.sleep(0.5)
-        refused = httpx.get(f"{server.url}/healthz", timeout=5)
-        assert refused.status_code == 429
-        assert refused.json()["error"]["code"] == "backpressure"
+        answers: list[httpx.Response] = []
+        eventually(  # once the server has read every busy request's headers
+            lambda: (
+                answers.append(httpx.get(f"{server.url}/healthz", timeout=5))
+                or answers[-1].status_code == 429
+            ),
+            "a new connection refused while every one is busy",
+        )
+        assert answers[-1].json()["error"]["code"] == "backpressure"
         for sock in busy:
             sock.close()
 

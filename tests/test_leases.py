@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+import re
 import time
 from collections.abc import Iterator
 
@@ -191,10 +192,19 @@ def test_resume_hands_out_again_what_was_consumed_after_the_checkpoint(
     assert client.checkpoint(namespace, 2, epoch=1).consumed > point.consumed
 
 
+def _passes(client: Client) -> int:
+    """Maintenance passes the server has run (its /metrics)."""
+    text = client.request("GET", "/metrics").text
+    found = re.search(r"^r3store_maintenance_passes_total (\S+)$", text, re.M)
+    assert found is not None
+    return int(float(found.group(1)))
+
+
 def test_deleting_checkpoints_lets_eviction_go_on(client: Client, namespace: str) -> None:
     client.checkpoint(namespace, 0)
     client.commit(client.lease(namespace, n=3))
-    time.sleep(2.5)
+    after = _passes(client)
+    eventually(lambda: _passes(client) >= after + 2, "two maintenance passes since the commit")
     assert client.get_batch(namespace, list(_ids(3))).missing == []  # kept for checkpoint 0
     client.delete_checkpoint(namespace, 0)
     with pytest.raises(NotFound, match="no checkpoint at step 0"):

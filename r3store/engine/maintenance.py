@@ -146,6 +146,7 @@ class Maintenance:
         self.rest_level = options.rest_level
         self.rest_shard_bytes = options.rest_shard_bytes
         self.totals = MaintenanceReport()
+        self.passes = 0  # whole passes run
         self._dictionaries = DictionaryCache(store)
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> MaintenanceReport:
@@ -181,6 +182,7 @@ class Maintenance:
         ):
             setattr(self.totals, name, getattr(self.totals, name) + getattr(report, name))
         self.totals.live_bytes, self.totals.dead_bytes = report.live_bytes, report.dead_bytes
+        self.passes += 1
         return report
 
     def _victims(self, namespace: str) -> list[str]:

@@ -111,6 +111,9 @@ class _MaintenanceCollector(Collector):
             "r3store_compactions", "shards compacted", totals.shards_compacted
         )
         yield CounterMetricFamily(
+            "r3store_maintenance_passes", "maintenance passes run", self._maintenance.passes
+        )
+        yield CounterMetricFamily(
             "r3store_trajectories_dropped",
             "trajectories dropped by retention",
             totals.trajectories_dropped,
