@@ -19,8 +19,8 @@ are in, counting the connections that send nothing among those that are busy).
 - an answer the client does not read: once the connection's send buffer is full
   (asyncio's high-water mark) and is not drained to its low-water mark within
   `send_timeout` seconds, the connection is dropped with what it still had to send, so
-  an unread answer holds its memory that long at most; a connection so stalled is the
-  first closed when a new one needs room;
+  an unread answer holds its memory that long at most; a connection so stalled is
+  closed when a new one needs room and none is idle;
 - a connection closed after an answer sent before its request's body was read (a 401,
   413 or 429 from `limits.BodyGuard`) lingers: the answer and the end of the stream go
   out, and what the client still sends is read and dropped, for up to `LINGER_SECONDS`
@@ -227,19 +227,21 @@ class GuardedHttpTools(HttpToolsProtocol):
 
     def _make_room(self) -> None:
         """Close the connection closing longest (lingering, or sending a last answer),
-        else the one whose answer has waited longest on a client that reads none of it,
-        else the one that has waited longest for a request, or refuse this one when
-        every other is busy with a request."""
-        for first in (self.closing_order, self.stalled_order):  # lingering, or unread
-            if first:
-                next(iter(first))._abort()
-                return
+        else the one that has waited longest for a request, else the one whose answer
+        has waited longest on a client that reads none of it, or refuse this one when
+        every other is busy with a request its client keeps up with."""
+        if self.closing_order:  # the first to go: lingering, or sending a last answer
+            next(iter(self.closing_order))._abort()
+            return
         order = self.waiting_order
         while order:
             oldest, _ = order.popitem(last=False)
             if oldest is not self and oldest._idle():
                 oldest._abort()  # nothing to send: an answer not read yet is dropped
                 return
+        if self.stalled_order:  # its client reads nothing of its answer now
+            next(iter(self.stalled_order))._abort()
+            return
         message = f"the server holds its most connections ({self.max_connections}), all busy"
         self._answer(429, Backpressure.code, f"{message}: retry later", retry_after=True)
 
