@@ -128,7 +128,10 @@ def check_parallel(parallel: Parallel, sequence_parallel: bool | None = None) ->
     state: one rank), and, given the model's `sequence_parallel`, another setting of
     it. The token check cuts the input ids by the declared layout too, so it cannot see
     such a layout: this does."""
-    from megatron.core import parallel_state
+    try:
+        from megatron.core import parallel_state
+    except ImportError as exc:  # pragma: no cover - exercised without megatron-core only
+        raise missing("megatron-core", __name__, "megatron") from exc
 
     sp = parallel.sequence_parallel if sequence_parallel is None else sequence_parallel
     actual = Parallel(sequence_parallel=sp)
