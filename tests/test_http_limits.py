@@ -529,3 +529,38 @@ def test_a_read_of_some_layers_counts_what_it_decodes(tmp_path: Path) -> None:
             both = http.post(path, json={"ids": ["big0", "big1"], "layers": [0]}, headers=reader)
             assert both.status_code == 413, both.text
             assert "decoded to cut its layers" in both.json()["error"]["message"]
+
+
+def test_a_lease_whose_request_was_answered_records_nothing(tmp_path: Path) -> None:
+    """A lease that waits for the catalog past its request's deadline is answered 503;
+    once the catalog frees up, its transaction sees the request answered and records
+    nothing (said in the log): nobody holds it, and it keeps nothing from the next."""
+    import sqlite3
+
+    with (
+        running(tmp_path, request_timeout="1") as server,
+        httpx.Client(base_url=server.url, timeout=30) as http,
+    ):
+        writer = {"Authorization": f"Bearer {KEYS['writer']}", "Content-Type": CONTENT_TYPE}
+        writes = encode_writes([make_write(f"t{i}") for i in range(4)])
+        assert http.post(
+            "/v1/namespaces/ns/trajectories", content=writes, headers=writer
+        ).is_success
+        reader = {"Authorization": f"Bearer {KEYS['reader']}"}
+        catalog = sqlite3.connect(tmp_path / "catalog.db", isolation_level=None)
+        catalog.execute("BEGIN IMMEDIATE")  # the catalog busy past the lease's deadline
+        try:
+            late = http.post("/v1/namespaces/ns/leases", json={"n": 4}, headers=reader)
+            assert late.status_code == 503, late.text
+        finally:
+            catalog.execute("ROLLBACK")
+            catalog.close()
+        log = tmp_path / f"server-{server.port}.log"
+        eventually(
+            lambda: "was not recorded: its request was answered" in log.read_text(),
+            "the late lease's transaction refusing itself",
+        )
+        assert http.get("/v1/namespaces/ns/leases", headers=reader).json()["leases"] == []
+        taken = http.post("/v1/namespaces/ns/leases", json={"n": 4}, headers=reader)
+        assert taken.status_code == 201, taken.text
+        assert len(taken.json()["trajectory_ids"]) == 4

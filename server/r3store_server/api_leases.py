@@ -6,6 +6,8 @@ admin's."""
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import APIRouter, Path
 
 from r3store.errors import StoreError
@@ -27,6 +29,7 @@ from r3store_server.auth import Principal
 from r3store_server.deps import DeadlineDep, EngineDep, PrincipalDep, allowed
 from r3store_server.errors import ERROR_RESPONSES
 
+log = logging.getLogger("r3store.server")
 router = APIRouter(prefix="/v1/namespaces", tags=["leases"], responses=ERROR_RESPONSES)
 
 
@@ -63,6 +66,11 @@ async def take_lease(
         """Refuse to record a lease once the request was answered (its deadline passed):
         nobody would hold it, and it would keep its trajectories from the next one."""
         if deadline.cancelled.is_set():
+            log.warning(
+                "a lease of namespace %r was not recorded: its request was answered (past "
+                "its deadline) before the catalog took it",
+                namespace,
+            )
             raise StoreError("the lease was not recorded: its request was answered already")
 
     def take() -> LeaseModel:
