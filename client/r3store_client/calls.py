@@ -1,12 +1,12 @@
 """What every client call sends and how its answer is read, apart from the transport.
 
-Each call is a generator that yields steps (`Send` one HTTP request, `Sleep` before a
-retry, `Work` on the CPU) and is sent back each step's outcome, or has its error thrown
-in. `Client` runs the steps blocking; `AsyncClient` awaits the requests and sleeps and
-runs the CPU work (validating and encoding uploads, decoding answers, the object
-store's ranged reads) on threads it owns, so a rollout loop's other coroutines keep
-running. Retries, request building, validation and answer parsing are written once,
-here.
+Each call is a generator that yields steps (`r3store_client.steps`: `Send` one HTTP
+request, `Sleep` before a retry, `Work` on the CPU) and is sent back each step's
+outcome, or has its error thrown in. `Client` runs the steps blocking; `AsyncClient`
+awaits the requests and sleeps and runs the CPU work (validating and encoding
+uploads, decoding answers, the object store's ranged reads) on threads it owns, so a
+rollout loop's other coroutines keep running. Retries, request building, validation
+and answer parsing are written once, here.
 
 Only retryable failures are retried (connection errors, 408, 429, 502, 503, 504), with
 exponential backoff and the server's Retry-After, and only for idempotent calls:
@@ -27,9 +27,9 @@ import logging
 import os
 import random
 import threading
-from collections.abc import Callable, Coroutine, Generator, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import httpx
@@ -71,40 +71,14 @@ from r3store.refs import RouteRef, by_source, resolve
 from r3store.spec import RouteSpec
 from r3store_client.direct_writes import DirectWrites
 from r3store_client.lease_calls import LeaseCalls
+from r3store_client.steps import Call, Send, Sleep, T, Work
 
 log = logging.getLogger("r3store_client")
-T = TypeVar("T")
 P = ParamSpec("P")
 
 # 408: the server gave up on a body that arrived too slowly (a stalled network): sent again
 RETRY_STATUS = {408, 429, 502, 503, 504}
 NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
-
-
-@dataclass(frozen=True)
-class Send:
-    """One HTTP request to the server (answered with its `httpx.Response`)."""
-
-    method: str
-    path: str
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Sleep:
-    seconds: float
-
-
-@dataclass(frozen=True)
-class Work:
-    """CPU work (or the object store's blocking reads): answered with `fn(*args)`."""
-
-    fn: Callable[..., Any]
-    args: tuple[Any, ...] = ()
-
-
-Step = Send | Sleep | Work
-Call = Generator[Step, Any, T]
 
 
 def blocking(call: Callable[Concatenate[Any, P], Call[T]]) -> Callable[Concatenate[Any, P], T]:
@@ -463,7 +437,7 @@ class Calls(LeaseCalls, DirectWrites):
         ):
             for w in writes:
                 check_shape(w, spec)
-            items = yield from self._put_direct(namespace, spec, writes, Work, encoded_writes)
+            items = yield from self._put_direct(namespace, spec, writes, encoded_writes)
         if items is None:
             body = yield Work(upload_body, (list(writes), spec, self.encode))
             answer = yield from self._json(

@@ -24,7 +24,8 @@ from typing import Any
 import httpx
 import urllib3
 
-from r3store_client.calls import Call, Calls, Retry, Send, Sleep, T, blocking, check_shape
+from r3store_client.calls import Calls, Retry, blocking, check_shape
+from r3store_client.steps import Call, Send, Sleep, T
 
 __all__ = ["Client", "Retry", "check_shape"]
 

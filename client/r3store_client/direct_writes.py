@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import urllib3
@@ -24,6 +24,7 @@ from r3store.protocol.direct import WriteCommitted, WritePlanModel, pack
 from r3store.protocol.models import PutItem
 from r3store.records import TrajectoryWrite
 from r3store.spec import RouteSpec
+from r3store_client.steps import Call, Work
 
 log = logging.getLogger("r3store_client")
 
@@ -48,7 +49,7 @@ class DirectWrites:
     _plans_lock: threading.Lock
     _dictionaries: Dictionaries  # by digest, shared with direct reads
 
-    def _json(self, method: str, path: str, **kwargs: Any) -> Generator[Any, Any, Any]:
+    def _json(self, method: str, path: str, **kwargs: Any) -> Call[Any]:
         raise NotImplementedError  # `Calls`
 
     def _direct(self) -> tuple[urllib3.PoolManager, Any]:
@@ -96,9 +97,8 @@ class DirectWrites:
         namespace: str,
         spec: RouteSpec,
         writes: Sequence[TrajectoryWrite],
-        work: Any,
         encoded_writes: Callable[..., list[TrajectoryWrite]],
-    ) -> Generator[Any, Any, list[PutItem] | None]:
+    ) -> Call[list[PutItem] | None]:
         """The server's answer to a direct write of `writes` (shapes checked), or None
         when the server does not take direct writes (then the put goes through it). The
         routes are encoded (`encoded_writes`, as `Work`) with the namespace's dictionary
@@ -118,17 +118,17 @@ class DirectWrites:
                     self._chose(False, f"writes go through the server ({exc})")
                     return None
                 plan = WritePlanModel.model_validate(answer)
-            dictionary = yield work(self._plan_dictionary, (plan,))
+            dictionary = yield Work(self._plan_dictionary, (plan,))
             digest = None if dictionary is None else dictionary.digest
             if packed is None or packed[0] != digest:
-                encoded = yield work(encoded_writes, (list(writes), spec, dictionary))
-                packed = (digest, *(yield work(pack, (encoded,))))
+                encoded = yield Work(encoded_writes, (list(writes), spec, dictionary))
+                packed = (digest, *(yield Work(pack, (encoded,))))
             _digest, blob, segments = packed
             if len(blob) > plan.max_bytes:
                 self._keep_plan(namespace, plan)
                 return None  # too large for one blob: through the server, in one upload
             try:
-                yield work(self._store_put, (plan.url, plan.headers, blob))
+                yield Work(self._store_put, (plan.url, plan.headers, blob))
             except _Refused:
                 if attempt == 2:
                     raise StoreError("the object store refused three write plans' URLs") from None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from r3store.errors import LeaseClosed
 from r3store.leases import (
@@ -38,9 +38,7 @@ from r3store.protocol.consumption import (
 )
 from r3store.protocol.wire import ReadFormat
 from r3store.records import Batch
-
-if TYPE_CHECKING:
-    from r3store_client.calls import Call
+from r3store_client.steps import Call
 
 
 class LeaseCalls:
