@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from helpers import SPEC, MakeEngine, make_write
 from http_helpers import AppClient, auth, make_namespace, service, upload
 from r3store.engine import Engine
+from r3store.engine.encoding import Encoder
 from r3store.engine.writer import settle_rows
 from r3store.errors import StoreError
 from r3store.logic import codec, stats
@@ -222,9 +223,9 @@ def test_an_upload_answered_past_its_deadline_encodes_no_further_and_never_lands
     release, finished = threading.Event(), threading.Event()
     prepared: list[str] = []
     committed: list[object] = []
-    prepare, encode, commit = Engine.prepare, Engine.encode, Engine.commit
+    prepare, encode, commit = Encoder.prepare, Engine.encode, Engine.commit
 
-    def slow_prepare(self: Engine, spec: Any, write: TrajectoryWrite, *args: Any) -> Any:
+    def slow_prepare(self: Encoder, spec: Any, write: TrajectoryWrite, *args: Any) -> Any:
         prepared.append(write.trajectory_id)
         release.wait(30)  # the first row outlives the request's deadline
         return prepare(self, spec, write, *args)
@@ -239,7 +240,7 @@ def test_an_upload_answered_past_its_deadline_encodes_no_further_and_never_lands
         committed.append(put)
         return commit(self, put)
 
-    monkeypatch.setattr(Engine, "prepare", slow_prepare)
+    monkeypatch.setattr(Encoder, "prepare", slow_prepare)
     monkeypatch.setattr(Engine, "encode", watched_encode)
     monkeypatch.setattr(Engine, "commit", watched_commit)
     with service(tmp_path, None, request_timeout=1.0) as client:

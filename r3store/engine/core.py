@@ -8,25 +8,21 @@
 `put` returns only once the shard is stored and the catalog committed. It is safe to
 call from many threads at once; the engine packs concurrent calls into shared shards.
 
-`Engine` itself holds the data path (put, encode and commit, flush; get_batch, get,
-sample, read_plan) and what is asked of the engine as a whole (ping, close,
-writer_stats, store_description). The rest is in its parts, each a module of its own:
-`namespaces` (`Namespaces`: create, get, all, settings, policy version, delete, spec,
-count, usage), `consumption` (`Consumption`: leases, step checkpoints, resume), `keys`
-(`ApiKeys`), `direct` (`DirectWrites`: write plans and their commits), `analytics`
-(`Analytics`) and `upkeep` (`Upkeep`:
-maintenance passes, binding the store to the catalog, rebuilding the catalog).
-
-One module over 500 lines: what is left is the data path itself, whose write half
-(check, settle, encode, commit) and read half (lookup, staleness, sources, reads with
-one retry) share the namespace's checks and the catalog lookups.
+`Engine` itself holds the data path (put and commit, flush; get_batch, get, sample,
+read_plan) and what is asked of the engine as a whole (ping, close, writer_stats,
+store_description). The rest is in its parts, each a module of its own: `encoder`
+(`Encoder`, in `encoding`: the write half of a put, checked, encoded and settled
+before its commit, which `direct` uses too), `namespaces` (`Namespaces`: create, get,
+all, settings, policy version, delete, spec, count, usage), `consumption`
+(`Consumption`: leases, step checkpoints, resume), `keys` (`ApiKeys`), `direct`
+(`DirectWrites`: write plans and their commits), `analytics` (`Analytics`) and
+`upkeep` (`Upkeep`: maintenance passes, binding the store to the catalog, rebuilding
+the catalog).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import struct
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -36,45 +32,35 @@ from r3store.engine.analytics import Analytics
 from r3store.engine.api_keys import ApiKeys
 from r3store.engine.consumption import Consumption, admitting
 from r3store.engine.direct import DirectWrites
+from r3store.engine.encoding import EncodedPut, Encoder
 from r3store.engine.namespaces import Namespaces
 from r3store.engine.reader import ReaderConfig, ShardReader, plan_ranges
 from r3store.engine.upkeep import Upkeep
 from r3store.engine.writer import (
     GroupCommitter,
-    RowKey,
     WriterConfig,
     WriterStats,
-    known_segments,
-    row_key,
-    settle_rows,
 )
 from r3store.errors import (
     CorruptShard,
-    Forbidden,
     InvalidInput,
     NotFound,
     ObjectNotFound,
-    PlanGone,
-    StalePolicy,
     StoreError,
 )
-from r3store.logic import codec, stats, streams
-from r3store.logic.codec import Dictionaries, Dictionary
+from r3store.logic import codec
+from r3store.logic.codec import Dictionary
 from r3store.logic.routes import Routes
 from r3store.logic.sampling import Strategy
-from r3store.logic.sources import choose_source, engine_segments, inherit
+from r3store.logic.sources import choose_source
 from r3store.policy import (
-    ENGINE,
     Source,
-    is_stale,
-    newest_accepted,
     staleness_floor,
 )
 from r3store.protocol.plans import ReadPlan, make_plan
 from r3store.records import (
     Batch,
     PutResult,
-    Segment,
     TrajectoryRead,
     TrajectoryWrite,
     check_id,
@@ -89,92 +75,12 @@ from r3store.storage.store.base import ObjectStore
 
 
 @dataclass(frozen=True)
-class EncodedPut:
-    """A put validated and encoded, not yet committed (`Engine.encode`)."""
-
-    namespace: str
-    spec: RouteSpec
-    fresh: list[ShardRow]  # the rows to store
-    results: dict[RowKey, PutResult]  # per (id, source, start); fresh ones until committed
-    order: list[RowKey]  # the writes' order, for the answer
-
-    def answer(self, committed: Sequence[PutResult] = ()) -> list[PutResult]:
-        """A result per write, in their order: the `committed` results of the fresh rows
-        (as their commit answered them), the settled ones for the others."""
-        results = dict(self.results)
-        for result in committed:
-            results[(result.trajectory_id, result.source, result.start)] = result
-        return [results[key] for key in self.order]
-
-
-@dataclass(frozen=True)
 class EngineConfig:
     writer: WriterConfig = field(default_factory=WriterConfig)
     reader: ReaderConfig = field(default_factory=ReaderConfig)
     compression_level: int = codec.DEFAULT_LEVEL
     # how far ahead of its namespace's current policy version a write may be; None: any
     max_policy_ahead: int | None = None
-
-
-ROW_BYTES = 8 << 10  # what a row of a put holds besides its load counts (measured)
-
-
-def put_row_bytes(spec: RouteSpec) -> int:
-    """The memory one row of a put holds from its decoding to the commit, beyond its
-    body and routes: its `[L, E]` int64 expert-load counts, and its records (the write,
-    the shard row, the catalog entry, the result)."""
-    return ROW_BYTES + 8 * spec.num_layers * spec.num_experts
-
-
-def _salt(write: TrajectoryWrite) -> bytes:
-    """The metadata that is part of a segment's content digest."""
-    group = (write.group_id or "").encode()
-    head = struct.pack(
-        "<qqqqB",
-        write.start,
-        write.num_tokens,
-        write.prompt_len,
-        write.policy_version,
-        write.group_id is None,
-    )
-    tail = b"" if write.source == ENGINE else write.source.encode()
-    return head + hashlib.sha256(group).digest() + tail
-
-
-def _annotating_own(
-    writes: Sequence[TrajectoryWrite],
-    stored: dict[tuple[str, Source], list[Segment]],
-    writer: str | None,
-) -> None:
-    """`Forbidden` unless every write of another source annotates an engine segment
-    that `writer` uploaded (stored by that key, or in the same put). A segment whose
-    writer is unknown (stored before writers were recorded, or rebuilt) is nobody's."""
-    writers = {
-        (tid, s.start): s.writer
-        for (tid, source), segments in stored.items()
-        if source == ENGINE
-        for s in segments
-    }
-    for write in writes:
-        if write.source == ENGINE:
-            continue
-        key = (write.trajectory_id, write.start)
-        if key in writers and (writer is None or writers[key] != writer):
-            raise Forbidden(
-                f"{write.trajectory_id} ({write.source} routes from token {write.start}): "
-                "another key uploaded its engine routes; routes of another source annotate "
-                "a trajectory only with the key that uploaded it, or one with the annotate "
-                "right (admin)"
-            )
-
-
-def _canonical(spec: RouteSpec, write: TrajectoryWrite) -> Routes:
-    """The routes of a checked write, validated against `spec`, in canonical form."""
-    if write.encoded is not None:
-        sent = write.encoded
-        stored = streams.accept(sent, spec, write.num_tokens, b"", None, write.trajectory_id)
-        return codec.decode(stored, spec, write.num_tokens)
-    return write.canonical(spec)
 
 
 class Engine:
@@ -198,8 +104,15 @@ class Engine:
         self.keys = ApiKeys(catalog)
         self.consumption = Consumption(catalog, self.namespaces, clock)
         self.analytics = Analytics(catalog, self._reader, self.namespaces.spec)
+        self.encoder = Encoder(
+            catalog,
+            self.namespaces,
+            self._reader.dictionaries,
+            self.config.compression_level,
+            self.config.max_policy_ahead,
+        )
         self.direct = DirectWrites(
-            store, catalog, self.namespaces, self.encode, self._writer, self.analytics, clock
+            store, catalog, self.namespaces, self.encoder, self._writer, self.analytics, clock
         )
         self.upkeep = Upkeep(
             store, catalog, self.namespaces, self.analytics, self.config.writer.row_group_bytes
@@ -236,11 +149,7 @@ class Engine:
 
     # writes
 
-    @staticmethod
-    def prepare_routes(spec: RouteSpec, write: TrajectoryWrite) -> Routes:
-        """Validate one trajectory against `spec` and return its canonical routes."""
-        write.check()
-        return _canonical(spec, write)
+    prepare_routes = staticmethod(Encoder.prepare_routes)
 
     def prepare(
         self,
@@ -249,42 +158,21 @@ class Engine:
         writer: str | None = None,
         dictionary: Dictionary | None = None,
     ) -> ShardRow:
-        """Validate and encode one checked segment, or check the streams a client
-        encoded (pure CPU work, in the caller's thread; `dictionary`: the namespace's
-        that they name); `writer`: the key uploading it."""
-        if write.encoded is not None:
-            where = write.trajectory_id
-            encoded, load = streams.accept_counted(
-                write.encoded,
-                spec,
-                write.num_tokens,
-                _salt(write),
-                write.tokens(),
-                where,
-                dictionary,
-            )
-        else:
-            routes = _canonical(spec, write)
-            load = stats.expert_load(routes, spec)
-            encoded = codec.encode(
-                routes,
-                spec,
-                self.config.compression_level,
-                salt=_salt(write),
-                token_ids=write.tokens(),
-            )
-        return ShardRow(
-            trajectory_id=write.trajectory_id,
-            start=write.start,
-            group_id=write.group_id,
-            policy_version=write.policy_version,
-            num_tokens=write.num_tokens,
-            prompt_len=write.prompt_len,
-            routes=encoded,
-            source=write.source,
-            load=load,
-            writer=writer,
-        )
+        """`Encoder.prepare`: one checked segment validated and encoded, or a client's
+        streams checked."""
+        return self.encoder.prepare(spec, write, writer, dictionary)
+
+    def encode(
+        self,
+        namespace: str,
+        writes: Sequence[TrajectoryWrite],
+        stop: Callable[[], bool] | None = None,
+        writer: str | None = None,
+        annotate_any: bool = True,
+    ) -> EncodedPut:
+        """The first half of `put` (`Encoder.encode`): check, validate and encode
+        `writes`, refusing what the commit would."""
+        return self.encoder.encode(namespace, writes, stop, writer, annotate_any)
 
     def put(
         self,
@@ -306,80 +194,6 @@ class Engine:
         `commit(encode(namespace, writes, writer=writer, annotate_any=annotate_any))`.
         """
         return self.commit(self.encode(namespace, writes, writer=writer, annotate_any=annotate_any))
-
-    def encode(
-        self,
-        namespace: str,
-        writes: Sequence[TrajectoryWrite],
-        stop: Callable[[], bool] | None = None,
-        writer: str | None = None,
-        annotate_any: bool = True,
-    ) -> EncodedPut:
-        """The first half of `put`: check, validate and encode `writes` (and refuse
-        what the commit would). The result no longer refers to the writes' arrays, so
-        a caller can free them before the commit. `stop()` is asked before each write
-        is encoded: once true (its request was answered), `StoreError` and no more
-        work."""
-        info = self.namespaces.get(namespace)
-        seen: set[RowKey] = set()
-        for write in writes:
-            write.check()
-            key = (write.trajectory_id, write.source, write.start)
-            if key in seen:
-                raise InvalidInput(
-                    f"trajectory {write.trajectory_id!r} from token {write.start} "
-                    f"({write.source} routes) appears twice in one put"
-                )
-            seen.add(key)
-        known = (
-            self._catalog.segments.lookup(namespace, {w.trajectory_id for w in writes})
-            if writes
-            else {}
-        )
-        stored = known_segments(known)
-        engines = engine_segments(stored, writes)
-        writes = [inherit(w, engines) for w in writes]
-        if not annotate_any:
-            _annotating_own(writes, stored, writer)
-        newest = newest_accepted(info.policy_version, self.config.max_policy_ahead)
-        for write in writes:
-            if is_stale(write.policy_version, info.policy_version, info.settings):
-                raise StalePolicy(
-                    f"{write.trajectory_id}: policy version {write.policy_version} is older "
-                    f"than the window (current {info.policy_version}, "
-                    f"max lag {info.settings.max_policy_lag})"
-                )
-            if newest is not None and write.policy_version > newest:
-                raise InvalidInput(
-                    f"{write.trajectory_id}: policy version {write.policy_version} is more "
-                    f"than {self.config.max_policy_ahead} ahead of the namespace's current "
-                    f"version {info.policy_version} (the limit R3STORE_MAX_POLICY_AHEAD): "
-                    "set the policy version first (PUT .../policy-version)"
-                )
-        dictionaries = self._dictionaries(namespace, writes)
-        rows = []
-        for write in writes:
-            if stop is not None and stop():
-                raise StoreError("the upload was answered before its routes were encoded")
-            named = None if write.encoded is None else write.encoded.dictionary
-            dictionary = None if named is None else dictionaries[named]
-            rows.append(self.prepare(info.spec, write, writer, dictionary))
-        fresh, results = settle_rows(rows, stored)  # refuse now what the commit would
-        order = [row_key(r) for r in rows]
-        return EncodedPut(namespace, info.spec, fresh, results, order)
-
-    def _dictionaries(self, namespace: str, writes: Sequence[TrajectoryWrite]) -> Dictionaries:
-        """The namespace dictionaries that client-encoded writes name (a direct write's
-        ids compressed with one); `PlanGone` for one the namespace does not have (any
-        more: collected since the plan named it, or never its)."""
-        named = [w.encoded.dictionary for w in writes if w.encoded is not None]
-        try:
-            return self._reader.dictionaries.many(namespace, named)
-        except (ObjectNotFound, CorruptShard):
-            raise PlanGone(
-                f"the writes name a dictionary that namespace {namespace!r} does not have "
-                "(any more): encode them again with a new plan's dictionary"
-            ) from None
 
     def commit(self, put: EncodedPut) -> list[PutResult]:
         """The second half of `put`: store the fresh rows and wait for the commit."""

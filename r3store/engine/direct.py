@@ -21,8 +21,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
+from r3store.engine.encoding import Encoder
 from r3store.errors import (
     Backpressure,
     DirectUnavailable,
@@ -45,7 +46,6 @@ from r3store.storage.store.base import ObjectStore
 
 if TYPE_CHECKING:
     from r3store.engine.analytics import Analytics
-    from r3store.engine.core import EncodedPut
     from r3store.engine.namespaces import Namespaces
     from r3store.engine.writer import GroupCommitter
 
@@ -63,33 +63,20 @@ class WritePlan:
     dictionary: tuple[bytes, str] | None = None  # the namespace's newest: digest, URL
 
 
-class Encode(Protocol):
-    """`Engine.encode`: check, validate and settle writes, before their commit."""
-
-    def __call__(
-        self,
-        namespace: str,
-        writes: Sequence[TrajectoryWrite],
-        *,
-        writer: str | None,
-        annotate_any: bool,
-    ) -> EncodedPut: ...
-
-
 class DirectWrites:
     def __init__(
         self,
         store: ObjectStore,
         catalog: Catalog,
         namespaces: Namespaces,
-        encode: Encode,
+        encoder: Encoder,
         committer: GroupCommitter,
         analytics: Analytics,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._store = store
         self._namespaces = namespaces
-        self._encode = encode
+        self._encoder = encoder
         self._committer = committer
         self._analytics = analytics
         self._catalog = catalog
@@ -209,7 +196,7 @@ class DirectWrites:
         spec = self._namespaces.spec(namespace)  # cached: bounds only; `encode` reads it
         writes: list[TrajectoryWrite] = unpack(blob, segments, spec)
         del blob
-        put = self._encode(namespace, writes, writer=writer, annotate_any=annotate_any)
+        put = self._encoder.encode(namespace, writes, writer=writer, annotate_any=annotate_any)
         del writes
         committed: list[PutResult] = []
         if put.fresh:
