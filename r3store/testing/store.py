@@ -129,3 +129,29 @@ class StoreTests(ABC):
 
     def test_ping(self, store: ObjectStore) -> None:
         store.ping()
+
+    def test_presigned_urls(self, store: ObjectStore) -> None:
+        """Where the store signs URLs (direct writes and reads rely on them): a GET URL
+        reads the object, a `Range` its bytes; a PUT URL writes a new object once, only
+        with its headers (403 without), and a second PUT of the key is refused (412),
+        the first one's bytes kept. A store that signs none refuses to."""
+        if not store.signs_urls:
+            with pytest.raises(InvalidInput):
+                store.presign_put("p/new.blob", 60)
+            with pytest.raises(InvalidInput):
+                store.presign_get("p/new.blob", 60)
+            return
+        import urllib3
+
+        http = urllib3.PoolManager()
+        url, headers = store.presign_put("p/new.blob", 60)
+        assert http.request("PUT", url, body=b"bare").status == 403  # without its headers
+        assert self.raw_get(store, "p/new.blob") is None
+        assert http.request("PUT", url, body=b"first", headers=headers).status in (200, 201)
+        assert self.raw_get(store, "p/new.blob") == b"first"
+        assert http.request("PUT", url, body=b"second", headers=headers).status == 412
+        assert self.raw_get(store, "p/new.blob") == b"first"
+        read = http.request(
+            "GET", store.presign_get("p/new.blob", 60), headers={"Range": "bytes=1-3"}
+        )
+        assert read.data == b"irs"
