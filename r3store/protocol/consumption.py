@@ -1,9 +1,10 @@
 """JSON models of leases, step checkpoints and resume (docs/api.md, "Leases and
-checkpoints"), shared by the server and the client."""
+checkpoints"), shared by the server and the client: the requests, and the answers as
+the values themselves (`r3store.leases`), whose fields are their JSON."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, RootModel, model_validator
 
 from r3store.leases import (
     DEFAULT_LEASE_SECONDS,
@@ -13,7 +14,6 @@ from r3store.leases import (
     MAX_STEP,
     Checkpoint,
     Lease,
-    LeaseState,
     Resumed,
 )
 from r3store.logic.sampling import Strategy
@@ -61,24 +61,16 @@ class RenewRequest(BaseModel):
     seconds: float = Field(gt=0, le=MAX_LEASE_SECONDS, allow_inf_nan=False, strict=False)
 
 
-class LeaseModel(BaseModel):
-    namespace: str
-    lease_id: str
-    epoch: int
-    state: LeaseState
-    trajectory_ids: list[str]
-    created_at: float
-    expires_at: float
-    closed_at: float | None = None
-    seq: int | None = None
-    holder: str | None = None
+class LeaseModel(RootModel[Lease]):
+    """A lease on the wire: the value itself (`r3store.leases.Lease`), its JSON given
+    by its fields, as a read plan's is (`ReadPlanModel`)."""
 
     @classmethod
     def of(cls, lease: Lease) -> LeaseModel:
-        return cls.model_validate(lease.to_dict())
+        return cls.model_construct(lease)
 
     def lease(self) -> Lease:
-        return Lease.from_dict(self.model_dump(mode="json"))
+        return self.root
 
 
 class LeaseList(BaseModel):
@@ -93,20 +85,15 @@ class CheckpointRequest(BaseModel):
     epoch: int | None = Field(None, ge=0, le=2**63 - 1)
 
 
-class CheckpointModel(BaseModel):
-    namespace: str
-    step: int
-    epoch: int
-    consumed: int
-    policy_version: int
-    created_at: float
+class CheckpointModel(RootModel[Checkpoint]):
+    """A checkpoint on the wire: the value itself (`r3store.leases.Checkpoint`)."""
 
     @classmethod
     def of(cls, point: Checkpoint) -> CheckpointModel:
-        return cls.model_validate(point.to_dict())
+        return cls.model_construct(point)
 
     def checkpoint(self) -> Checkpoint:
-        return Checkpoint(**self.model_dump())
+        return self.root
 
 
 class CheckpointList(BaseModel):
@@ -119,19 +106,12 @@ class CheckpointDeleted(BaseModel):
     step: int
 
 
-class ResumedModel(BaseModel):
-    namespace: str
-    step: int
-    epoch: int
-    policy_version: int
-    leases_undone: int
-    samplings_undone: int
-    leases_fenced: int
-    checkpoints_dropped: list[int]
+class ResumedModel(RootModel[Resumed]):
+    """What a resume did, on the wire: the value itself (`r3store.leases.Resumed`)."""
 
     @classmethod
     def of(cls, done: Resumed) -> ResumedModel:
-        return cls.model_validate(done.to_dict())
+        return cls.model_construct(done)
 
     def resumed(self) -> Resumed:
-        return Resumed(**self.model_dump())
+        return self.root
