@@ -75,7 +75,7 @@ def answer_bytes(spec: RouteSpec, fmt: ReadFormat, segments: Sequence[_Stored]) 
 
 
 CHUNK_BYTES = 4 << 20  # route bytes of one record batch of an answer sent in pieces
-_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # an Arrow IPC stream's end
+STREAM_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # an Arrow IPC stream's end, its last piece
 COLUMNS = pa.schema(
     [
         ("trajectory_id", pa.string()),
@@ -162,7 +162,7 @@ def encode_chunks(
                 held = 0
     if cols["trajectory_id"]:
         yield _record_batch(cols, schema)
-    yield _END
+    yield STREAM_END
 
 
 def _record_batch(cols: dict[str, list[Any]], schema: pa.Schema) -> memoryview:

@@ -12,7 +12,13 @@ one place, the import every caller uses.
 
 from __future__ import annotations
 
-from r3store.protocol.answers import answer_bytes, decode_batch, encode_batch, encode_chunks
+from r3store.protocol.answers import (
+    STREAM_END,
+    answer_bytes,
+    decode_batch,
+    encode_batch,
+    encode_chunks,
+)
 from r3store.protocol.formats import (
     CONTENT_TYPE,
     MAX_ROWS,
@@ -32,6 +38,7 @@ __all__ = [
     "CONTENT_TYPE",
     "MAX_ROWS",
     "ROUTE_DTYPES",
+    "STREAM_END",
     "UPLOAD_COLUMNS",
     "WIRE_VERSION",
     "ReadFormat",

@@ -32,6 +32,7 @@ from r3store.protocol.models import (
 )
 from r3store.protocol.wire import (
     CONTENT_TYPE,
+    STREAM_END,
     ReadFormat,
     answer_bytes,
     decode_writes,
@@ -253,12 +254,12 @@ def _answer(
         return not streaming.is_set() and deadline.cancelled.is_set()
 
     pieces = encode_chunks(batch, spec, fmt, stop, layers)
-    head = list(itertools.islice(pieces, 3))  # the schema, rows (or the end), more?
+    head = list(itertools.islice(pieces, 3))  # the schema, rows (or the end), the end?
     metrics.token_layers_out.inc(
         sum(item.num_tokens for item in batch.items if item is not None)
         * (spec.num_layers if layers is None else len(layers))
     )
-    if len(head) < 3:
+    if head[-1] == STREAM_END:  # one piece of rows, or none: the answer whole
         data = b"".join(head)
         metrics.bytes_out.inc(len(data))
         return Response(content=data, media_type=CONTENT_TYPE)
