@@ -51,6 +51,7 @@ lint: setup
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
+	$(PY) tools/size_budget.py
 
 test: lint
 	$(PY) -m pytest
