@@ -39,10 +39,6 @@ One pass (`Maintenance.run`), for every namespace:
 Objects are deleted only after the catalog no longer points at them. At the end of a
 pass the catalog's generation counts up (`binding.advance`). The clock is injectable,
 for tests.
-
-One module on purpose (over 500 lines): the four steps are one pass over one report,
-one plan of uploads and one catalog switch that compaction and rest share, and a dry
-run (`preview`) walks the same steps.
 """
 
 from __future__ import annotations
@@ -54,29 +50,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from r3store.catalog_types import ShardUsage, TrajectoryEntry
+from r3store.engine.collection import Collectible, Collection
 from r3store.errors import Conflict, R3StoreError
 from r3store.logic import codec, rest
 from r3store.logic.codec import Dictionary, EncodedRoutes
 from r3store.logic.spans import Span
 from r3store.spec import RouteSpec
 from r3store.storage import binding
-from r3store.storage.catalog import Catalog, ledger
+from r3store.storage.catalog import Catalog
 from r3store.storage.catalog.ledger import MAINTENANCE
 from r3store.storage.dictionary import DictionaryCache, write_dictionary
 from r3store.storage.keys import (
-    DICTIONARY_PREFIX,
-    INDEX_PREFIX,
-    SHARD_PREFIX,
-    TOMBSTONE_PREFIX,
-    blob_of_index,
-    dictionary_key,
     shard_key,
     tombstone_key,
 )
 from r3store.storage.records import route_bytes, row_of, shard_records
 from r3store.storage.shard import BuiltShard, ShardRow, build_shard
 from r3store.storage.store.base import ObjectStore
-from r3store.storage.tombstone import read_tombstone, tombstone
+from r3store.storage.tombstone import tombstone
 
 log = logging.getLogger(__name__)
 
@@ -140,14 +131,15 @@ class Maintenance:
         self.row_group_bytes = row_group_bytes
         self.clock = options.clock
         self.compact_below = options.compact_below
-        self.grace_seconds = options.grace_seconds
-        self.orphan_seconds = options.orphan_seconds
         self.cold_seconds = options.cold_seconds
         self.rest_level = options.rest_level
         self.rest_shard_bytes = options.rest_shard_bytes
         self.totals = MaintenanceReport()
         self.passes = 0  # whole passes run
         self._dictionaries = DictionaryCache(store)
+        self.collection = Collection(
+            store, catalog, self.clock, options.grace_seconds, options.orphan_seconds
+        )
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> MaintenanceReport:
         """One pass; `progress(done, total)` is called per shard considered."""
@@ -454,129 +446,14 @@ class Maintenance:
         return self._dictionaries.get(namespace, found[0]) if found is not None and held else None
 
     def collect(self, report: MaintenanceReport) -> None:
-        """Delete what `collectible` names, each deletion logged; objects this catalog
-        did not make are left alone and reported (`unknown_objects`). A catalog older
-        than its store (`binding.behind`) deletes nothing."""
-        found = self.collectible()
-        if found.behind is not None:
-            log.error("maintenance deletes nothing: %s", found.behind)
-            report.catalog_behind += 1
-            return
-        for deletion in found.deletions:
-            if not self._claim(deletion):
-                continue  # a commit or another pass took it meanwhile
-            self.store.delete(deletion.key)
-            self._forget(deletion)
-            if deletion.kind in (RETIRED, INDEX):
-                report.objects_deleted += 1
-            elif deletion.kind == TOMBSTONE:
-                report.tombstones_deleted += 1
-            else:
-                report.orphans_deleted += 1
-            level = logging.WARNING if deletion.kind == ORPHAN else logging.INFO
-            log.log(level, "deleted %s: %s", deletion.key, deletion.why)
-        for plan in found.stale_plans:  # planned, never uploaded: nothing to delete
-            self.catalog.ledger.forget_upload(plan)
-        report.unknown_objects += len(found.unknown)
-        if found.unknown:
-            log.warning(
-                "%d objects this catalog did not write are left alone (e.g. %s): another "
-                "catalog's, or this catalog is older than the store (restored from a "
-                "backup?); `r3store rebuild --yes` makes the catalog again from the store",
-                len(found.unknown),
-                ", ".join(found.unknown[:3]),
-            )
-
-    def _claim(self, deletion: Deletion) -> bool:
-        """Mark an object as being deleted in the catalog, in the statement that checks
-        it may go (a late commit of an orphan, a pass holding a dictionary meanwhile,
-        wins instead); it stays marked until `_forget`, so a failure between leaves it
-        to the next pass, never unknown."""
-        cutoff = self.clock() - self.orphan_seconds
-        if deletion.kind == ORPHAN:
-            return self.catalog.ledger.claim_orphan(deletion.key, cutoff)
-        if deletion.kind == DICTIONARY:
-            namespace, digest = deletion.dictionary
-            return self.catalog.ledger.start_dropping_dictionary(namespace, digest, cutoff)
-        return True
-
-    def _forget(self, deletion: Deletion) -> None:
-        if deletion.kind == RETIRED:
-            self.catalog.shards.forget(deletion.key)
-        elif deletion.kind in (ORPHAN, DELETING):
-            self.catalog.ledger.forget_upload(deletion.key)
-        elif deletion.kind == DICTIONARY:
-            self.catalog.ledger.forget_dictionary(*deletion.dictionary)
+        """Collection (the module docstring, 4: `r3store.engine.collection`)."""
+        done = self.collection.collect()
+        for name, value in vars(done).items():
+            setattr(report, name, getattr(report, name) + value)
 
     def collectible(self) -> Collectible:
-        """What collection would delete now, and why; changes nothing (`r3store maintain
-        --dry-run` shows it). Nothing, and why, for a catalog older than its store."""
-        now = self.clock()
-        cutoff, orphaned = now - self.grace_seconds, now - self.orphan_seconds
-        found = Collectible(behind=binding.behind(self.store, self.catalog))
-        if found.behind is not None:
-            return found
-        for key in self.catalog.shards.retired_before(cutoff):
-            found.deletions.append(Deletion(key, RETIRED, "retired for over the grace"))
-        # the store first, then the uploads pending, then what is committed: an object
-        # listed was planned before the listing, so it is pending at the second read or
-        # committed by the third (a commit in between cannot look unknown)
-        shard_objects = list(self.store.list(SHARD_PREFIX))
-        dictionary_objects = list(self.store.list(DICTIONARY_PREFIX))
-        pending = {p.key: p for p in self.catalog.ledger.pending_uploads()}
-        known = self.catalog.shards.all_keys()
-        recorded = self.catalog.ledger.dictionary_keys()
-        for under_way in pending.values():  # deletions begun (a namespace's, a crash's)
-            if under_way.kind == ledger.DELETING:
-                why = "its deletion was under way"
-                found.deletions.append(Deletion(under_way.key, DELETING, why))
-        listed = set()
-        for info in shard_objects:
-            listed.add(info.key)
-            plan = pending.get(info.key)
-            if info.key in known or (plan is not None and plan.kind == ledger.DELETING):
-                continue
-            if plan is None:
-                found.unknown.append(info.key)
-            elif plan.planned_at < orphaned and info.modified < orphaned:
-                age = now - plan.planned_at
-                why = f"a {plan.kind} upload planned {age:.0f} s ago, never committed"
-                found.deletions.append(Deletion(info.key, ORPHAN, why))
-        for info in self.store.list(INDEX_PREFIX):  # a blob's index outlives it no longer
-            blob = blob_of_index(info.key)
-            if blob is None:
-                found.unknown.append(info.key)
-            elif blob not in listed and info.modified < cutoff:
-                why = "the blob it indexes is gone"
-                found.deletions.append(Deletion(info.key, INDEX, why))
-        found.stale_plans = [
-            p.key
-            for p in pending.values()
-            if p.key not in listed and p.planned_at < orphaned and p.kind != ledger.DELETING
-        ]
-        for namespace, digest in self.catalog.ledger.unused_dictionaries(orphaned):
-            key = dictionary_key(namespace, digest)
-            found.deletions.append(
-                Deletion(key, DICTIONARY, "a dictionary no row names", (namespace, digest))
-            )
-        found.unknown += [
-            info.key
-            for info in dictionary_objects
-            if info.key not in recorded and info.key not in pending
-        ]
-        # a tombstone matters while an object that may hold its segments exists: a shard
-        # it names, or a maintenance upload of its namespace not committed (which may
-        # hold copies of them); compaction and rest never commit dropped segments
-        copying = {p.namespace for p in pending.values() if p.kind in (MAINTENANCE, DELETING)}
-        for info in self.store.list(TOMBSTONE_PREFIX):
-            record = read_tombstone(self.store, info.key)
-            if record is None:  # another replica's pass deleted it meanwhile
-                continue
-            held = set(record.shards) & known or record.namespace in copying
-            if not held and info.modified < cutoff:
-                why = "no shard or upload that may hold its segments is left"
-                found.deletions.append(Deletion(info.key, TOMBSTONE, why))
-        return found
+        """What collection would delete now, and why; changes nothing."""
+        return self.collection.collectible()
 
     def preview(self) -> MaintenancePreview:
         """What a pass would do now, changing nothing: trajectories retention would drop,
@@ -602,25 +479,6 @@ class Maintenance:
 
 
 RETIRE, COMPACT = "retire", "compact"
-RETIRED, ORPHAN, DICTIONARY, TOMBSTONE = "retired", "orphan", "dictionary", "tombstone"
-DELETING, INDEX = "deleting", "index"
-
-
-@dataclass(frozen=True)
-class Deletion:
-    key: str
-    kind: str  # RETIRED, ORPHAN, DICTIONARY, TOMBSTONE, DELETING or INDEX
-    why: str
-    dictionary: tuple[str, bytes] = ("", b"")  # a dictionary's namespace and digest
-
-
-@dataclass
-class Collectible:
-    deletions: list[Deletion] = field(default_factory=list)
-    unknown: list[str] = field(default_factory=list)  # objects this catalog did not make
-    stale_plans: list[str] = field(default_factory=list)  # planned, never uploaded
-    behind: str | None = None  # why this catalog is older than its store: deletes nothing
-
 
 @dataclass
 class MaintenancePreview:
