@@ -173,20 +173,7 @@ def read_table(body: bytes | bytearray | memoryview, max_rows: int | None = None
     `PayloadTooLarge` past `max_rows` rows (or record batches), before the batch that
     crosses it is validated.
     """
-    try:
-        reader = pa.ipc.MessageReader.open_stream(pa.py_buffer(body))
-        first = reader.read_next_message()
-    except StopIteration:
-        raise InvalidInput("the body is an empty Arrow IPC stream") from None
-    except (pa.ArrowException, OSError, ValueError) as exc:
-        raise InvalidInput(f"the body is not an Arrow IPC stream: {exc}") from None
-    if message_header(first.metadata.to_pybytes()).kind != "schema":
-        raise InvalidInput("the Arrow IPC stream does not begin with a schema")
-    try:
-        schema = pa.ipc.read_schema(first)
-    except (pa.ArrowException, OSError, ValueError) as exc:
-        raise _bad("its schema cannot be read", exc) from None
-    _check_schema(schema)
+    reader, schema = _open(body)
     batches: list[pa.RecordBatch] = []
     rows = 0
     while True:
@@ -196,21 +183,7 @@ def read_table(body: bytes | bytearray | memoryview, max_rows: int | None = None
             break
         except (pa.ArrowException, OSError, ValueError) as exc:
             raise _bad(f"message {len(batches) + 1} cannot be read", exc) from None
-        header = message_header(message.metadata.to_pybytes())
-        if header.kind != "record batch":
-            raise InvalidInput(
-                f"Arrow IPC {header.kind} messages are not accepted: send one schema "
-                "and record batches"
-            )
-        if header.compressed:
-            raise InvalidInput(
-                "compressed Arrow IPC buffers are not accepted: send them uncompressed "
-                "(routes are compressed at rest)"
-            )
-        try:
-            batch = pa.ipc.read_record_batch(message, schema)
-        except (pa.ArrowException, OSError, ValueError) as exc:
-            raise _bad(f"record batch {len(batches)} cannot be read", exc) from None
+        batch = _record_batch(message, schema, len(batches))
         if max_rows is not None and rows + batch.num_rows > max_rows:
             raise PayloadTooLarge(
                 f"the upload holds more than {max_rows} rows; the limit is {max_rows} rows "
@@ -230,3 +203,41 @@ def read_table(body: bytes | bytearray | memoryview, max_rows: int | None = None
         rows += batch.num_rows
         batches.append(batch)
     return pa.Table.from_batches(batches, schema)
+
+
+def _open(body: bytes | bytearray | memoryview) -> tuple[pa.ipc.MessageReader, pa.Schema]:
+    """The stream's reader past its schema, which is checked."""
+    try:
+        reader = pa.ipc.MessageReader.open_stream(pa.py_buffer(body))
+        first = reader.read_next_message()
+    except StopIteration:
+        raise InvalidInput("the body is an empty Arrow IPC stream") from None
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise InvalidInput(f"the body is not an Arrow IPC stream: {exc}") from None
+    if message_header(first.metadata.to_pybytes()).kind != "schema":
+        raise InvalidInput("the Arrow IPC stream does not begin with a schema")
+    try:
+        schema = pa.ipc.read_schema(first)
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise _bad("its schema cannot be read", exc) from None
+    _check_schema(schema)
+    return reader, schema
+
+
+def _record_batch(message: pa.ipc.Message, schema: pa.Schema, index: int) -> pa.RecordBatch:
+    """Message `index` after the schema as a record batch, not yet validated: only
+    uncompressed record batches are accepted."""
+    header = message_header(message.metadata.to_pybytes())
+    if header.kind != "record batch":
+        raise InvalidInput(
+            f"Arrow IPC {header.kind} messages are not accepted: send one schema and record batches"
+        )
+    if header.compressed:
+        raise InvalidInput(
+            "compressed Arrow IPC buffers are not accepted: send them uncompressed "
+            "(routes are compressed at rest)"
+        )
+    try:
+        return pa.ipc.read_record_batch(message, schema)
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise _bad(f"record batch {index} cannot be read", exc) from None

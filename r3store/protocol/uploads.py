@@ -7,6 +7,7 @@ shape with the reading it would have instead (`route_shape_error`)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -175,20 +176,9 @@ def decode_writes(
     num_tokens = _column(table, "num_tokens", "int")
     kinds = _column(table, "routes_kind", "str", "topk")
     encoded = RouteKind.ENCODED in kinds
-    lengths = [
-        max(0, n or 0)
-        for n, kind in zip(num_tokens, kinds, strict=True)
-        if kind == RouteKind.ENCODED
-    ]
-    if encoded:  # what checking them will decompress, bounded first
-        total = sum(decoded_bytes(spec, n) for n in lengths)
-        if total > MAX_UPLOAD_BYTES:
-            raise InvalidInput(
-                f"the upload's encoded routes decode to {total} bytes; at most "
-                f"{MAX_UPLOAD_BYTES} in one upload: send fewer at a time"
-            )
+    checking = _checking(spec, num_tokens, kinds)
     if admit is not None:
-        admit(table.num_rows, checking_bytes(spec, max(lengths, default=0)))
+        admit(table.num_rows, checking)
     ids = _column(table, "trajectory_id", "str")
     blobs = _column(table, "routes", "bin")
     starts = _column(table, "start", "int", 0)
@@ -209,58 +199,86 @@ def decode_writes(
     for i in range(table.num_rows):
         if ids[i] is None or num_tokens[i] is None or blobs[i] is None:
             raise InvalidInput(f"row {i}: trajectory_id, num_tokens and routes are required")
-        kind, dtype = kinds[i], dtypes[i]
+        kind = kinds[i]
         if kind not in set(RouteKind):
             raise InvalidInput(
                 f"{ids[i]}: routes_kind must be 'topk', 'mask' or 'encoded', got {kind!r}"
             )
-        token_ids = _token_ids(ids[i], tokens[i])
         group = groups[i] if groups[i] != "" else None
-        meta: dict[str, Any] = {
-            "trajectory_id": ids[i],
-            "num_tokens": num_tokens[i],
-            "prompt_len": prompts[i],
-            "group_id": group,
-            "policy_version": versions[i],
-            "start": starts[i],
-            "token_ids": token_ids,
-            "source": check_source(sources[i]),
-        }
-        if kind == RouteKind.ENCODED:
-            if transforms[i] < 0:
-                raise InvalidInput(f"{ids[i]}: encoded routes need a route_transform")
-            counts_i, order_i = counts[i], orders[i]
-            sent = SentStreams(
-                bytes(blobs[i]),  # compressed: small, and kept apart from the body
-                transforms[i],
-                None if counts_i is None else bytes(counts_i),
-                None if order_i is None else bytes(order_i),
-            )
-            writes.append(TrajectoryWrite(**meta, encoded=sent))
-            continue
-        if dtype not in ROUTE_DTYPES:
-            raise InvalidInput(
-                f"{ids[i]}: routes_dtype must be one of {ROUTE_DTYPES}, got {dtype!r}"
-            )
-        width = spec.top_k if kind == RouteKind.TOPK else spec.mask_bytes
-        itemsize = np.dtype(dtype).itemsize
-        shape_error = route_shape_error(
-            blobs[i].size // itemsize if blobs[i].size % itemsize == 0 else -1,
-            num_tokens[i],
-            spec,
-            kind,
+        meta = TrajectoryWrite(
+            trajectory_id=ids[i],
+            num_tokens=num_tokens[i],
+            prompt_len=prompts[i],
+            group_id=group,
+            policy_version=versions[i],
+            start=starts[i],
+            token_ids=_token_ids(ids[i], tokens[i]),
+            source=check_source(sources[i]),
         )
-        if shape_error:
-            raise InvalidRoutes(
-                f"{ids[i]}: {blobs[i].size} bytes of {dtype} {kind} routes: {shape_error}"
-            )
-        arr = np.frombuffer(blobs[i], dtype=np.dtype(dtype).newbyteorder("<"))
-        arr = arr.reshape(-1, spec.num_layers, width)
-        if kind == RouteKind.TOPK:
-            writes.append(TrajectoryWrite(**meta, topk=arr))
+        if kind == RouteKind.ENCODED:
+            writes.append(_encoded(meta, blobs[i], transforms[i], counts[i], orders[i]))
         else:
-            writes.append(TrajectoryWrite(**meta, mask=arr))
+            writes.append(_arrays(meta, blobs[i], kind, dtypes[i], spec))
     return writes
+
+
+def _checking(spec: RouteSpec, num_tokens: list[Any], kinds: list[Any]) -> int:
+    """What checking the largest encoded segment will hold, once what checking them all
+    will decompress is bounded."""
+    lengths = [
+        max(0, n or 0)
+        for n, kind in zip(num_tokens, kinds, strict=True)
+        if kind == RouteKind.ENCODED
+    ]
+    total = sum(decoded_bytes(spec, n) for n in lengths)
+    if total > MAX_UPLOAD_BYTES:
+        raise InvalidInput(
+            f"the upload's encoded routes decode to {total} bytes; at most "
+            f"{MAX_UPLOAD_BYTES} in one upload: send fewer at a time"
+        )
+    return checking_bytes(spec, max(lengths, default=0))
+
+
+def _encoded(
+    meta: TrajectoryWrite, blob: Any, transform: int, counts: Any, order: Any
+) -> TrajectoryWrite:
+    """A row of encoded streams, kept as sent (checked later, by decoding)."""
+    if transform < 0:
+        raise InvalidInput(f"{meta.trajectory_id}: encoded routes need a route_transform")
+    sent = SentStreams(
+        bytes(blob),  # compressed: small, and kept apart from the body
+        transform,
+        None if counts is None else bytes(counts),
+        None if order is None else bytes(order),
+    )
+    return replace(meta, encoded=sent)
+
+
+def _arrays(
+    meta: TrajectoryWrite, blob: Any, kind: str, dtype: str, spec: RouteSpec
+) -> TrajectoryWrite:
+    """A row of top-k ids or masks as `[T or T-1, L, W]`, shape and dtype checked."""
+    if dtype not in ROUTE_DTYPES:
+        raise InvalidInput(
+            f"{meta.trajectory_id}: routes_dtype must be one of {ROUTE_DTYPES}, got {dtype!r}"
+        )
+    width = spec.top_k if kind == RouteKind.TOPK else spec.mask_bytes
+    itemsize = np.dtype(dtype).itemsize
+    shape_error = route_shape_error(
+        blob.size // itemsize if blob.size % itemsize == 0 else -1,
+        meta.num_tokens,
+        spec,
+        kind,
+    )
+    if shape_error:
+        raise InvalidRoutes(
+            f"{meta.trajectory_id}: {blob.size} bytes of {dtype} {kind} routes: {shape_error}"
+        )
+    arr = np.frombuffer(blob, dtype=np.dtype(dtype).newbyteorder("<"))
+    arr = arr.reshape(-1, spec.num_layers, width)
+    if kind == RouteKind.TOPK:
+        return replace(meta, topk=arr)
+    return replace(meta, mask=arr)
 
 
 def _optional_binaries(table: pa.Table, name: str) -> list[Any]:

@@ -192,18 +192,7 @@ class DirectFuzz:
         rows = len(body.get("segments") or ()) if isinstance(body, dict) else 0
         rows = rows if isinstance(body, dict) and isinstance(body.get("segments"), list) else 1
         if expect == "accept":
-            rep.controls += 1
-            if r.status_code != 200:
-                rep.fail(f"{kind}: a valid commit got {r.status_code} {r.text[:300]}")
-                return
-            got = self.read(namespace, [w.trajectory_id for w in writes])
-            spec = SPECS[namespace]
-            for w in writes:
-                want = Engine.prepare_routes(spec, w).to_topk()
-                if w.trajectory_id not in got or not np.array_equal(got[w.trajectory_id], want):
-                    rep.fail(f"{kind}: {w.trajectory_id} not read back as written")
-                    return
-            rep.controls_ok += 1
+            self._control(kind, r, namespace, writes)
             return
         if r.status_code < 400:
             if expect == "either" and oracle is not None:
@@ -214,12 +203,7 @@ class DirectFuzz:
             rep.bad_acks += max(rows, 1)
             rep.fail(f"{kind}: acknowledged {r.status_code} {r.text[:300]}")
             return
-        try:
-            error = r.json()["error"]
-            clear = bool(error["message"]) and error["code"] not in ("", "internal")
-        except (ValueError, KeyError, TypeError):
-            clear = False
-        if not clear:
+        if not _clear(r):
             rep.server_errors += 1
             rep.fail(f"{kind}: an unclear {r.status_code}: {r.text[:300]}")
             return
@@ -230,6 +214,24 @@ class DirectFuzz:
             rep.fail(f"{kind}: refused {r.status_code} yet changed {before} -> {after}")
             return
         rep.rejected += 1
+
+    def _control(
+        self, kind: str, r: Any, namespace: str, writes: list[TrajectoryWrite]
+    ) -> None:
+        """A valid commit: accepted, and every write read back as written."""
+        rep = self.report
+        rep.controls += 1
+        if r.status_code != 200:
+            rep.fail(f"{kind}: a valid commit got {r.status_code} {r.text[:300]}")
+            return
+        got = self.read(namespace, [w.trajectory_id for w in writes])
+        spec = SPECS[namespace]
+        for w in writes:
+            want = Engine.prepare_routes(spec, w).to_topk()
+            if w.trajectory_id not in got or not np.array_equal(got[w.trajectory_id], want):
+                rep.fail(f"{kind}: {w.trajectory_id} not read back as written")
+                return
+        rep.controls_ok += 1
 
     def case(self, kind: str, serial: int, rng: random.Random) -> None:
         self._kind = kind
@@ -242,6 +244,15 @@ class DirectFuzz:
                 self.report.server_errors += 1
             self.report.setup_failures += 1
             self.report.fail(f"{kind} #{serial}: setup: {exc}")
+
+
+def _clear(r: Any) -> bool:
+    """A refusal that says what was wrong: a message and a code other than internal."""
+    try:
+        error = r.json()["error"]
+        return bool(error["message"]) and error["code"] not in ("", "internal")
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 def _valid_id(value: object) -> bool:

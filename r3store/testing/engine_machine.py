@@ -16,10 +16,6 @@ A backend author runs it over their object store and catalog::
 folder per run, removed after it; every call must see the same objects);
 `open_catalog(root, name)` opens the catalog called `name` (a new, empty one for each
 name: the engine's first, then one per rebuild). Needs hypothesis.
-
-One module over 500 lines: hypothesis interleaves every rule with every other over one
-model (a rebuild or a retention pass must see the leases and checkpoints, a resume the
-puts), so the rules stay in one class; the consumption ones have their own section.
 """
 
 from __future__ import annotations
