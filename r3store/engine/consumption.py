@@ -39,7 +39,7 @@ from r3store.logic.sources import choose_source
 from r3store.policy import Leasing, Source, staleness_floor
 from r3store.records import check_id
 from r3store.storage.catalog import Catalog
-from r3store.storage.catalog.leases import Admit, Pick
+from r3store.storage.catalog.leases import Admit, Pick, Terms
 from r3store.storage.catalog.leases import Candidate as Row
 
 MAX_LEASE_SIZE = 1 << 20  # trajectories one lease takes
@@ -124,13 +124,10 @@ class Consumption:
         else:
             assert n is not None
             pick = _sampled(n, strategy, whole_groups, seed)
-        return self._catalog.leases.take(
-            namespace,
-            pick,
+        terms = Terms(
             min_version=staleness_floor(info.policy_version, info.settings),
             max_times=info.settings.max_times_sampled,
             seconds=seconds,
-            now=self._clock,
             epoch=epoch,
             holder=holder,
             commit=commit,
@@ -138,6 +135,7 @@ class Consumption:
             admit=admit,
             leasing=info.settings.leasing,
         )
+        return self._catalog.leases.take(namespace, pick, terms, self._clock)
 
     def get(self, namespace: str, lease_id: str, by: str | None = None) -> Lease:
         """The lease as it stands now (open past its expiry reads as expired); `by`: the
@@ -188,21 +186,21 @@ class Consumption:
         """Record the namespace's consumption at trainer `step`, keeping the newest
         `retention.keep_checkpoints`."""
         self._namespaces.get(namespace)
-        return self._catalog.leases.checkpoint(namespace, check_step(step), self._clock, epoch)
+        return self._catalog.checkpoints.checkpoint(namespace, check_step(step), self._clock, epoch)
 
     def checkpoints(self, namespace: str) -> list[Checkpoint]:
         self._namespaces.get(namespace)
-        return self._catalog.leases.checkpoints(namespace)
+        return self._catalog.checkpoints.checkpoints(namespace)
 
     def delete_checkpoint(self, namespace: str, step: int) -> None:
         self._namespaces.get(namespace)
-        self._catalog.leases.delete_checkpoint(namespace, check_step(step))
+        self._catalog.checkpoints.delete_checkpoint(namespace, check_step(step))
 
     def resume(self, namespace: str, step: int) -> Resumed:
         """Return the namespace's consumption to its checkpoint at `step` (see
-        `Leases.resume`); the manifest records the policy version it goes back to."""
+        `Checkpoints.resume`); the manifest records the policy version it goes back to."""
         self._namespaces.get(namespace)
-        done = self._catalog.leases.resume(namespace, check_step(step), self._clock)
+        done = self._catalog.checkpoints.resume(namespace, check_step(step), self._clock)
         self._namespaces.write_manifest(namespace)
         return done
 

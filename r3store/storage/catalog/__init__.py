@@ -2,8 +2,9 @@
 
 `Catalog` (`catalog`) holds the `Database` (`database`: connections, the error
 boundary, rows) and the repositories: `namespaces`, `segments`, `shards`, `keys`,
-`stats`, `ledger`. The tables are in `tables`; their versions, Alembic revisions, in
-`migrations`, applied by `migrate`.
+`stats`, `ledger`, `leases`, `checkpoints` (the last two share `consumption`). The
+tables are in `tables`; their versions, Alembic revisions, in `migrations`, applied by
+`migrate`.
 """
 
 from r3store.storage.catalog.catalog import Catalog

@@ -3,7 +3,7 @@
     catalog = Catalog("sqlite:///catalog.db")   # upgrades the schema on open
     catalog.namespaces.get("ns"); catalog.segments.lookup("ns", ids)
     catalog.shards.commit(...); catalog.keys.all(); catalog.stats.agreements(...)
-    catalog.ledger.identity(); catalog.leases.take(...); catalog.leases.resume("ns", 10, now)
+    catalog.ledger.identity(); catalog.leases.take(...); catalog.checkpoints.resume("ns", 10, now)
 
 The object store is the source of truth: `r3store.engine.rebuild` can make the catalog
 again from the shards alone (policy versions, settings, sampling counts, leases,
@@ -13,6 +13,7 @@ checkpoints and API keys live only here).
 from __future__ import annotations
 
 from r3store.storage.catalog import migrate
+from r3store.storage.catalog.checkpoints import Checkpoints
 from r3store.storage.catalog.database import Database
 from r3store.storage.catalog.keys import Keys
 from r3store.storage.catalog.leases import Leases
@@ -34,6 +35,7 @@ class Catalog:
     stats: Stats
     ledger: Ledger
     leases: Leases
+    checkpoints: Checkpoints
 
     def __init__(self, url: str, timeout: float = 10.0, upgrade: bool = True) -> None:
         """Open the catalog at `url` (any SQLAlchemy URL; SQLite and PostgreSQL are
@@ -58,6 +60,7 @@ class Catalog:
         self.stats = Stats(self.db)
         self.ledger = Ledger(self.db)
         self.leases = Leases(self.db)
+        self.checkpoints = Checkpoints(self.db)
 
     def ping(self) -> None:
         """Raises `StoreError` when the database does not answer."""

@@ -5,8 +5,8 @@ between rows and the catalog's values (`segment_row`, `segment_of`, `namespace_o
 
 SQLite runs in WAL mode with `synchronous=FULL`: a committed write survives a crash.
 The tables are in `r3store.storage.catalog.tables`; the repositories over them
-(`namespaces`, `segments`, `shards`, `keys`, `stats`, `ledger`) take a `Database` and
-run each call in a connection or a transaction of their own.
+(`namespaces`, `segments`, `shards`, `keys`, `stats`, `ledger`, `leases`, `checkpoints`)
+take a `Database` and run each call in a connection or a transaction of their own.
 """
 
 from __future__ import annotations

@@ -1,72 +1,67 @@
-"""Consumption by trainers (`catalog.leases`): leases, their trajectories, the
-namespace's epoch and consumption count, and step checkpoints.
-
-Every change runs in one transaction that first locks the namespace's row (an UPDATE
-that changes nothing: PostgreSQL's row lock, SQLite's write lock), so that replicas
-sharing the database take, commit and undo consumption one at a time per namespace:
-a trajectory is held by at most one open lease, a lease is committed at most once,
-and a commit racing its expiry either counts or returns the trajectories, never both.
-
-A committed lease gets the namespace's next consumption number (`seq`); a checkpoint
-records the number it had reached, so resuming to it undoes exactly the leases
-numbered after it that are still committed (and sets the count back to it: the undone
-leases' numbers are given again). Sampling counts stay in `trajectories.times_sampled`.
+"""Consumption by trainers (`catalog.leases`): leases and their trajectories, the
+namespace's epoch and consumption count, what retention must keep and which closed
+leases it may forget. Step checkpoints and resume are `checkpoints`; each change locks
+the namespace's row first (`consumption`), so that replicas sharing the database take,
+commit and give back consumption one at a time per namespace.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import secrets
-from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from r3store.catalog_types import TrajectoryEntry
-from r3store.errors import Conflict, Fenced, InvalidInput, NotFound
-from r3store.leases import Checkpoint, Lease, LeaseState, Resumed
+from r3store.errors import InvalidInput, NotFound
+from r3store.leases import Lease, LeaseState
 from r3store.logic.leasing import not_holder, over_limits, refusal
-from r3store.policy import ENGINE, Leasing, NamespaceSettings
+from r3store.policy import ENGINE, Leasing
+from r3store.storage.catalog.consumption import (
+    Now,
+    committed_after,
+    count_samplings,
+    lock_consumption,
+    lock_in_epoch,
+    oldest_kept,
+    trim,
+)
 from r3store.storage.catalog.database import BATCH, Database, lock
 from r3store.storage.catalog.segments import delete_in, lookup_in
-from r3store.storage.catalog.tables import (
-    checkpoints,
-    lease_items,
-    leases,
-    namespaces,
-    trajectories,
-)
+from r3store.storage.catalog.tables import lease_items, leases, namespaces, trajectories
 
 # (trajectory id, group id, first stored at) of a trajectory a lease may take
 Candidate = tuple[str, str | None, float]
 Pick = Callable[[list[Candidate]], list[str]]
-# the time of a change: a clock, read once the namespace is locked (a wait for the lock
-# must not stretch a lease past its expiry), or a fixed time (tests)
-Now = float | Callable[[], float]
 # sees the segments (every source) of what a lease takes, and may refuse it by raising
 Admit = Callable[[dict[str, list[TrajectoryEntry]]], None]
 
+# why a lease of an earlier epoch is refused (`Fenced`)
+_RESUMED = "it resumed from a checkpoint since, and leases of the earlier run are refused"
 
-def _lock(conn: Connection, namespace: str, now: Now) -> tuple[Any, float]:
-    """Lock the namespace's row for the transaction; returns it and the time then, after
-    marking the leases due by then expired (so that a replica whose clock is behind
-    cannot commit a lease whose trajectories another replica already gave out again)."""
-    if not lock(conn, namespace):
-        raise NotFound(f"no namespace {namespace!r}")
-    at = now() if callable(now) else now
-    conn.execute(
-        leases.update()
-        .where(
-            leases.c.namespace == namespace,
-            leases.c.state == LeaseState.OPEN.value,
-            leases.c.expires_at <= at,
-        )
-        .values(state=LeaseState.EXPIRED.value, closed_at=leases.c.expires_at)
-    )
-    row = conn.execute(sa.select(namespaces).where(namespaces.c.name == namespace)).one()
-    return row, at
+
+@dataclass(frozen=True)
+class Terms:
+    """What `Leases.take` may take and on what terms: trajectories whose every segment
+    is at or above `min_version` and that were sampled fewer than `max_times` times
+    (None: no bound), held `seconds`. `epoch`: the taker's, refused (`Fenced`) unless
+    it is the namespace's (None: any). `holder`: the key taking it, whose open leases
+    `leasing` bounds. `commit`: counted at once (a plain sample). `only`: of these
+    trajectories alone. `admit` sees every segment of what is chosen and may refuse."""
+
+    min_version: int | None
+    max_times: int | None
+    seconds: float
+    epoch: int | None = None
+    holder: str | None = None
+    commit: bool = False
+    only: Sequence[str] | None = None
+    admit: Admit | None = None
+    leasing: Leasing | None = None
 
 
 def _leased(namespace: str, *where: sa.ColumnElement[bool]) -> sa.Select[Any]:
@@ -89,22 +84,16 @@ def _held(namespace: str, now: float) -> sa.Select[Any]:
     return _leased(namespace, leases.c.state == LeaseState.OPEN.value, leases.c.expires_at > now)
 
 
-def _candidates(
-    conn: Connection,
-    namespace: str,
-    min_version: int | None,
-    max_times: int | None,
-    now: float,
-    only: Sequence[str] | None = None,
-) -> list[Candidate]:
-    """Trajectories (of `only`, if given) whose every segment is at or above
-    `min_version`, sampled fewer than `max_times` times, and held by no open lease."""
+def _candidates(conn: Connection, namespace: str, terms: Terms, now: float) -> list[Candidate]:
+    """Trajectories (of `terms.only`, if given) whose every segment is at or above
+    `terms.min_version`, sampled fewer than `terms.max_times` times, and held by no open
+    lease."""
     t = trajectories
     oldest = sa.select(t.c.trajectory_id, sa.func.min(t.c.policy_version).label("oldest")).where(
         t.c.namespace == namespace, t.c.source == ENGINE
     )
-    if only is not None:
-        oldest = oldest.where(t.c.trajectory_id.in_(list(only)))
+    if terms.only is not None:
+        oldest = oldest.where(t.c.trajectory_id.in_(list(terms.only)))
     versions = oldest.group_by(t.c.trajectory_id).subquery()
     held = _held(namespace, now).where(lease_items.c.trajectory_id == t.c.trajectory_id)
     query = (
@@ -113,36 +102,69 @@ def _candidates(
         .where(t.c.namespace == namespace, t.c.start == 0, t.c.source == ENGINE)
         .where(~held.exists())
     )
-    if min_version is not None:
-        query = query.where(versions.c.oldest >= min_version)
-    if max_times is not None:
-        query = query.where(t.c.times_sampled < max_times)
+    if terms.min_version is not None:
+        query = query.where(versions.c.oldest >= terms.min_version)
+    if terms.max_times is not None:
+        query = query.where(t.c.times_sampled < terms.max_times)
     return [(r.trajectory_id, r.group_id, r.created_at) for r in conn.execute(query)]
 
 
-def _count(conn: Connection, namespace: str, counts: dict[str, int], sign: int) -> None:
-    """Add `sign * counts[id]` samplings to each trajectory (never below 0)."""
-    t = trajectories
-    by_amount: dict[int, list[str]] = defaultdict(list)
-    for tid, k in counts.items():
-        by_amount[k].append(tid)
-    for k, ids in by_amount.items():
-        value = (
-            t.c.times_sampled + k
-            if sign > 0
-            else sa.case((t.c.times_sampled >= k, t.c.times_sampled - k), else_=0)
+def _within_limits(
+    conn: Connection, namespace: str, holder: str, leasing: Leasing, size: int, now: float
+) -> None:
+    """Refuse (`Conflict`) a lease of `size` more trajectories past what `leasing` lets
+    `holder`'s open leases hold."""
+    count, held = conn.execute(
+        sa.select(sa.func.count(), sa.func.coalesce(sa.func.sum(leases.c.size), 0))
+        .select_from(leases)
+        .where(
+            leases.c.namespace == namespace,
+            leases.c.holder == holder,
+            leases.c.state == LeaseState.OPEN.value,
+            leases.c.expires_at > now,
         )
-        for begin in range(0, len(ids), BATCH):
-            conn.execute(
-                t.update()
-                .where(
-                    t.c.namespace == namespace,
-                    t.c.trajectory_id.in_(ids[begin : begin + BATCH]),
-                    t.c.start == 0,
-                    t.c.source == ENGINE,
-                )
-                .values(times_sampled=value)
-            )
+    ).one()
+    too_much = over_limits(leasing, int(count), int(held), size)
+    if too_much is not None:
+        raise too_much
+
+
+def _insert(conn: Connection, lease: Lease) -> None:
+    """Record a new lease and its trajectories, in order."""
+    conn.execute(
+        leases.insert().values(
+            namespace=lease.namespace,
+            lease_id=lease.lease_id,
+            epoch=lease.epoch,
+            state=lease.state.value,
+            size=len(lease.trajectory_ids),
+            holder=lease.holder,
+            created_at=lease.created_at,
+            expires_at=lease.expires_at,
+            closed_at=lease.closed_at,
+            seq=lease.seq,
+        )
+    )
+    if lease.trajectory_ids:
+        conn.execute(
+            lease_items.insert(),
+            [
+                {
+                    "namespace": lease.namespace,
+                    "lease_id": lease.lease_id,
+                    "position": i,
+                    "trajectory_id": tid,
+                }
+                for i, tid in enumerate(lease.trajectory_ids)
+            ],
+        )
+
+
+def _consume(conn: Connection, namespace: str, seq: int, ids: Sequence[str]) -> None:
+    """Make `seq` the namespace's last committed consumption, counting one sampling of
+    each of `ids`."""
+    conn.execute(namespaces.update().where(namespaces.c.name == namespace).values(consumed=seq))
+    count_samplings(conn, namespace, dict.fromkeys(ids, 1), +1)
 
 
 def _items(conn: Connection, namespace: str, lease_id: str) -> tuple[str, ...]:
@@ -178,58 +200,13 @@ def _get(conn: Connection, namespace: str, lease_id: str) -> Lease:
     return _lease_of(row, _items(conn, namespace, lease_id))
 
 
-def _after(consumed: int) -> sa.ColumnElement[bool]:
-    """Leases committed after consumption number `consumed`, still or undone since."""
-    return sa.and_(
-        leases.c.state.in_([LeaseState.COMMITTED.value, LeaseState.UNDONE.value]),
-        leases.c.seq > consumed,
-    )
-
-
-def _oldest(conn: Connection, namespace: str) -> int | None:
-    """The consumption number of the namespace's oldest kept checkpoint."""
-    found = conn.execute(
-        sa.select(sa.func.min(checkpoints.c.consumed)).where(checkpoints.c.namespace == namespace)
-    ).scalar()
-    return None if found is None else int(found)
-
-
 def _protected(conn: Connection, namespace: str, now: float) -> set[str]:
     """`Leases.protected` on the caller's connection."""
     found = set(conn.execute(_held(namespace, now)).scalars())
-    oldest = _oldest(conn, namespace)
-    if oldest is not None:
-        found.update(conn.execute(_leased(namespace, _after(oldest))).scalars())
+    consumed = oldest_kept(conn, namespace)
+    if consumed is not None:
+        found.update(conn.execute(_leased(namespace, committed_after(consumed))).scalars())
     return found
-
-
-def _trim(conn: Connection, namespace: str) -> None:
-    """Delete all but the namespace's newest `retention.keep_checkpoints` checkpoints
-    (None: keep all), the setting read in the caller's transaction, which holds the
-    namespace's lock: a change of the setting meanwhile is seen, not a stale copy."""
-    settings = conn.execute(
-        sa.select(namespaces.c.settings).where(namespaces.c.name == namespace)
-    ).scalar()
-    if settings is None:
-        return
-    keep = NamespaceSettings.model_validate_json(settings).retention.keep_checkpoints
-    if keep is None:
-        return
-    c = checkpoints
-    kept = (
-        sa.select(c.c.step)
-        .where(c.c.namespace == namespace)
-        .order_by(c.c.step.desc())
-        .limit(keep)
-        .scalar_subquery()
-    )
-    conn.execute(c.delete().where(c.c.namespace == namespace, c.c.step.not_in(kept)))
-
-
-def _checkpoint_of(row: Any) -> Checkpoint:
-    return Checkpoint(
-        row.namespace, row.step, row.epoch, row.consumed, row.policy_version, row.created_at
-    )
 
 
 class Leases:
@@ -238,102 +215,40 @@ class Leases:
 
     # leases
 
-    def take(
-        self,
-        namespace: str,
-        pick: Pick,
-        *,
-        min_version: int | None,
-        max_times: int | None,
-        seconds: float,
-        now: Now,
-        epoch: int | None = None,
-        holder: str | None = None,
-        commit: bool = False,
-        only: Sequence[str] | None = None,
-        admit: Admit | None = None,
-        leasing: Leasing | None = None,
-    ) -> Lease:
-        """Lease what `pick` chooses among the trajectories free to take (within the
-        staleness window, under `max_times`, held by no open lease; of `only`, when
-        given), for `seconds`. `commit`: count it at once (a plain sample), as one
-        committed consumption. `epoch`, when given, must be the namespace's (`Fenced`
-        otherwise). `leasing`: what `holder`'s open leases may hold (`Conflict` past
-        it). `admit` sees every segment of what `pick` chose (read in the same
+    def take(self, namespace: str, pick: Pick, terms: Terms, now: Now) -> Lease:
+        """Lease what `pick` chooses among the trajectories free to take on `terms`
+        (within the staleness window, under `max_times`, held by no open lease; of
+        `only`, when given), for `terms.seconds`; `commit`: counted at once, as one
+        committed consumption. A lease past what `leasing` lets `holder` hold is a
+        `Conflict`; `admit` sees every segment of what `pick` chose (read in the same
         transaction). Either may raise to refuse; nothing is changed then."""
         with self._db.begin() as conn:
-            ns, now = _lock(conn, namespace, now)
-            if epoch is not None and epoch != ns.epoch:
-                raise Fenced(
-                    f"epoch {epoch} is not namespace {namespace!r}'s ({ns.epoch}): it resumed "
-                    "from a checkpoint since, and leases of the earlier run are refused"
-                )
-            chosen = pick(_candidates(conn, namespace, min_version, max_times, now, only))
+            ns, now = lock_in_epoch(conn, namespace, now, terms.epoch, _RESUMED)
+            chosen = pick(_candidates(conn, namespace, terms, now))
             if len(set(chosen)) != len(chosen):
                 raise InvalidInput("a lease names a trajectory twice")
-            if leasing is not None and holder is not None and not commit:
-                count, held = conn.execute(
-                    sa.select(sa.func.count(), sa.func.coalesce(sa.func.sum(leases.c.size), 0))
-                    .select_from(leases)
-                    .where(
-                        leases.c.namespace == namespace,
-                        leases.c.holder == holder,
-                        leases.c.state == LeaseState.OPEN.value,
-                        leases.c.expires_at > now,
-                    )
-                ).one()
-                too_much = over_limits(leasing, int(count), int(held), len(chosen))
-                if too_much is not None:
-                    raise too_much
-            if admit is not None:
-                admit(lookup_in(conn, namespace, chosen))
-            if commit and not chosen:
+            if terms.leasing is not None and terms.holder is not None and not terms.commit:
+                _within_limits(conn, namespace, terms.holder, terms.leasing, len(chosen), now)
+            if terms.admit is not None:
+                terms.admit(lookup_in(conn, namespace, chosen))
+            if terms.commit and not chosen:
                 return Lease(namespace, "0" * 32, ns.epoch, LeaseState.COMMITTED, (), now, now)
-            seq = ns.consumed + 1 if commit else None
+            seq = ns.consumed + 1 if terms.commit else None
             lease = Lease(
                 namespace,
                 secrets.token_hex(16),
                 ns.epoch,
-                LeaseState.COMMITTED if commit else LeaseState.OPEN,
+                LeaseState.COMMITTED if terms.commit else LeaseState.OPEN,
                 tuple(chosen),
                 now,
-                now if commit else now + seconds,
-                now if commit else None,
+                now if terms.commit else now + terms.seconds,
+                now if terms.commit else None,
                 seq,
-                holder,
+                terms.holder,
             )
-            conn.execute(
-                leases.insert().values(
-                    namespace=namespace,
-                    lease_id=lease.lease_id,
-                    epoch=lease.epoch,
-                    state=lease.state.value,
-                    size=len(chosen),
-                    holder=holder,
-                    created_at=now,
-                    expires_at=lease.expires_at,
-                    closed_at=lease.closed_at,
-                    seq=seq,
-                )
-            )
-            if chosen:
-                conn.execute(
-                    lease_items.insert(),
-                    [
-                        {
-                            "namespace": namespace,
-                            "lease_id": lease.lease_id,
-                            "position": i,
-                            "trajectory_id": tid,
-                        }
-                        for i, tid in enumerate(chosen)
-                    ],
-                )
-            if commit:
-                conn.execute(
-                    namespaces.update().where(namespaces.c.name == namespace).values(consumed=seq)
-                )
-                _count(conn, namespace, dict.fromkeys(chosen, 1), +1)
+            _insert(conn, lease)
+            if seq is not None:
+                _consume(conn, namespace, seq, lease.trajectory_ids)
         return lease
 
     def commit(
@@ -350,7 +265,7 @@ class Leases:
         of an earlier epoch is refused too, and one another key than `by` took
         (`Forbidden`; `by` None: any). Nothing is counted when refused."""
         with self._db.begin() as conn:
-            ns, at = _lock(conn, namespace, now)
+            ns, at = lock_consumption(conn, namespace, now)
             lease = _get(conn, namespace, lease_id)
             foreign = not_holder(lease, by, "commit")
             if foreign is not None:
@@ -366,10 +281,7 @@ class Leases:
             why = refusal(lease, ns.epoch, at, "commit")
             if why is None:
                 seq = ns.consumed + 1
-                conn.execute(
-                    namespaces.update().where(namespaces.c.name == namespace).values(consumed=seq)
-                )
-                _count(conn, namespace, dict.fromkeys(lease.trajectory_ids, 1), +1)
+                _consume(conn, namespace, seq, lease.trajectory_ids)
                 conn.execute(
                     leases.update()
                     .where(leases.c.namespace == namespace, leases.c.lease_id == lease_id)
@@ -404,7 +316,7 @@ class Leases:
         by: str | None = None,
     ) -> Lease:
         with self._db.begin() as conn:
-            ns, at = _lock(conn, namespace, now)
+            ns, at = lock_consumption(conn, namespace, now)
             lease = _get(conn, namespace, lease_id)
             foreign = not_holder(lease, by, action)
             if foreign is not None:
@@ -462,132 +374,6 @@ class Leases:
             raise NotFound(f"no namespace {namespace!r}")
         return int(row.epoch), int(row.consumed)
 
-    # checkpoints
-
-    def checkpoint(
-        self,
-        namespace: str,
-        step: int,
-        now: Now,
-        epoch: int | None = None,
-    ) -> Checkpoint:
-        """Record the namespace's consumption at trainer `step`; then keep only the
-        newest `retention.keep_checkpoints`. The same step again, with nothing consumed since, is
-        the same checkpoint; steps go forward (a step at or before the newest is a
-        `Conflict`)."""
-        with self._db.begin() as conn:
-            ns, now = _lock(conn, namespace, now)
-            if epoch is not None and epoch != ns.epoch:
-                raise Fenced(
-                    f"epoch {epoch} is not namespace {namespace!r}'s ({ns.epoch}): a trainer "
-                    "of the run before its resume may not checkpoint"
-                )
-            c = checkpoints
-            newest = conn.execute(
-                sa.select(c).where(c.c.namespace == namespace).order_by(c.c.step.desc()).limit(1)
-            ).first()
-            if newest is not None and newest.step >= step:
-                if newest.step == step and newest.consumed == ns.consumed:
-                    return _checkpoint_of(newest)
-                raise Conflict(
-                    f"namespace {namespace!r} has a checkpoint at step {newest.step}, and steps "
-                    f"go forward: checkpoint {step} would "
-                    + ("record other consumption" if newest.step == step else "come before it")
-                    + " (delete the later checkpoints first, or resume to one)"
-                )
-            made = Checkpoint(namespace, step, ns.epoch, ns.consumed, ns.policy_version, now)
-            conn.execute(c.insert().values(**made.to_dict()))
-            _trim(conn, namespace)
-        return made
-
-    def checkpoints(self, namespace: str) -> list[Checkpoint]:
-        """The namespace's checkpoints, by step."""
-        c = checkpoints
-        query = sa.select(c).where(c.c.namespace == namespace).order_by(c.c.step)
-        with self._db.connect() as conn:
-            return [_checkpoint_of(r) for r in conn.execute(query)]
-
-    def delete_checkpoint(self, namespace: str, step: int) -> None:
-        c = checkpoints
-        with self._db.begin() as conn:
-            lock(conn, namespace)
-            done = conn.execute(c.delete().where(c.c.namespace == namespace, c.c.step == step))
-        if done.rowcount == 0:
-            raise NotFound(f"no checkpoint at step {step} in namespace {namespace!r}")
-
-    def resume(self, namespace: str, step: int, now: Now) -> Resumed:
-        """Return the namespace's consumption to its checkpoint at `step`: every lease
-        committed after it is undone (its samplings taken back), open leases are fenced
-        off (their trajectories return), later checkpoints are dropped, the policy
-        version and the consumption count go back to the checkpoint's, and the epoch
-        moves on one (so the same step checkpointed again is the same checkpoint)."""
-        with self._db.begin() as conn:
-            ns, now = _lock(conn, namespace, now)
-            c = checkpoints
-            row = conn.execute(
-                sa.select(c).where(c.c.namespace == namespace, c.c.step == step)
-            ).first()
-            if row is None:
-                steps = conn.execute(
-                    sa.select(c.c.step).where(c.c.namespace == namespace).order_by(c.c.step)
-                ).scalars()
-                raise NotFound(
-                    f"no checkpoint at step {step} in namespace {namespace!r} "
-                    f"(it has: {', '.join(map(str, steps)) or 'none'})"
-                )
-            point = _checkpoint_of(row)
-            later = sa.and_(
-                leases.c.namespace == namespace,
-                leases.c.state == LeaseState.COMMITTED.value,
-                leases.c.seq > point.consumed,
-            )
-            undone = list(conn.execute(sa.select(leases.c.lease_id).where(later)).scalars())
-            counts: dict[str, int] = defaultdict(int)
-            for begin in range(0, len(undone), BATCH):
-                query = sa.select(lease_items.c.trajectory_id).where(
-                    lease_items.c.namespace == namespace,
-                    lease_items.c.lease_id.in_(undone[begin : begin + BATCH]),
-                )
-                for tid in conn.execute(query).scalars():
-                    counts[tid] += 1
-            _count(conn, namespace, counts, -1)
-            conn.execute(
-                leases.update().where(later).values(state=LeaseState.UNDONE.value, closed_at=now)
-            )
-            fenced = conn.execute(
-                leases.update()
-                .where(
-                    leases.c.namespace == namespace,
-                    leases.c.state == LeaseState.OPEN.value,
-                    leases.c.expires_at > now,
-                )
-                .values(state=LeaseState.FENCED.value, closed_at=now)
-            ).rowcount
-            dropped = list(
-                conn.execute(
-                    sa.select(c.c.step)
-                    .where(c.c.namespace == namespace, c.c.step > step)
-                    .order_by(c.c.step)
-                ).scalars()
-            )
-            conn.execute(c.delete().where(c.c.namespace == namespace, c.c.step > step))
-            epoch = ns.epoch + 1
-            conn.execute(
-                namespaces.update()
-                .where(namespaces.c.name == namespace)
-                .values(epoch=epoch, policy_version=point.policy_version, consumed=point.consumed)
-            )
-        return Resumed(
-            namespace,
-            step,
-            epoch,
-            point.policy_version,
-            len(undone),
-            sum(counts.values()),
-            fenced,
-            dropped,
-        )
-
     # what retention must keep, and what the catalog may forget
 
     def protected(self, namespace: str, now: float) -> set[str]:
@@ -622,12 +408,12 @@ class Leases:
         with self._db.begin() as conn:
             if not lock(conn, namespace):  # deleted meanwhile, its leases with it
                 return 0
-            _trim(conn, namespace)
+            trim(conn, namespace)
             ended = sa.func.coalesce(leases.c.closed_at, leases.c.expires_at) < before
             query = sa.select(leases.c.lease_id).where(leases.c.namespace == namespace, ended)
-            oldest = _oldest(conn, namespace)
-            if oldest is not None:  # after the oldest checkpoint: what a resume undoes or redoes
-                query = query.where(~_after(oldest))
+            consumed = oldest_kept(conn, namespace)
+            if consumed is not None:  # after the oldest checkpoint: what a resume undoes or redoes
+                query = query.where(~committed_after(consumed))
             ids = list(conn.execute(query).scalars())
             for begin in range(0, len(ids), BATCH):
                 part = ids[begin : begin + BATCH]
@@ -645,6 +431,6 @@ class Leases:
 
 
 def delete_namespace(conn: Connection, namespace: str) -> None:
-    """Forget the namespace's leases and checkpoints (within the caller's transaction)."""
-    for table in (lease_items, leases, checkpoints):
+    """Forget the namespace's leases (within the caller's transaction)."""
+    for table in (lease_items, leases):
         conn.execute(table.delete().where(table.c.namespace == namespace))

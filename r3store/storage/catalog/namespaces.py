@@ -10,7 +10,7 @@ from r3store.catalog_types import NamespaceInfo
 from r3store.errors import Conflict, InvalidInput, NotFound
 from r3store.policy import NamespaceSettings
 from r3store.spec import RouteSpec
-from r3store.storage.catalog import leases, ledger, stats
+from r3store.storage.catalog import checkpoints, leases, ledger, stats
 from r3store.storage.catalog.database import Database, lock, namespace_of, namespace_row
 from r3store.storage.catalog.tables import namespaces, shards, trajectories
 from r3store.storage.keys import dictionary_key
@@ -112,6 +112,7 @@ class Namespaces:
             conn.execute(shards.delete().where(shards.c.namespace == name))
             stats.delete_namespace(conn, name)
             leases.delete_namespace(conn, name)
+            checkpoints.delete_namespace(conn, name)
             ledger.delete_namespace(conn, name)
             ledger.mark_deleting(conn, keys, name)
             done = conn.execute(namespaces.delete().where(namespaces.c.name == name))

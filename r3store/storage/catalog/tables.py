@@ -7,7 +7,7 @@
 - `catalog_meta`, `uploads`, `dictionaries`: the ledger of what this catalog owns in the
   store (`r3store.storage.catalog.ledger`).
 - `leases`, `lease_items`, `checkpoints` (and the namespace's `epoch` and `consumed`):
-  consumption by trainers (`r3store.storage.catalog.leases`).
+  consumption by trainers (`r3store.storage.catalog.leases` and `.checkpoints`).
 
 These are the tables as the code reads and writes them now; a database gets them through
 the migrations (`r3store.storage.catalog.migrations`), which hold their own frozen copy.
