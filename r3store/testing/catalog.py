@@ -17,87 +17,27 @@ SQL is written with `?` placeholders. A repository that only agreed with itself
 from __future__ import annotations
 
 import json
-from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import replace
-from typing import Any
 
 import numpy as np
 import pytest
 
-from r3store.catalog_types import ShardInfo, TrajectoryEntry
-from r3store.errors import (
-    Conflict,
-    Fenced,
-    InvalidInput,
-    LeaseClosed,
-    LeaseCommitted,
-    LeaseExpired,
-    NotFound,
-)
+from r3store.errors import Conflict, InvalidInput, NotFound
 from r3store.logic import stats as stats_lib
-from r3store.logic.spans import RouteSpans, Span
-from r3store.policy import ENGINE, NamespaceSettings, Retention, Source
+from r3store.logic.spans import Span
+from r3store.policy import NamespaceSettings
 from r3store.spec import RouteSpec
 from r3store.storage.catalog import Catalog, head
-from r3store.storage.catalog.leases import Terms
 from r3store.storage.catalog.ledger import DELETING, INGEST
 from r3store.storage.catalog.stats import AgreementRecord, LoadRecord
+from r3store.testing.catalog_base import SPEC, entry, shard
+from r3store.testing.catalog_consumption import ConsumptionTests
 
-SPEC = RouteSpec(2, 8, 2)
-
-
-def entry(
-    tid: str,
-    shard: str,
-    *,
-    start: int = 0,
-    group: str | None = None,
-    version: int = 0,
-    source: Source = ENGINE,
-    created: float = 1.0,
-    dictionary: bytes | None = None,
-) -> TrajectoryEntry:
-    spans = RouteSpans(Span(10, 20), Span(30, 4), None, 1, Span(40, 8), dictionary)
-    return TrajectoryEntry(
-        "ns",
-        tid,
-        start,
-        group,
-        version,
-        6,
-        2,
-        bytes(16),
-        100,
-        shard,
-        0,
-        0,
-        created,
-        spans,
-        source=source,
-    )
+__all__ = ["SPEC", "CatalogTests", "entry", "shard"]
 
 
-def shard(key: str, rows: int = 1, created: float = 1.0) -> ShardInfo:
-    return ShardInfo(key, "ns", 1000, rows, 100 * rows, created)
-
-
-class CatalogTests(ABC):
-    """The checks every catalog database passes; see the module docstring."""
-
-    @abstractmethod
-    def raw_query(
-        self, catalog: Catalog, sql: str, params: Sequence[Any] = ()
-    ) -> list[tuple[Any, ...]]:
-        """The rows `sql` selects, read around the catalog."""
-
-    @abstractmethod
-    def raw_execute(self, catalog: Catalog, sql: str, params: Sequence[Any] = ()) -> None:
-        """Run `sql` around the catalog, committed."""
-
-    def commit(self, catalog: Catalog, info: ShardInfo, entries: Sequence[TrajectoryEntry]) -> None:
-        catalog.ledger.plan_upload(info.key, info.namespace, INGEST, 0.0)
-        catalog.shards.commit(info, entries)
+class CatalogTests(ConsumptionTests):
+    """The checks every catalog database passes; see the module docstring. Those of
+    consumption (leases, checkpoints, resume) are `ConsumptionTests`'."""
 
     # the schema
 
@@ -215,142 +155,6 @@ class CatalogTests(ABC):
         assert catalog.segments.newest_version("ns", 2) == 1
         assert catalog.segments.newest_version("ns", 3) is None
         assert catalog.stats.annotated_ids("ns") == ["a"]
-
-    def test_sampling_counts_in_the_database(self, catalog: Catalog) -> None:
-        catalog.namespaces.create("ns", SPEC)
-        entries = [entry("a", "s1", version=1), entry("b", "s1", version=0)]
-        self.commit(catalog, shard("s1", 2), entries)
-        seen: list[list[str]] = []
-
-        def every(rows: list[tuple[str, str | None, float]]) -> list[str]:
-            seen.append(sorted(r[0] for r in rows))
-            return [r[0] for r in rows]
-
-        sample = Terms(min_version=None, max_times=1, seconds=60.0, commit=True)
-        done = catalog.leases.take("ns", every, replace(sample, min_version=1), now=10.0)
-        assert (seen, done.trajectory_ids, done.seq) == ([["a"]], ("a",), 1)
-        catalog.leases.take("ns", every, sample, now=10.0)
-        assert seen[-1] == ["b"]  # a was sampled its one time
-        self.raw_execute(
-            catalog, "UPDATE trajectories SET times_sampled = 5 WHERE trajectory_id = 'b'"
-        )
-        assert sorted(
-            self.raw_query(catalog, "SELECT trajectory_id, times_sampled FROM trajectories")
-        ) == [
-            ("a", 1),
-            ("b", 5),
-        ]
-        assert self.raw_query(catalog, "SELECT consumed FROM namespaces") == [(2,)]
-        assert catalog.segments.sampling_totals("ns") == (6, 2)
-        catalog.leases.take("ns", every, sample, now=10.0)
-        assert seen[-1] == []
-        assert catalog.segments.retention_victims("ns", 1, None, None) == ["b"]
-        assert catalog.segments.retention_victims("ns", None, None, 5) == ["b"]
-        assert catalog.segments.retention_victims("ns", None, 2.0, None) == ["a", "b"]
-
-    def test_leases_hold_count_once_and_resume(self, catalog: Catalog) -> None:
-        catalog.namespaces.create("ns", SPEC)
-        ids = [f"t{i}" for i in range(4)]
-        entries = [entry(t, "s1", created=float(i)) for i, t in enumerate(ids)]
-        self.commit(catalog, shard("s1", 4), entries)
-
-        def oldest(k: int) -> Any:
-            return lambda rows: [r[0] for r in sorted(rows, key=lambda r: r[2])[:k]]
-
-        def times() -> dict[str, int]:
-            rows = self.raw_query(catalog, "SELECT trajectory_id, times_sampled FROM trajectories")
-            return dict(rows)
-
-        window = Terms(min_version=None, max_times=1, seconds=5.0)
-        first = catalog.leases.take("ns", oldest(2), window, now=100.0)
-        assert (first.trajectory_ids, first.epoch) == (("t0", "t1"), 0)
-        second = catalog.leases.take("ns", oldest(2), window, now=101.0)
-        assert second.trajectory_ids == ("t2", "t3")  # t0, t1 are held
-        assert times() == dict.fromkeys(ids, 0)  # nothing counted before a commit
-        assert self.raw_query(
-            catalog, "SELECT state, expires_at FROM leases WHERE lease_id = ?", [first.lease_id]
-        ) == [("open", 105.0)]
-        committed = catalog.leases.commit("ns", first.lease_id, now=102.0)
-        assert (committed.seq, times()["t0"], times()["t1"]) == (1, 1, 1)
-        with pytest.raises(LeaseCommitted):
-            catalog.leases.commit("ns", first.lease_id, now=102.5)
-        with pytest.raises(LeaseExpired):  # second expired at 106: t2, t3 went back
-            catalog.leases.commit("ns", second.lease_id, now=106.0)
-        assert times()["t2"] == 0
-        assert self.raw_query(  # the refused commit marked it expired, once and for all
-            catalog, "SELECT state, closed_at FROM leases WHERE lease_id = ?", [second.lease_id]
-        ) == [("expired", 106.0)]
-        assert catalog.leases.open("ns", 105.9) == []
-        point = catalog.checkpoints.checkpoint("ns", 1, now=107.0)
-        assert (point.step, point.consumed, point.epoch) == (1, 1, 0)
-        assert catalog.checkpoints.checkpoint("ns", 1, now=107.5) == point  # a repeat
-        third = catalog.leases.take("ns", oldest(2), window, now=108.0)
-        assert third.trajectory_ids == ("t2", "t3")
-        catalog.leases.commit("ns", third.lease_id, now=109.0)
-        assert catalog.leases.protected("ns", now=109.0) == {"t2", "t3"}
-        with pytest.raises(Conflict):  # step 1 again, with other consumption
-            catalog.checkpoints.checkpoint("ns", 1, now=109.5)
-        catalog.checkpoints.checkpoint("ns", 2, now=110.0)
-        zombie = catalog.leases.take("ns", oldest(1), replace(window, seconds=50.0), now=110.0)
-        assert zombie.trajectory_ids == ()  # every trajectory was sampled its one time
-        done = catalog.checkpoints.resume("ns", 1, now=111.0)
-        assert (done.epoch, done.leases_undone, done.samplings_undone) == (1, 1, 2)
-        assert (done.leases_fenced, done.checkpoints_dropped) == (1, [2])
-        assert times() == {"t0": 1, "t1": 1, "t2": 0, "t3": 0}
-        assert self.raw_query(catalog, "SELECT epoch, consumed FROM namespaces") == [(1, 1)]
-        assert catalog.checkpoints.checkpoint("ns", 1, now=111.5) == point  # nothing since
-        with pytest.raises(Fenced):
-            catalog.leases.commit("ns", zombie.lease_id, now=112.0)
-        with pytest.raises(Fenced):
-            catalog.leases.commit("ns", third.lease_id, now=112.0)  # undone by the resume
-        with pytest.raises(Fenced):
-            catalog.leases.take("ns", oldest(1), replace(window, epoch=0), now=112.0)
-        again = catalog.leases.take("ns", oldest(2), replace(window, epoch=1), now=112.0)
-        assert again.trajectory_ids == ("t2", "t3")  # what the checkpoint implies
-        released = catalog.leases.release("ns", again.lease_id, now=113.0)
-        assert released.state == "released"
-        with pytest.raises(LeaseClosed):
-            catalog.leases.renew("ns", again.lease_id, 5.0, now=113.5)
-        assert [c.step for c in catalog.checkpoints.checkpoints("ns")] == [1]
-        assert catalog.leases.prune("ns", before=1000.0) >= 3
-        assert [c.step for c in catalog.checkpoints.checkpoints("ns")] == [1]
-        for step in (2, 3):
-            catalog.checkpoints.checkpoint("ns", step, now=113.6)
-        catalog.namespaces.update_settings(
-            "ns", NamespaceSettings(retention=Retention(keep_checkpoints=1))
-        )
-        catalog.leases.prune("ns", before=0.0)  # keep_checkpoints lowered to 1: trimmed
-        assert [c.step for c in catalog.checkpoints.checkpoints("ns")] == [3]
-        catalog.checkpoints.delete_checkpoint("ns", 3)
-        with pytest.raises(NotFound):
-            catalog.checkpoints.delete_checkpoint("ns", 3)
-        with pytest.raises(NotFound):
-            catalog.checkpoints.resume("ns", 1, now=114.0)
-
-    def test_retention_keeps_what_leases_and_checkpoints_hand_out(self, catalog: Catalog) -> None:
-        catalog.namespaces.create("ns", SPEC)
-        ids = ["a", "b", "c", "d"]
-        entries = [entry(t, "s1", created=float(i)) for i, t in enumerate(ids)]
-        self.commit(catalog, shard("s1", 4), entries)
-
-        def named(*wanted: str) -> Any:
-            return lambda rows: [r[0] for r in rows if r[0] in wanted]
-
-        terms = Terms(min_version=None, max_times=None, seconds=50.0)
-        catalog.checkpoints.checkpoint("ns", 0, now=1.0)
-        done = catalog.leases.take("ns", named("a"), terms, now=2.0)
-        catalog.leases.commit("ns", done.lease_id, now=3.0)
-        # retention chose its victims before this lease was taken: the lease keeps b
-        catalog.leases.take("ns", named("b"), terms, now=4.0)
-        assert catalog.leases.drop("ns", ids, ["s1"], now=5.0) == (2, 2)  # c, d dropped
-        assert sorted(catalog.segments.lookup("ns", ids)) == ["a", "b"]
-        catalog.checkpoints.resume("ns", 0, now=6.0)  # a undone, b's lease fenced
-        # a is handed out again by the resumed run: still kept while checkpoint 0 is
-        assert catalog.leases.protected("ns", now=7.0) == {"a"}
-        assert catalog.leases.drop("ns", ["a", "b"], ["s1"], now=7.0) == (1, 1)
-        assert catalog.leases.prune("ns", before=10**6) == 1  # b's fenced lease, not a's
-        catalog.checkpoints.delete_checkpoint("ns", 0)
-        assert catalog.leases.protected("ns", now=8.0) == set()
 
     def test_deleting_segments(self, catalog: Catalog) -> None:
         catalog.namespaces.create("ns", SPEC)
