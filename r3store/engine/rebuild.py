@@ -30,10 +30,13 @@ from r3store.storage.keys import (
 from r3store.storage.manifest import parse_manifest
 from r3store.storage.records import load_records, row_of, stored_records
 from r3store.storage.shard import read_shard
-from r3store.storage.store.base import ObjectStore
-from r3store.storage.tombstone import read_tombstones
+from r3store.storage.store.base import ObjectInfo, ObjectStore
+from r3store.storage.tombstone import Dropped, read_tombstones
 
 log = logging.getLogger(__name__)
+
+Unit = tuple[str, str, str, int]  # a segment: namespace, trajectory id, source, start
+Kept = tuple[TrajectoryEntry, EncodedRoutes]  # a row a rebuild keeps, and its routes
 
 
 @dataclass
@@ -62,10 +65,11 @@ def _load_shard(
 def _loads(
     key: str,
     spec: RouteSpec,
-    kept: list[tuple[TrajectoryEntry, EncodedRoutes]],
+    kept: list[Kept],
     dictionary: Callable[[str, bytes | None], Dictionary | None],
 ) -> list[LoadRecord]:
-    """The expert load of a shard's kept rows, counted from their routes."""
+    """The expert load of a shard's kept rows, counted from their routes; none when
+    a route does not decode (the rows stay, their statistics are left out)."""
     if not kept:
         return []
 
@@ -75,17 +79,96 @@ def _loads(
         )
         return stats.expert_load(routes, spec)
 
-    rows = [row_of(e, stream, load(e, stream)) for e, stream in kept]
-    return load_records(kept[0][0].namespace, key, rows)
+    try:
+        rows = [row_of(e, stream, load(e, stream)) for e, stream in kept]
+        return load_records(kept[0][0].namespace, key, rows)
+    except R3StoreError as exc:
+        log.warning("expert load of %s not counted: %s", key, exc)
+        return []
 
 
-def _committed(
-    entry: TrajectoryEntry, committed: dict[tuple[str, str, str, int], float]
-) -> TrajectoryEntry:
-    key = (entry.namespace, entry.trajectory_id, entry.source, entry.start)
-    if key in committed and committed[key] < entry.created_at:
-        return dataclasses.replace(entry, created_at=committed[key])
-    return entry
+def _manifests(store: ObjectStore, report: RebuildReport) -> dict[str, NamespaceInfo]:
+    """The namespaces as their manifests describe them, by name; an unreadable
+    manifest is reported skipped."""
+    spaces: dict[str, NamespaceInfo] = {}
+    for info in store.list(NAMESPACE_PREFIX):
+        try:
+            space = parse_manifest(store.get(info.key))
+            spaces[space.name] = space
+        except (ValueError, KeyError, TypeError, R3StoreError) as exc:
+            report.skipped.append(f"{info.key}: {exc}")
+    return spaces
+
+
+def _objects(store: ObjectStore) -> tuple[list[ObjectInfo], dict[str, list[str]]]:
+    """The shards and committed blobs to read, newest first, and the keys of each blob's
+    indexes (a blob with no index was never committed)."""
+    indexes: dict[str, list[str]] = {}
+    for info in store.list(INDEX_PREFIX):
+        blob = blob_of_index(info.key)
+        if blob is not None:
+            indexes.setdefault(blob, []).append(info.key)
+    objects = [
+        info
+        for info in store.list(SHARD_PREFIX)
+        if info.key.endswith(".parquet") or info.key in indexes
+    ]
+    objects.sort(key=lambda info: info.key, reverse=True)
+    return objects, indexes
+
+
+def _note_namespace(
+    spaces: dict[str, NamespaceInfo], manifests: set[str], shard: ShardInfo, spec: RouteSpec
+) -> None:
+    """Add the shard's namespace when no manifest describes it, as old as its oldest
+    shard."""
+    known = spaces.get(shard.namespace)
+    if known is None or (shard.namespace not in manifests and shard.created_at < known.created_at):
+        spaces[shard.namespace] = NamespaceInfo(
+            shard.namespace, spec, shard.created_at, 0, NamespaceSettings()
+        )
+
+
+@dataclass
+class _Copies:
+    """The copies of each segment read so far, newest shard first: the first is kept,
+    with the oldest copy's shard time as when it was committed; one retention dropped
+    (a tombstone names it) is left out; one with other content is reported."""
+
+    dropped: set[Dropped]
+    report: RebuildReport
+    seen: dict[Unit, bytes] = field(default_factory=dict)  # the kept copy's digest
+    committed: dict[Unit, float] = field(default_factory=dict)  # the oldest copy's shard time
+
+    def keep(
+        self, key: str, entries: list[TrajectoryEntry], streams: list[EncodedRoutes]
+    ) -> list[Kept]:
+        """The rows of shard `key` to keep."""
+        kept = []
+        for entry, stream in zip(entries, streams, strict=True):
+            if (entry.namespace, entry.trajectory_id, entry.start, entry.digest) in self.dropped:
+                self.report.dropped += 1
+                continue
+            unit = (entry.namespace, entry.trajectory_id, entry.source, entry.start)
+            first = self.seen.get(unit)
+            if first is None:
+                self.seen[unit] = entry.digest
+                kept.append((entry, stream))
+            elif first == entry.digest:
+                self.report.duplicates += 1
+                self.committed[unit] = min(
+                    self.committed.get(unit, entry.created_at), entry.created_at
+                )
+            else:
+                self.report.conflicts.append(f"{entry.namespace}/{entry.trajectory_id} in {key}")
+        return kept
+
+    def as_committed(self, entry: TrajectoryEntry) -> TrajectoryEntry:
+        """`entry` with its oldest copy's shard time, when an older copy was seen."""
+        unit = (entry.namespace, entry.trajectory_id, entry.source, entry.start)
+        if unit in self.committed and self.committed[unit] < entry.created_at:
+            return dataclasses.replace(entry, created_at=self.committed[unit])
+        return entry
 
 
 def rebuild_catalog(
@@ -106,31 +189,12 @@ def rebuild_catalog(
     called per shard.
     """
     report = RebuildReport()
-    spaces: dict[str, NamespaceInfo] = {}
-    for info in store.list(NAMESPACE_PREFIX):
-        try:
-            space = parse_manifest(store.get(info.key))
-            spaces[space.name] = space
-        except (ValueError, KeyError, TypeError, R3StoreError) as exc:
-            report.skipped.append(f"{info.key}: {exc}")
+    spaces = _manifests(store, report)
     manifests = set(spaces)
-    dropped = read_tombstones(store)
+    copies = _Copies(read_tombstones(store), report)
     dictionary = DictionaryCache(store).get
-
-    indexes: dict[str, list[str]] = {}  # a blob with no index was never committed
-    for info in store.list(INDEX_PREFIX):
-        blob = blob_of_index(info.key)
-        if blob is not None:
-            indexes.setdefault(blob, []).append(info.key)
-    objects = [
-        info
-        for info in store.list(SHARD_PREFIX)
-        if info.key.endswith(".parquet") or info.key in indexes
-    ]
-    objects.sort(key=lambda info: info.key, reverse=True)
+    objects, indexes = _objects(store)
     loaded: list[tuple[ShardInfo, list[TrajectoryEntry], list[LoadRecord]]] = []
-    seen: dict[tuple[str, str, str, int], bytes] = {}
-    committed: dict[tuple[str, str, str, int], float] = {}  # the oldest copy's shard time
     for done, info in enumerate(objects, start=1):
         try:
             shard, spec, entries, streams = _load_shard(store, info.key, info.size, indexes)
@@ -138,33 +202,9 @@ def rebuild_catalog(
             log.warning("skipping %s: %s", info.key, exc)
             report.skipped.append(f"{info.key}: {exc}")
             continue
-        known = spaces.get(shard.namespace)
-        if known is None or (
-            shard.namespace not in manifests and shard.created_at < known.created_at
-        ):
-            spaces[shard.namespace] = NamespaceInfo(  # no manifest: as old as its oldest shard
-                shard.namespace, spec, shard.created_at, 0, NamespaceSettings()
-            )
-        kept = []
-        for entry, stream in zip(entries, streams, strict=True):
-            if (entry.namespace, entry.trajectory_id, entry.start, entry.digest) in dropped:
-                report.dropped += 1
-                continue
-            key = (entry.namespace, entry.trajectory_id, entry.source, entry.start)
-            first = seen.get(key)
-            if first is None:
-                seen[key] = entry.digest
-                kept.append((entry, stream))
-            elif first == entry.digest:
-                report.duplicates += 1
-                committed[key] = min(committed.get(key, entry.created_at), entry.created_at)
-            else:
-                report.conflicts.append(f"{entry.namespace}/{entry.trajectory_id} in {info.key}")
-        try:
-            loads = _loads(info.key, spec, kept, dictionary)
-        except R3StoreError as exc:  # the rows stay; their statistics are left out
-            log.warning("expert load of %s not counted: %s", info.key, exc)
-            loads = []
+        _note_namespace(spaces, manifests, shard, spec)
+        kept = copies.keep(info.key, entries, streams)
+        loads = _loads(info.key, spec, kept, dictionary)
         loaded.append((shard, [entry for entry, _stream in kept], loads))
         report.trajectories += len(kept)
         if progress is not None:
@@ -172,7 +212,7 @@ def rebuild_catalog(
 
     def contents() -> Iterator[tuple[ShardInfo, list[TrajectoryEntry], list[LoadRecord]]]:
         for shard, entries, loads in reversed(loaded):  # oldest first, as written
-            yield shard, [_committed(e, committed) for e in entries], loads
+            yield shard, [copies.as_committed(e) for e in entries], loads
 
     found = [parse_dictionary_key(info.key) for info in store.list(DICTIONARY_PREFIX)]
     dictionaries = [d for d in found if d is not None]
