@@ -29,15 +29,18 @@ FORMAT = "r3store.blob-index"
 VERSION = 1
 
 
-def index_bytes(
+def write_index(
+    store: ObjectStore,
     blob: str,
     namespace: str,
     spec: RouteSpec,
     created_at: float,
     rows: Sequence[ShardRow],
     spans: Sequence[RouteSpans],
-) -> bytes:
-    """The index of `rows` of `blob`, whose streams lie at `spans`."""
+    now: float,
+) -> str:
+    """Store a new index (create-only) of `rows` of `blob`, whose streams lie at
+    `spans`; returns its key."""
     body = {
         "format": FORMAT,
         "version": VERSION,
@@ -61,22 +64,8 @@ def index_bytes(
             for r, s in zip(rows, spans, strict=True)
         ],
     }
-    return json.dumps(body, separators=(",", ":")).encode()
-
-
-def write_index(
-    store: ObjectStore,
-    blob: str,
-    namespace: str,
-    spec: RouteSpec,
-    created_at: float,
-    rows: Sequence[ShardRow],
-    spans: Sequence[RouteSpans],
-    now: float,
-) -> str:
-    """Store a new index of `rows` of `blob` (create-only); returns its key."""
     key = index_key(blob, now)
-    store.put_if_absent(key, index_bytes(blob, namespace, spec, created_at, rows, spans))
+    store.put_if_absent(key, json.dumps(body, separators=(",", ":")).encode())
     return key
 
 
