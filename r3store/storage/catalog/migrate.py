@@ -20,6 +20,7 @@ once:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -173,17 +174,18 @@ def check(db: Database) -> None:
 
 def plan_at(url: str, timeout: float = 10.0) -> Plan:
     """`plan` of the catalog at `url` (`r3store migrate --dry-run`)."""
-    db = Database(url, timeout)
-    try:
-        return plan(db)
-    finally:
-        db.close()
+    return _at(url, timeout, plan)
 
 
 def upgrade_at(url: str, timeout: float = 10.0) -> Plan:
     """`upgrade` of the catalog at `url` (`r3store migrate`)."""
+    return _at(url, timeout, upgrade)
+
+
+def _at(url: str, timeout: float, run: Callable[[Database], Plan]) -> Plan:
+    """`run` on the catalog at `url`, opened for it alone."""
     db = Database(url, timeout)
     try:
-        return upgrade(db)
+        return run(db)
     finally:
         db.close()
