@@ -591,9 +591,9 @@ def test_the_page_shows_checkpoints_and_open_leases(
 
 
 def test_the_maintenance_table_counts_what_leases_kept() -> None:
-    from r3store_server.ui_render import _remaining
+    from r3store_server.ui_html import remaining
 
-    assert [_remaining(s) for s in (7505.5, 598.2, 45, 0.4, -3, 90000)] == [
+    assert [remaining(s) for s in (7505.5, 598.2, 45, 0.4, -3, 90000)] == [
         "2 h 5 min", "9 min 58 s", "45 s", "0 s", "0 s", "1 d 1 h"
     ]  # fmt: skip
     activity = Activity({"trajectories_dropped": 5, "trajectories_kept": 3, "leases_forgotten": 2})
