@@ -25,19 +25,21 @@ import re
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from typing import Annotated
 from urllib.parse import parse_qs, urlsplit
 
-from fastapi import APIRouter, Path, Request, Security
+from fastapi import APIRouter, Depends, Path, Request, Security
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials
 
 from r3store import __version__
+from r3store.engine import Engine
 from r3store.engine.analytics import VersionLoad
 from r3store.errors import Forbidden, NotFound, TooManyFailures, Unauthorized
 from r3store.policy import SOURCES
 from r3store.protocol.models import NAME_PATTERN
-from r3store_server.auth import Principal, digest
+from r3store_server.auth import KeyRing, Principal, digest
 from r3store_server.deps import (
     API_KEY,
     BEARER,
@@ -46,6 +48,7 @@ from r3store_server.deps import (
     KeyRingDep,
     client_address,
 )
+from r3store_server.limits import Deadline
 from r3store_server.ui_render import (
     Activity,
     Consumption,
@@ -229,20 +232,59 @@ def _html(page: bytes | str) -> HTMLResponse:
     return HTMLResponse(page, headers={"Content-Encoding": "gzip", "Vary": "Accept-Encoding"})
 
 
-@router.get("", response_class=HTMLResponse)
-async def front(
+@dataclasses.dataclass(frozen=True)
+class Visit:
+    """A browser's request for a page: what it sent, and what serving the page takes."""
+
+    request: Request
+    engine: Engine
+    keys: KeyRing
+    deadline: Deadline
+    key: str | None
+    bearer: HTTPAuthorizationCredentials | None
+
+    def reader(self, namespace: str | None = None) -> Principal | HTMLResponse:
+        """Who sends it, with the read right (on `namespace`, if given); else the login
+        form saying why, which goes back to the page asked for."""
+        try:
+            who = _who(self.request, self.keys, self.key, self.bearer)
+            self.keys.authorize(who, "read", namespace)
+        except (Unauthorized, Forbidden, TooManyFailures) as exc:
+            then = "/ui" if namespace is None else f"/ui/namespaces/{namespace}"
+            sent = _sent_something(self.request, self.key, self.bearer)
+            return _refused(exc, self.request, sent, then)
+        return who
+
+    async def answer(self, render: Callable[[], str]) -> HTMLResponse:
+        """The page `render` makes, off the event loop within the request's deadline."""
+        gzip = _takes_gzip(self.request)
+
+        def page() -> bytes | str:  # a large model's heatmaps make megabytes of SVG
+            return _encoded(render(), gzip)
+
+        return _html(await self.deadline.run(page, what="the status page"))
+
+
+async def _visit(
     request: Request,
     engine: EngineDep,
     keys: KeyRingDep,
     deadline: DeadlineDep,
     key: KeyHeader = None,
     bearer: BearerHeader = None,
-) -> HTMLResponse:
-    try:
-        who = _who(request, keys, key, bearer)
-        keys.authorize(who, "read")
-    except (Unauthorized, Forbidden, TooManyFailures) as exc:
-        return _refused(exc, request, _sent_something(request, key, bearer))
+) -> Visit:
+    return Visit(request, engine, keys, deadline, key, bearer)
+
+
+VisitDep = Annotated[Visit, Depends(_visit)]
+
+
+@router.get("", response_class=HTMLResponse)
+async def front(visit: VisitDep) -> HTMLResponse:
+    who = visit.reader()
+    if isinstance(who, HTMLResponse):
+        return who
+    engine = visit.engine
 
     def gather() -> list[NamespaceRow]:
         return [
@@ -251,33 +293,19 @@ async def front(
             if who.may("read", info.name)
         ]
 
-    maintenance = getattr(request.app.state, "maintenance", None)
+    maintenance = getattr(visit.request.app.state, "maintenance", None)
     activity = None
     if maintenance is not None:
         activity = Activity(dataclasses.asdict(maintenance.totals))
-    gzip = _takes_gzip(request)
-
-    def page() -> bytes | str:
-        return _encoded(overview(gather(), activity, __version__), gzip)
-
-    return _html(await deadline.run(page, what="the status page"))
+    return await visit.answer(lambda: overview(gather(), activity, __version__))
 
 
 @router.get("/namespaces/{namespace}", response_class=HTMLResponse)
-async def namespace(
-    request: Request,
-    engine: EngineDep,
-    keys: KeyRingDep,
-    deadline: DeadlineDep,
-    key: KeyHeader = None,
-    bearer: BearerHeader = None,
-    namespace: str = Path(pattern=NAME_PATTERN),
-) -> HTMLResponse:
-    try:
-        keys.authorize(_who(request, keys, key, bearer), "read", namespace)
-    except (Unauthorized, Forbidden, TooManyFailures) as exc:
-        then = f"/ui/namespaces/{namespace}"
-        return _refused(exc, request, _sent_something(request, key, bearer), then)
+async def namespace(visit: VisitDep, namespace: str = Path(pattern=NAME_PATTERN)) -> HTMLResponse:
+    who = visit.reader(namespace)
+    if isinstance(who, HTMLResponse):
+        return who
+    engine = visit.engine
 
     def gather() -> NamespaceDetail:
         info = engine.namespaces.get(namespace)
@@ -303,13 +331,8 @@ async def namespace(
             ),
         )
 
-    gzip = _takes_gzip(request)
-
-    def page() -> bytes | str:  # a large model's heatmaps make megabytes of SVG
-        return _encoded(namespace_page(gather(), LAST_VERSIONS), gzip)
-
     try:
-        return _html(await deadline.run(page, what="the status page"))
+        return await visit.answer(lambda: namespace_page(gather(), LAST_VERSIONS))
     except NotFound:
         return HTMLResponse(
             message_page(f"There is no namespace named {namespace}."), status_code=404
