@@ -7,8 +7,9 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
@@ -89,56 +90,97 @@ def _fatal(app: FastAPI, exc: BaseException) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
-    """Build the service; the engine is made from `settings` unless one is given.
-
-    Refuses (ValueError) to build a service without API keys anywhere but the embedded
-    store on a loopback address. Until its engine is open (a catalog still starting)
-    the service answers 503 and `/readyz` says why.
-    """
-    keyring = KeyRing.from_settings(settings)
-
-    def attach(app: FastAPI, eng: Engine) -> Maintenance:
-        keyring.attach(lambda: eng.keys.all(active_only=True))
-        app.state.metrics.watch(eng)
-        app.state.metrics.watch_namespaces(eng, settings.metrics_interval)
-        log.info("r3store serving on %s", eng.store_description)
-        log.info("catalog: %s", settings.catalog_description())
-        if not keyring.enabled:
-            log.warning("authentication is OFF (embedded store on a loopback address)")
-        elif settings.ui_secret is None and not settings.loopback_only():
-            log.warning(
-                "R3STORE_UI_SECRET is not set: status-page sessions end when this server "
-                "restarts and do not carry over to other replicas"
-            )
-        maintenance = app.state.maintenance = eng.upkeep.maintenance(
-            MaintenanceOptions(
-                grace_seconds=settings.maintenance_grace,
-                orphan_seconds=settings.maintenance_orphan_age,
-                cold_seconds=settings.maintenance_cold_age,
-                rest_level=settings.maintenance_rest_level,
-            )
+def _log_start(settings: Settings, keyring: KeyRing, engine: Engine) -> None:
+    """Say what the service serves from, and how it lets keys in."""
+    log.info("r3store serving on %s", engine.store_description)
+    log.info("catalog: %s", settings.catalog_description())
+    if not keyring.enabled:
+        log.warning("authentication is OFF (embedded store on a loopback address)")
+    elif settings.ui_secret is None and not settings.loopback_only():
+        log.warning(
+            "R3STORE_UI_SECRET is not set: status-page sessions end when this server "
+            "restarts and do not carry over to other replicas"
         )
-        app.state.metrics.watch_maintenance(maintenance)
-        app.state.engine = eng
-        app.state.opening = None
-        return maintenance
 
-    async def run(app: FastAPI, opening: asyncio.Task[Engine] | None, eng: Engine | None) -> None:
-        """Wait for the engine if it is still opening (then attach it), and run
-        maintenance."""
-        if eng is None:
-            assert opening is not None
-            try:
-                eng = await opening
-                attach(app, eng)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - whatever it is, the start failed
-                _fatal(app, exc)
-                return
-        if settings.maintenance_interval > 0:
-            await _maintain(app.state.maintenance, settings.maintenance_interval)
+
+def _attach(app: FastAPI, settings: Settings, keyring: KeyRing, engine: Engine) -> None:
+    """Bind an open engine: the key ring reads its keys, the metrics watch it, its
+    maintenance is made; from then on requests reach it."""
+    keyring.attach(lambda: engine.keys.all(active_only=True))
+    metrics: Metrics = app.state.metrics
+    metrics.watch(engine)
+    metrics.watch_namespaces(engine, settings.metrics_interval)
+    _log_start(settings, keyring, engine)
+    maintenance = app.state.maintenance = engine.upkeep.maintenance(
+        MaintenanceOptions(
+            grace_seconds=settings.maintenance_grace,
+            orphan_seconds=settings.maintenance_orphan_age,
+            cold_seconds=settings.maintenance_cold_age,
+            rest_level=settings.maintenance_rest_level,
+        )
+    )
+    metrics.watch_maintenance(maintenance)
+    app.state.engine = engine
+    app.state.opening = None
+
+
+async def _run(
+    app: FastAPI,
+    settings: Settings,
+    keyring: KeyRing,
+    opening: asyncio.Task[Engine] | None,
+    engine: Engine | None,
+) -> None:
+    """Wait for the engine if it is still opening (then attach it), and run
+    maintenance."""
+    if engine is None:
+        assert opening is not None
+        try:
+            engine = await opening
+            _attach(app, settings, keyring, engine)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the start failed
+            _fatal(app, exc)
+            return
+    if settings.maintenance_interval > 0:
+        await _maintain(app.state.maintenance, settings.maintenance_interval)
+
+
+async def _first_open(
+    app: FastAPI, settings: Settings
+) -> tuple[Engine | None, asyncio.Task[Engine] | None]:
+    """The engine, opened at once; or, while the catalog or the store is not there yet,
+    the task that keeps trying. A setting that cannot work raises: the start stops."""
+    try:
+        engine = app.state.owned = await run_in_threadpool(open_engine, settings, True)
+    except StoreError as exc:
+        log.warning("cannot open the store or the catalog yet: %s", exc)
+        app.state.opening = f"starting: {exc}"
+        return None, asyncio.create_task(_opened(app, settings))
+    return engine, None
+
+
+async def _close_owned(app: FastAPI) -> None:
+    """Close the engine the service opened (not one it was given)."""
+    if app.state.owned is not None:
+        await run_in_threadpool(app.state.owned.close)
+
+
+async def _stop(app: FastAPI, tasks: list[asyncio.Task[Any]]) -> None:
+    """Cancel the lifespan's tasks, then stop the metrics and close the engine."""
+    for pending in tasks:
+        pending.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)  # said by `_run`
+    await run_in_threadpool(app.state.metrics.close)  # before the engine closes
+    await _close_owned(app)
+
+
+def _lifespan(
+    settings: Settings, keyring: KeyRing, engine: Engine | None
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The service's lifespan: opens and binds the engine (unless given one), runs
+    maintenance, and closes what it opened."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -151,36 +193,36 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             eng = engine
             if eng is None:
                 held.enter_context(server_lock(settings))
-                try:  # the first try at once: a setting that cannot work stops the start
-                    eng = app.state.owned = await run_in_threadpool(open_engine, settings, True)
-                except StoreError as exc:
-                    log.warning("cannot open the store or the catalog yet: %s", exc)
-                    app.state.opening = f"starting: {exc}"
-                    opening = asyncio.create_task(_opened(app, settings))
+                # the first try at once: a setting that cannot work stops the start
+                eng, opening = await _first_open(app, settings)
             if eng is not None:  # open at once: whatever attaching raises stops the start
                 try:
-                    attach(app, eng)
+                    _attach(app, settings, keyring, eng)
                 except BaseException:
-                    if app.state.owned is not None:
-                        await run_in_threadpool(app.state.owned.close)
+                    await _close_owned(app)
                     raise
-            task = asyncio.create_task(run(app, opening, eng))
+            task = asyncio.create_task(_run(app, settings, keyring, opening, eng))
             try:
                 yield
             finally:
-                running = [t for t in (task, opening) if t is not None]
-                for pending in running:
-                    pending.cancel()
-                await asyncio.gather(*running, return_exceptions=True)  # said by `run`
-                await run_in_threadpool(app.state.metrics.close)  # before the engine closes
-                if app.state.owned is not None:
-                    await run_in_threadpool(app.state.owned.close)
+                await _stop(app, [t for t in (task, opening) if t is not None])
 
+    return lifespan
+
+
+def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
+    """Build the service; the engine is made from `settings` unless one is given.
+
+    Refuses (ValueError) to build a service without API keys anywhere but the embedded
+    store on a loopback address. Until its engine is open (a catalog still starting)
+    the service answers 503 and `/readyz` says why.
+    """
+    keyring = KeyRing.from_settings(settings)
     app = FastAPI(
         title="r3store",
         version=r3store.__version__,
         summary="A routing replay buffer for MoE reinforcement learning",
-        lifespan=lifespan,
+        lifespan=_lifespan(settings, keyring, engine),
         docs_url=None,  # served from the package's files by apidocs
         redoc_url=None,  # open: /healthz, /readyz, /openapi.json and /docs only
         swagger_ui_oauth2_redirect_url=None,
