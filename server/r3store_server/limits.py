@@ -321,80 +321,107 @@ class BodyGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared, chunked = None, False
-        for name, value in scope["headers"]:
-            if name == b"content-length" and declared is None:
-                declared = int(value) if value.isdigit() else None
-            elif name == b"transfer-encoding":
-                chunked = True
+        declared, chunked = _declared_body(scope["headers"])
         if not chunked and not declared:  # no body: nothing to bound
             await self.app(scope, receive, send)
             return
-        read = False  # whether the whole body has been read
-
-        async def closing(message: Message) -> None:
-            """An answer sent before the body was read closes the connection: the
-            server would read (and drop) the rest of the body otherwise."""
-            if message["type"] == "http.response.start" and not read:
-                message = {**message, "headers": [*message.get("headers", []), CLOSE]}
-            await send(message)
-
-        limit = self.limit
-        if is_open(scope["path"]):  # no key to check: no body, but for the login form
-            limit = OPEN_BODY_BYTES if (scope["method"], scope["path"]) in OPEN_BODIES else 0
-        else:
-            client = scope.get("client")
-            try:
-                await anyio.to_thread.run_sync(
-                    self.keyring.authenticate,
-                    presented_key(scope["headers"]),
-                    client[0] if client else None,
-                )
-            except R3StoreError as exc:  # 401, or 429 for an address past its failed keys
-                await _refuse(status_of(exc), exc.code, str(exc), scope, closing, _headers(exc))
-                return
-        clock = BodyClock(self.grace, self.rate)
-
-        async def timed() -> Message:
-            nonlocal read
-            message = await clock.receive(receive)
-            if message["type"] != "http.request" or not message.get("more_body", False):
-                read = True
-            return message
-
+        exchange = _Exchange(receive, send, BodyClock(self.grace, self.rate))
+        limit = await self._limit(scope, exchange.send)
+        if limit is None:
+            return
         if self.is_upload(scope["method"], scope["path"]):
-            await self.app(scope, timed, closing)
+            await self.app(scope, exchange.receive, exchange.send)
             return
         if declared is not None and declared > limit:
             why = f"the body has {declared} bytes; the limit is {limit} bytes"
-            await _refuse(413, PayloadTooLarge.code, why, scope, closing)
+            await _refuse(413, PayloadTooLarge.code, why, scope, exchange.send)
             return
+        replay = await exchange.whole(scope, limit)
+        if replay is not None:
+            await self.app(scope, replay, exchange.send)
+
+    async def _limit(self, scope: Scope, send: Send) -> int | None:
+        """The bytes the request's body may carry, its key checked first (a path open
+        without a key takes none, but the login forms); None once refused: 401, or 429
+        for an address past its failed keys."""
+        if is_open(scope["path"]):  # no key to check: no body, but for the login form
+            return OPEN_BODY_BYTES if (scope["method"], scope["path"]) in OPEN_BODIES else 0
+        client = scope.get("client")
+        try:
+            await anyio.to_thread.run_sync(
+                self.keyring.authenticate,
+                presented_key(scope["headers"]),
+                client[0] if client else None,
+            )
+        except R3StoreError as exc:
+            await _refuse(status_of(exc), exc.code, str(exc), scope, send, _headers(exc))
+            return None
+        return self.limit
+
+
+def _declared_body(headers: list[tuple[bytes, bytes]]) -> tuple[int | None, bool]:
+    """What a request says of its body: its Content-Length (None: none, or not a
+    number), and whether it is sent chunked."""
+    declared, chunked = None, False
+    for name, value in headers:
+        if name == b"content-length" and declared is None:
+            declared = int(value) if value.isdigit() else None
+        elif name == b"transfer-encoding":
+            chunked = True
+    return declared, chunked
+
+
+class _Exchange:
+    """A request with a body as `BodyGuard` hands it on: the body received within its
+    `BodyClock`, and the answer, which closes the connection when it starts before the
+    whole body was read (the server would read, and drop, the rest otherwise)."""
+
+    def __init__(self, receive: Receive, send: Send, clock: BodyClock) -> None:
+        self._receive = receive
+        self._send = send
+        self._clock = clock
+        self.read = False  # whether the whole body has been read
+
+    async def receive(self) -> Message:
+        message = await self._clock.receive(self._receive)
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            self.read = True
+        return message
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start" and not self.read:
+            message = {**message, "headers": [*message.get("headers", []), CLOSE]}
+        await self._send(message)
+
+    async def whole(self, scope: Scope, limit: int) -> Receive | None:
+        """The body read whole (small by now), to be handed on as one message; None
+        once refused: past `limit` bytes (413), or arriving too slowly (408)."""
         chunks: list[bytes] = []
         size = 0
         try:
-            while not read:  # small by now: read it whole, then hand it on
-                message = await timed()
+            while not self.read:
+                message = await self.receive()
                 if message["type"] != "http.request":
                     break
                 size += len(message.get("body", b""))
                 if size > limit:
                     why = f"the body exceeds the limit of {limit} bytes"
-                    await _refuse(413, PayloadTooLarge.code, why, scope, closing)
-                    return
+                    await _refuse(413, PayloadTooLarge.code, why, scope, self.send)
+                    return None
                 chunks.append(message.get("body", b""))
         except RequestTimeout as exc:
-            await _refuse(408, exc.code, str(exc), scope, closing)
-            return
+            await _refuse(408, exc.code, str(exc), scope, self.send)
+            return None
         whole: Message | None = {"type": "http.request", "body": b"".join(chunks)}
 
         async def replay() -> Message:
             nonlocal whole
             if whole is None:
-                return await receive()
+                return await self._receive()
             message, whole = whole, None
             return message
 
-        await self.app(scope, replay, closing)
+        return replay
 
 
 CLOSE = (b"connection", b"close")
