@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -135,7 +136,7 @@ class _NamespaceCollector(Collector):
     def __init__(self, engine: Engine, interval: float) -> None:
         self._engine = engine
         self._interval = interval
-        self._families: list[GaugeMetricFamily] = self._empty()
+        self._families = self._empty()
         self.gathered = 0  # gatherings done
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="r3store-metrics", daemon=True)
@@ -157,7 +158,7 @@ class _NamespaceCollector(Collector):
         """Gather every namespace's gauges now; scrapes serve them from then on."""
         families = self._empty()
         try:
-            self._gather(*families)
+            self._gather(families)
         except R3StoreError as exc:  # the catalog is down: the other metrics still answer
             log.warning("namespace metrics not gathered: %s", exc)
             families = self._empty()
@@ -168,72 +169,71 @@ class _NamespaceCollector(Collector):
         self.gathered += 1
 
     @staticmethod
-    def _empty() -> list[GaugeMetricFamily]:
-        trajectories = GaugeMetricFamily(
-            "r3store_namespace_trajectories", "trajectories stored", labels=["namespace"]
+    def _empty() -> _Gauges:
+        return _Gauges(
+            GaugeMetricFamily(
+                "r3store_namespace_trajectories", "trajectories stored", labels=["namespace"]
+            ),
+            GaugeMetricFamily(
+                "r3store_namespace_policy_version", "current policy version", labels=["namespace"]
+            ),
+            GaugeMetricFamily(
+                "r3store_expert_load_imbalance",
+                "newest policy version: busiest expert's load over the mean, per layer",
+                labels=["namespace", "source", "layer"],
+            ),
+            GaugeMetricFamily(
+                "r3store_route_agreement",
+                "newest policy version measured: agreement between two route sources, per layer",
+                labels=["namespace", "sources", "layer"],
+            ),
+            GaugeMetricFamily(
+                "r3store_router_drift",
+                "Jensen-Shannon divergence of engine expert load from the previous version",
+                labels=["namespace", "layer"],
+            ),
         )
-        version = GaugeMetricFamily(
-            "r3store_namespace_policy_version", "current policy version", labels=["namespace"]
-        )
-        imbalance = GaugeMetricFamily(
-            "r3store_expert_load_imbalance",
-            "newest policy version: busiest expert's load over the mean, per layer",
-            labels=["namespace", "source", "layer"],
-        )
-        agreement = GaugeMetricFamily(
-            "r3store_route_agreement",
-            "newest policy version measured: agreement between two route sources, per layer",
-            labels=["namespace", "sources", "layer"],
-        )
-        drift = GaugeMetricFamily(
-            "r3store_router_drift",
-            "Jensen-Shannon divergence of engine expert load from the previous version",
-            labels=["namespace", "layer"],
-        )
-        return [trajectories, version, imbalance, agreement, drift]
 
-    def _gather(
-        self,
-        trajectories: GaugeMetricFamily,
-        version: GaugeMetricFamily,
-        imbalance: GaugeMetricFamily,
-        agreement: GaugeMetricFamily,
-        drift: GaugeMetricFamily,
-    ) -> None:
+    def _gather(self, gauges: _Gauges) -> None:
         for info in self._engine.namespaces.all():
             try:
-                self._namespace(info, trajectories, version, imbalance, agreement, drift)
+                self._namespace(info, gauges)
             except NotFound:  # deleted since it was listed
                 continue
 
-    def _namespace(
-        self,
-        info: NamespaceInfo,
-        trajectories: GaugeMetricFamily,
-        version: GaugeMetricFamily,
-        imbalance: GaugeMetricFamily,
-        agreement: GaugeMetricFamily,
-        drift: GaugeMetricFamily,
-    ) -> None:
+    def _namespace(self, info: NamespaceInfo, gauges: _Gauges) -> None:
         analytics = self._engine.analytics
         ns = info.name
-        trajectories.add_metric([ns], self._engine.namespaces.count(ns))
-        version.add_metric([ns], info.policy_version)
+        gauges.trajectories.add_metric([ns], self._engine.namespaces.count(ns))
+        gauges.version.add_metric([ns], info.policy_version)
         for source in SOURCES:
             loads = analytics.loads(ns, source, newest=1)
             if loads:
-                for layer, value in enumerate(stats.imbalance(loads[-1].load)):
-                    if value is not None:
-                        imbalance.add_metric([ns, source, str(layer)], value)
+                _per_layer(gauges.imbalance, [ns, source], stats.imbalance(loads[-1].load))
         for i, a in enumerate(SOURCES):
             for b in SOURCES[i + 1 :]:
                 held = analytics.agreement(ns, a, b, newest=1)
                 if held:
-                    for layer, value in enumerate(held[-1].overlap.fraction):
-                        if value is not None:
-                            agreement.add_metric([ns, f"{a}/{b}", str(layer)], value)
+                    _per_layer(gauges.agreement, [ns, f"{a}/{b}"], held[-1].overlap.fraction)
         steps = analytics.drift(ns, newest=1)
         if steps:
-            for layer, value in enumerate(steps[-1].divergence):
-                if value is not None:
-                    drift.add_metric([ns, str(layer)], value)
+            _per_layer(gauges.drift, [ns], steps[-1].divergence)
+
+
+class _Gauges(NamedTuple):
+    """The per-namespace gauge families of one gathering, in the order scrapes list them."""
+
+    trajectories: GaugeMetricFamily
+    version: GaugeMetricFamily
+    imbalance: GaugeMetricFamily
+    agreement: GaugeMetricFamily
+    drift: GaugeMetricFamily
+
+
+def _per_layer(
+    family: GaugeMetricFamily, labels: list[str], values: Sequence[float | None]
+) -> None:
+    """A gauge per layer that has a value, labelled `labels` and the layer."""
+    for layer, value in enumerate(values):
+        if value is not None:
+            family.add_metric([*labels, str(layer)], value)
