@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Path, Response
+from fastapi import APIRouter, Response
 
 from r3store.policy import NamespaceSettings
 from r3store.protocol.models import (
-    NAME_PATTERN,
     NamespaceCreate,
     NamespaceDeleted,
     NamespaceList,
@@ -17,6 +16,7 @@ from r3store_server.deps import (
     DeadlineDep,
     EngineDep,
     KeyRingDep,
+    NamespacePath,
     PrincipalDep,
     SettingsDep,
     allowed,
@@ -24,7 +24,6 @@ from r3store_server.deps import (
 from r3store_server.errors import ERROR_RESPONSES
 
 router = APIRouter(prefix="/v1/namespaces", tags=["namespaces"], responses=ERROR_RESPONSES)
-NamespacePath = Path(pattern=NAME_PATTERN, description="the namespace")
 
 
 @router.post(

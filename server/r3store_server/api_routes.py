@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from fastapi import APIRouter, Path, Request, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from r3store.catalog_types import TrajectoryEntry
@@ -45,6 +45,7 @@ from r3store_server.deps import (
     DeadlineDep,
     EngineDep,
     MetricsDep,
+    NamespacePath,
     PrincipalDep,
     SettingsDep,
     allowed,
@@ -54,7 +55,6 @@ from r3store_server.limits import Deadline, MemoryBudget, Reservation
 from r3store_server.settings import UPLOAD_COST
 
 router = APIRouter(prefix="/v1/namespaces", tags=["routes"], responses=ERROR_RESPONSES)
-NamespacePath = Path(pattern=NAME_PATTERN, description="the namespace")
 ARROW: dict[int | str, dict[str, Any]] = {
     200: {
         "content": {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}},

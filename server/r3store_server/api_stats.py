@@ -4,12 +4,11 @@ micro-batches across expert-parallel ranks before running them). Reader or admin
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Query
 
 from r3store.logic import stats
 from r3store.policy import ENGINE, MAX_POLICY_VERSION, Source
 from r3store.protocol.models import (
-    NAME_PATTERN,
     AgreementModel,
     DriftModel,
     DriftStepModel,
@@ -22,7 +21,7 @@ from r3store.protocol.models import (
 )
 from r3store.protocol.wire import ReadFormat
 from r3store_server.api_routes import read_limit
-from r3store_server.deps import DeadlineDep, EngineDep, SettingsDep, allowed
+from r3store_server.deps import DeadlineDep, EngineDep, NamespacePath, SettingsDep, allowed
 from r3store_server.errors import ERROR_RESPONSES
 
 router = APIRouter(
@@ -31,7 +30,6 @@ router = APIRouter(
     responses=ERROR_RESPONSES,
     dependencies=[allowed("read")],
 )
-NamespacePath = Path(pattern=NAME_PATTERN, description="the namespace")
 SourceQuery = Query(ENGINE, description="route source: engine, predicted or trainer")
 # one Query object per parameter: FastAPI keys a shared one by the first name it was
 # given, so a second parameter made with it would read (and bound) the first's value

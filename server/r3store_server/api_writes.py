@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter
 
 from r3store.engine.direct import WritePlan
 from r3store.errors import PayloadTooLarge, StoreError
@@ -20,13 +20,14 @@ from r3store.protocol.direct import (
     WritePlanModel,
     WritePlanRequest,
 )
-from r3store.protocol.models import NAME_PATTERN, PutItem
+from r3store.protocol.models import PutItem
 from r3store_server.api_routes import charge_rows
 from r3store_server.deps import (
     BudgetDep,
     DeadlineDep,
     EngineDep,
     MetricsDep,
+    NamespacePath,
     PrincipalDep,
     SettingsDep,
     allowed,
@@ -36,7 +37,6 @@ from r3store_server.limits import MemoryBudget
 from r3store_server.settings import UPLOAD_COST
 
 router = APIRouter(prefix="/v1/namespaces", tags=["routes"], responses=ERROR_RESPONSES)
-NamespacePath = Path(pattern=NAME_PATTERN, description="the namespace")
 
 
 @router.post(

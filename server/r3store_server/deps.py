@@ -1,20 +1,24 @@
 """Dependencies named as types: routes read `engine: EngineDep, who: PrincipalDep`; a
 route's right is declared with `dependencies=[allowed("write")]` (checked against the
-`namespace` path parameter, when the route has one)."""
+`namespace` path parameter, when the route has one, declared as `NamespacePath`)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
 
-from fastapi import Depends, Request, Security
+from fastapi import Depends, Path, Request, Security
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 from r3store.engine import Engine
 from r3store.errors import StoreError
+from r3store.protocol.models import NAME_PATTERN
 from r3store_server.auth import KeyRing, Principal
 from r3store_server.limits import Deadline, MemoryBudget
 from r3store_server.metrics import Metrics
 from r3store_server.settings import Settings
+
+T = TypeVar("T")
 
 
 def get_engine(request: Request) -> Engine:
@@ -25,24 +29,20 @@ def get_engine(request: Request) -> Engine:
     return engine
 
 
-def get_settings(request: Request) -> Settings:
-    settings: Settings = request.app.state.settings
-    return settings
+def _from_state(name: str, kind: type[T]) -> Callable[[Request], T]:
+    """The dependency that reads the application's `name`, a `kind` (`create_app` sets it)."""
+
+    def get(request: Request) -> T:
+        value: T = getattr(request.app.state, name)
+        return value
+
+    return get
 
 
-def get_metrics(request: Request) -> Metrics:
-    metrics: Metrics = request.app.state.metrics
-    return metrics
-
-
-def get_keyring(request: Request) -> KeyRing:
-    keyring: KeyRing = request.app.state.keyring
-    return keyring
-
-
-def get_budget(request: Request) -> MemoryBudget:
-    budget: MemoryBudget = request.app.state.budget
-    return budget
+get_settings = _from_state("settings", Settings)
+get_metrics = _from_state("metrics", Metrics)
+get_keyring = _from_state("keyring", KeyRing)
+get_budget = _from_state("budget", MemoryBudget)
 
 
 async def get_deadline(request: Request) -> Deadline:
@@ -78,6 +78,7 @@ KeyRingDep = Annotated[KeyRing, Depends(get_keyring)]
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 BudgetDep = Annotated[MemoryBudget, Depends(get_budget)]
 DeadlineDep = Annotated[Deadline, Depends(get_deadline)]
+NamespacePath = Path(pattern=NAME_PATTERN, description="the namespace")
 
 
 def allowed(action: str) -> Any:
