@@ -7,11 +7,14 @@ admin's."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter, Depends, Path
 
 from r3store.errors import StoreError
-from r3store.leases import LEASE_ID, MAX_STEP
+from r3store.leases import LEASE_ID, MAX_STEP, Lease
 from r3store.protocol.consumption import (
     CheckpointDeleted,
     CheckpointList,
@@ -24,10 +27,10 @@ from r3store.protocol.consumption import (
     RenewRequest,
     ResumedModel,
 )
-from r3store.protocol.models import NAME_PATTERN
 from r3store_server.auth import Principal
-from r3store_server.deps import DeadlineDep, EngineDep, PrincipalDep, allowed
+from r3store_server.deps import DeadlineDep, EngineDep, NamespacePath, PrincipalDep, allowed
 from r3store_server.errors import ERROR_RESPONSES
+from r3store_server.limits import Deadline
 
 log = logging.getLogger("r3store.server")
 router = APIRouter(prefix="/v1/namespaces", tags=["leases"], responses=ERROR_RESPONSES)
@@ -38,9 +41,35 @@ def holder(who: Principal, namespace: str) -> str | None:
     return None if who.may("manage", namespace) else who.name
 
 
-NamespacePath = Path(pattern=NAME_PATTERN, description="the namespace")
 LeasePath = Path(pattern=LEASE_ID.pattern, description="the lease")
 StepPath = Path(ge=0, le=MAX_STEP, description="the trainer step")
+
+
+@dataclass(frozen=True)
+class LeaseAt:
+    """The lease a request names, and whose leases its key may act on (`holder`)."""
+
+    namespace: str
+    lease_id: str
+    holder: str | None
+
+    async def act(
+        self, deadline: Deadline, call: Callable[..., Lease], *args: object
+    ) -> LeaseModel:
+        """`call(namespace, lease_id, *args, holder)` off the event loop, within the
+        deadline: the lease as it leaves it."""
+        lease = await deadline.run(call, self.namespace, self.lease_id, *args, self.holder)
+        return LeaseModel.of(lease)
+
+
+async def lease_at(
+    who: PrincipalDep, namespace: str = NamespacePath, lease_id: str = LeasePath
+) -> LeaseAt:
+    """The lease the path names, as the key may act on it."""
+    return LeaseAt(namespace, lease_id, holder(who, namespace))
+
+
+LeaseAtDep = Annotated[LeaseAt, Depends(lease_at)]
 
 
 @router.post(
@@ -109,17 +138,10 @@ async def open_leases(
 @router.get(
     "/{namespace}/leases/{lease_id}", response_model=LeaseModel, dependencies=[allowed("read")]
 )
-async def get_lease(
-    engine: EngineDep,
-    who: PrincipalDep,
-    deadline: DeadlineDep,
-    namespace: str = NamespacePath,
-    lease_id: str = LeasePath,
-) -> LeaseModel:
+async def get_lease(engine: EngineDep, deadline: DeadlineDep, lease: LeaseAtDep) -> LeaseModel:
     """A lease and its state (past its expiry: `expired`); 404 once forgotten (a day
     after it closed); 403 for a lease another key took."""
-    by = holder(who, namespace)
-    return LeaseModel.of(await deadline.run(engine.consumption.get, namespace, lease_id, by))
+    return await lease.act(deadline, engine.consumption.get)
 
 
 @router.post(
@@ -129,11 +151,9 @@ async def get_lease(
 )
 async def commit_lease(
     engine: EngineDep,
-    who: PrincipalDep,
     deadline: DeadlineDep,
+    lease: LeaseAtDep,
     body: CommitRequest | None = None,
-    namespace: str = NamespacePath,
-    lease_id: str = LeasePath,
 ) -> LeaseModel:
     """Count each of the lease's trajectories as sampled once (after the trainer's step).
     409 `lease_committed` when committed before (unless with the same `token`: a retry,
@@ -141,9 +161,7 @@ async def commit_lease(
     `fenced` for a lease of an epoch before a resume; 403 for a lease another key took;
     nothing changes then."""
     token = None if body is None else body.token
-    by = holder(who, namespace)
-    lease = await deadline.run(engine.consumption.commit, namespace, lease_id, token, by)
-    return LeaseModel.of(lease)
+    return await lease.act(deadline, engine.consumption.commit, token)
 
 
 @router.post(
@@ -151,17 +169,10 @@ async def commit_lease(
     response_model=LeaseModel,
     dependencies=[allowed("read")],
 )
-async def release_lease(
-    engine: EngineDep,
-    who: PrincipalDep,
-    deadline: DeadlineDep,
-    namespace: str = NamespacePath,
-    lease_id: str = LeasePath,
-) -> LeaseModel:
+async def release_lease(engine: EngineDep, deadline: DeadlineDep, lease: LeaseAtDep) -> LeaseModel:
     """Give the lease's trajectories back to the pool uncounted (a step abandoned); 403
     for a lease another key took."""
-    by = holder(who, namespace)
-    return LeaseModel.of(await deadline.run(engine.consumption.release, namespace, lease_id, by))
+    return await lease.act(deadline, engine.consumption.release)
 
 
 @router.post(
@@ -170,18 +181,11 @@ async def release_lease(
     dependencies=[allowed("read")],
 )
 async def renew_lease(
-    body: RenewRequest,
-    engine: EngineDep,
-    who: PrincipalDep,
-    deadline: DeadlineDep,
-    namespace: str = NamespacePath,
-    lease_id: str = LeasePath,
+    body: RenewRequest, engine: EngineDep, deadline: DeadlineDep, lease: LeaseAtDep
 ) -> LeaseModel:
     """Hold an open, unexpired lease `seconds` from now (a long step; at most the
     namespace's `leasing.max_seconds`); 403 for a lease another key took."""
-    by = holder(who, namespace)
-    lease = await deadline.run(engine.consumption.renew, namespace, lease_id, body.seconds, by)
-    return LeaseModel.of(lease)
+    return await lease.act(deadline, engine.consumption.renew, body.seconds)
 
 
 @router.post(
