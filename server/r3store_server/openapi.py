@@ -28,37 +28,40 @@ def _schemas(node: Any) -> Iterator[dict[str, Any]]:
             yield from _schemas(value)
 
 
+def _bounds(schema: Any) -> Iterator[tuple[dict[str, Any], str, Any]]:
+    """Each bound an integer schema within `schema` sets: that schema, the bound's key
+    and its value."""
+    for node in _schemas(schema):
+        if node.get("type") != "integer":
+            continue
+        for key in BOUNDS:
+            if key in node:
+                yield node, key, node[key]
+
+
 def integer_bounds(models: list[type[BaseModel]]) -> dict[float, int]:
     """Each integer bound of `models`, keyed by the float FastAPI turns it into."""
     exact: dict[float, int] = {}
     for model in models:
-        for schema in _schemas(model.model_json_schema()):
-            if schema.get("type") != "integer":
+        for _node, _key, value in _bounds(model.model_json_schema()):
+            if not isinstance(value, int):
                 continue
-            for key in BOUNDS:
-                value = schema.get(key)
-                if not isinstance(value, int):
-                    continue
-                if exact.setdefault(float(value), value) != value:
-                    raise RuntimeError(f"integer bounds {value} and {exact[float(value)]} clash")
+            if exact.setdefault(float(value), value) != value:
+                raise RuntimeError(f"integer bounds {value} and {exact[float(value)]} clash")
     return exact
 
 
 def exact_integers(schema: dict[str, Any], exact: dict[float, int]) -> dict[str, Any]:
     """`schema` with the bounds of its integer schemas as integers (in place)."""
-    for node in _schemas(schema):
-        if node.get("type") != "integer":
+    for node, key, value in _bounds(schema):
+        if not isinstance(value, float):
             continue
-        for key in BOUNDS:
-            value = node.get(key)
-            if not isinstance(value, float):
-                continue
-            if value in exact:
-                node[key] = exact[value]
-            elif value.is_integer() and abs(value) <= _EXACT_FLOAT:
-                node[key] = int(value)
-            else:
-                raise RuntimeError(f"cannot restore the integer bound {value!r} exactly")
+        if value in exact:
+            node[key] = exact[value]
+        elif value.is_integer() and abs(value) <= _EXACT_FLOAT:
+            node[key] = int(value)
+        else:
+            raise RuntimeError(f"cannot restore the integer bound {value!r} exactly")
     return schema
 
 
