@@ -245,3 +245,13 @@ def replicas(
     finally:
         a.stop()
         b.stop()
+
+
+def gauge(client: httpx.Client, name: str) -> float:
+    """A series of `/metrics` that carries no labels (`client` holds an admin key)."""
+    r = client.get("/metrics")
+    assert r.status_code == 200, r.text
+    for line in r.text.splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} is not in /metrics")

@@ -18,8 +18,8 @@ import httpx
 import numpy as np
 import pytest
 
-from helpers import SPEC, expected_ids, make_write
-from http_helpers import KEYS, SPEC_JSON, ServerProcess
+from helpers import SPEC, eventually, expected_ids, make_write
+from http_helpers import KEYS, SPEC_JSON, ServerProcess, gauge
 from r3store.engine import Engine
 from r3store.errors import ObjectExists, StoreError
 from r3store.protocol.wire import CONTENT_TYPE, decode_batch, encode_writes
@@ -171,7 +171,10 @@ def test_memory_budget_admits_uploads_or_answers_429(tmp_path: Path) -> None:
             )
             holder = threading.Thread(target=slow_upload)
             holder.start()
-            time.sleep(1.0)  # the slow upload holds 3x its body now
+            eventually(
+                lambda: gauge(http, "r3store_memory_held_bytes") >= 3 * len(body),
+                "the slow upload holds 3x its body",
+            )
             other = encode_writes([make_write("other", tokens=9000)])
             refused = http.post("/v1/namespaces/ns/trajectories", content=other, headers=headers)
             assert refused.status_code == 429, refused.text

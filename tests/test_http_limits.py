@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import socket
 import time
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 
 from helpers import eventually, make_write
-from http_helpers import KEYS, SPEC_JSON, ServerProcess
+from http_helpers import KEYS, SPEC_JSON, ServerProcess, gauge
 from r3store.protocol.wire import CONTENT_TYPE, encode_writes
 from r3store.records import TrajectoryWrite
 from r3store.testing.synthetic import decode_bomb
@@ -128,7 +129,7 @@ def test_every_body_but_an_upload_is_bounded_by_its_route(tmp_path: Path) -> Non
         # broken pipe, no reset
         declared = head("POST", STATS, bearer("reader"), f"Content-Length: {32 << 20}\r\n")
         sock = connect(server, declared)
-        time.sleep(0.2)  # answered by now
+        assert select.select([sock], [], [], 10)[0], "no answer before the body"
         sock.sendall(b" " * (32 << 20))
         answer, closed = until_closed(sock, 5)
         assert answer.startswith(b"HTTP/1.1 413 "), answer[:300]
@@ -242,8 +243,7 @@ def test_connections_are_bounded(tmp_path: Path) -> None:
         started = time.monotonic()
         assert httpx.get(f"{server.url}/healthz", timeout=5).status_code == 200
         assert time.monotonic() - started < 1
-        time.sleep(0.5)
-        assert open_files(server) <= before + 33
+        eventually(lambda: open_files(server) <= before + 33, "the idle connections evicted")
         closed = sum(until_closed(sock, 0.2)[1] for sock in idle)
         assert closed >= 80 - 32
 
@@ -297,7 +297,10 @@ def test_one_key_holds_at_most_its_share_of_the_upload_memory(tmp_path: Path) ->
             f"Content-Length: {1 << 20}\r\n",
         )
         holds = [connect(server, upload) for _ in range(2)]  # each would hold 3 MiB: all
-        time.sleep(0.5)
+        admin = {"Authorization": f"Bearer {KEYS['admin']}"}
+        with httpx.Client(base_url=server.url, headers=admin) as http:
+            held = lambda: gauge(http, "r3store_memory_held_bytes") >= 3 << 20  # noqa: E731
+            eventually(held, "the writer's uploads hold its share")
         started = time.monotonic()
         with httpx.Client(base_url=server.url, timeout=30) as http:
             other = http.post(

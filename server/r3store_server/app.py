@@ -235,6 +235,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     app.state.budget = MemoryBudget(
         settings.upload_memory_bytes, per_key=settings.upload_memory_key_bytes
     )
+    app.state.metrics.watch_budget(app.state.budget)
     errors.install(app)
     app.add_middleware(
         BodyGuard,

@@ -17,6 +17,7 @@ from r3store.engine.maintenance import Maintenance
 from r3store.errors import NotFound, R3StoreError
 from r3store.logic import stats
 from r3store.policy import SOURCES
+from r3store_server.limits import MemoryBudget
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,21 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("r3store_segments_written", "segments stored", stats.rows_written)
         yield CounterMetricFamily(
             "r3store_shard_bytes_written", "bytes of shards stored", stats.bytes_written
+        )
+
+
+class _BudgetCollector(Collector):
+    def __init__(self, budget: MemoryBudget) -> None:
+        self._budget = budget
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(
+            "r3store_memory_held_bytes",
+            "bytes the memory budget holds: bodies, decoding and answers in flight",
+            self._budget.used,
+        )
+        yield GaugeMetricFamily(
+            "r3store_memory_limit_bytes", "the memory budget", self._budget.limit
         )
 
 
@@ -73,6 +89,9 @@ class Metrics:
 
     def watch(self, engine: Engine) -> None:
         self.registry.register(_EngineCollector(engine))
+
+    def watch_budget(self, budget: MemoryBudget) -> None:
+        self.registry.register(_BudgetCollector(budget))
 
     def watch_namespaces(self, engine: Engine, interval: float = 15.0) -> None:
         """Per-namespace gauges, gathered every `interval` seconds off the event loop."""
