@@ -6,16 +6,16 @@ differs and consecutive tokens of one layer repeat sets. Three streams, each a z
 frame:
 
 - ``ids``: `[L, T, K]` of the id dtype (uint8 when E <= 256, else little-endian uint16),
-  each token-layer's chosen experts ascending, then zeros in empty slots. With transform
-  ``DELTA`` slot k > 0 holds `(x[k] - x[k-1] - 1) mod 2**bits` instead of `x[k]`;
-  near-uniform routes compress better as gaps, routes whose sets recur as plain ids, and
-  the encoder picks per trajectory by compressing a sample both ways. At rest
-  (`EVERY_TRANSFORM`) transform ``TOKEN_MAJOR`` is tried too: the sorted ids as
-  `[T, L, K]`, where a token's sets of all layers lie together, so text that recurs
-  (and with it its routes through every layer) makes long matches. Gaps
-  are near-random bytes that only the entropy coder shrinks, so they are compressed at
-  level 1 (higher levels gain nothing there, measured); plain ids at `level` (default
-  3), whose longer match search finds the recurring sets.
+  each token-layer's chosen experts ascending, then zeros in empty slots, laid out by
+  one of the transforms of `r3store.transforms` (the row's `transform`): as they are
+  (``SORTED``), as gaps within each token-layer (``DELTA``: near-uniform routes compress
+  better as gaps, routes whose sets recur as plain ids), or token-major
+  (``TOKEN_MAJOR``, at rest: text that recurs makes long matches). At ingest the
+  encoder picks per trajectory by compressing a sample each way (`transforms.INGEST`);
+  at rest (`EVERY_TRANSFORM`) the whole stream is compressed each way and the smallest
+  kept. Gaps are near-random bytes that only the entropy coder shrinks, so they are
+  compressed at level 1 (higher levels gain nothing there, measured); plain ids at
+  `level` (default 3), whose longer match search finds the recurring sets.
 - ``counts``: `[L, T]` uint8, how many slots are chosen (0: no recorded route); absent
   when every token-layer has K experts.
 - ``order`` (ordered specs only): for K <= 8, `[L, T]` uint16 Lehmer ranks of the
@@ -28,7 +28,9 @@ a row may hold only the tokens after a prefix it shares with other samples of it
 group (`EncodedRoutes.prefix`: the streams of the first `prefix_tokens` tokens, stored
 once in the shard). Decoding puts the two parts back together.
 
-All of it is pure: bytes in, arrays out, no I/O.
+The transforms are the vocabulary's (`r3store.transforms`: `Transform`,
+`EVERY_TRANSFORM`), importable from here too. All of it is pure: bytes in, arrays out,
+no I/O.
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import IntEnum
 from typing import Any
 
 import numpy as np
@@ -51,19 +52,13 @@ import zstandard
 from r3store.errors import CorruptShard
 from r3store.logic.routes import CHUNK_VALUES, SENTINEL, Routes, sort_planes
 from r3store.spec import RouteSpec
+from r3store.transforms import EVERY_TRANSFORM as EVERY_TRANSFORM
+from r3store.transforms import INGEST, TRANSFORMS, RouteTransform
+from r3store.transforms import Transform as Transform
 
 LEHMER_MAX_K = 8
 SAMPLE_BYTES = 64 * 1024
 DEFAULT_LEVEL = 3
-
-
-class Transform(IntEnum):
-    SORTED = 0
-    DELTA = 1
-    TOKEN_MAJOR = 2  # sorted ids as `[T, L, K]`: at rest, and direct writes with a dictionary
-
-
-EVERY_TRANSFORM = (Transform.SORTED, Transform.TOKEN_MAJOR, Transform.DELTA)
 
 
 @dataclass(frozen=True)
@@ -104,46 +99,44 @@ class Dictionary:
     def of(data: bytes) -> Dictionary:
         return Dictionary(data, hashlib.sha256(data).digest()[:16])
 
-    @functools.cached_property
-    def _zdict(self) -> zstandard.ZstdCompressionDict:
-        return zstandard.ZstdCompressionDict(self.data)
 
-    def compressor(self, level: int) -> zstandard.ZstdCompressor:
-        cache: dict[tuple[bytes, int], zstandard.ZstdCompressor] = _local.__dict__.setdefault(
-            "dict_compressors", {}
-        )
-        if (self.digest, level) not in cache:
-            cache[(self.digest, level)] = zstandard.ZstdCompressor(
-                level=level, dict_data=self._zdict
-            )
-        return cache[(self.digest, level)]
-
-    def decompressor(self) -> zstandard.ZstdDecompressor:
-        cache: dict[bytes, zstandard.ZstdDecompressor] = _local.__dict__.setdefault(
-            "dict_decompressors", {}
-        )
-        if self.digest not in cache:
-            if len(cache) >= 64:
-                cache.clear()
-            cache[self.digest] = zstandard.ZstdDecompressor(dict_data=self._zdict)
-        return cache[self.digest]
-
-
+Dictionaries = dict[bytes, Dictionary]  # by digest
 _local = threading.local()
-Dictionaries = dict[bytes, "Dictionary"]  # by digest
 
 
-def _compressor(level: int) -> zstandard.ZstdCompressor:
-    cache: dict[int, zstandard.ZstdCompressor] = _local.__dict__.setdefault("compressors", {})
-    if level not in cache:
-        cache[level] = zstandard.ZstdCompressor(level=level)
-    return cache[level]
+def compressor(level: int, dictionary: Dictionary | None = None) -> zstandard.ZstdCompressor:
+    """A zstd compressor at `level`, with `dictionary` when given: one per thread."""
+    key = (b"" if dictionary is None else dictionary.digest, level)
+    cache: dict[tuple[bytes, int], zstandard.ZstdCompressor] = _local.__dict__.setdefault(
+        "compressors", {}
+    )
+    if key not in cache:
+        cache[key] = (
+            zstandard.ZstdCompressor(level=level)
+            if dictionary is None
+            else zstandard.ZstdCompressor(level=level, dict_data=_zdict(dictionary))
+        )
+    return cache[key]
 
 
-def _decompressor() -> zstandard.ZstdDecompressor:
-    if not hasattr(_local, "decompressor"):
-        _local.decompressor = zstandard.ZstdDecompressor()
-    return _local.decompressor  # type: ignore[no-any-return]
+def decompressor(dictionary: Dictionary | None = None) -> zstandard.ZstdDecompressor:
+    """A zstd decompressor, with `dictionary` when given: one per thread."""
+    if dictionary is None:
+        if not hasattr(_local, "decompressor"):
+            _local.decompressor = zstandard.ZstdDecompressor()
+        return _local.decompressor  # type: ignore[no-any-return]
+    cache: dict[bytes, zstandard.ZstdDecompressor] = _local.__dict__.setdefault(
+        "dict_decompressors", {}
+    )
+    if dictionary.digest not in cache:
+        if len(cache) >= 64:
+            cache.clear()
+        cache[dictionary.digest] = zstandard.ZstdDecompressor(dict_data=_zdict(dictionary))
+    return cache[dictionary.digest]
+
+
+def _zdict(dictionary: Dictionary) -> zstandard.ZstdCompressionDict:
+    return zstandard.ZstdCompressionDict(dictionary.data)
 
 
 @functools.lru_cache(maxsize=LEHMER_MAX_K)
@@ -183,9 +176,10 @@ def encode(
 ) -> EncodedRoutes:
     """Encode canonical routes (as `r3store.logic.routes` makes them) into storage streams
     (`digest=False`: leave the digest empty, for a client whose server computes it).
-    With a `dictionary`, the ids stream is compressed with it at `level`, both ways
-    tried (sorted ids and gaps). With `transforms` (at rest: `EVERY_TRANSFORM`) the ids
-    stream is compressed whole in each of them, and the smallest kept.
+    With a `dictionary`, the ids stream is compressed with it at `level`, every way
+    tried. With `transforms` (at rest: `EVERY_TRANSFORM`) the ids stream is compressed
+    whole in each of them, and the smallest kept; else in the one of `INGEST` that
+    compresses a sample smallest.
 
     The digest covers the canonical content (not the compressed bytes) and `salt`,
     which callers use for the trajectory's metadata. Work goes a chunk of tokens at a
@@ -206,35 +200,46 @@ def encode(
         else b""
     )
 
-    compressor, fast = _compressor(level), _compressor(1)
-    if dictionary is not None:
-        compressor = fast = dictionary.compressor(level)
-    k = spec.top_k
-    if transforms:
-        if k == 1:  # gaps are the ids themselves
-            transforms = [t for t in transforms if t != Transform.DELTA] or [Transform.SORTED]
-        tried = [
-            (_compress_ids(fast if t == Transform.DELTA else compressor, layers, t), t)
-            for t in transforms
-        ]
-        ids_z, transform = min(tried, key=lambda c: len(c[0]))
-    else:
-        sample = (SAMPLE_BYTES // raw.itemsize) // k * k
-        plain_n = len(compressor.compress(raw[:sample].data))
-        delta_n = len(fast.compress(_delta(raw[:sample], k).data))
-        if k > 1 and delta_n < plain_n:
-            transform, ids_z = Transform.DELTA, _compress_ids(fast, layers, Transform.DELTA)
-        else:
-            transform, ids_z = Transform.SORTED, _compress_ids(compressor, layers, Transform.SORTED)
+    ids_z, transform = _ids_stream(layers, level, dictionary, transforms)
     return EncodedRoutes(
         ids=ids_z,
-        counts=None if counts is None else _compressor(level).compress(counts_raw),
-        order=None if order_raw is None else _compressor(level).compress(order_raw),
-        transform=transform,
+        counts=None if counts is None else compressor(level).compress(counts_raw),
+        order=None if order_raw is None else compressor(level).compress(order_raw),
+        transform=transform.id,
         digest=content,
         tokens=compress_tokens(token_ids),
         dictionary=None if dictionary is None else dictionary.digest,
     )
+
+
+def _ids_stream(
+    layers: npt.NDArray[Any],
+    level: int,
+    dictionary: Dictionary | None,
+    transforms: Sequence[Transform] | None,
+) -> tuple[bytes, RouteTransform]:
+    """The ids stream of sorted ids `layers` `[L, T, K]` and its transform: of
+    `transforms`, each compressed whole, the smallest; else the one of `INGEST` whose
+    first `SAMPLE_BYTES` compress smallest. On equal sizes, the first."""
+    k = layers.shape[2]
+    candidates = [TRANSFORMS[t] for t in transforms or INGEST if TRANSFORMS[t].applies(k)]
+    candidates = candidates or [TRANSFORMS[Transform.SORTED]]
+
+    def zstd(transform: RouteTransform) -> zstandard.ZstdCompressor:
+        fast = transform.fast and dictionary is None
+        return compressor(1 if fast else level, dictionary)
+
+    if transforms:
+        tried = [(_compress_ids(zstd(t), layers, t), t) for t in candidates]
+        return min(tried, key=lambda c: len(c[0]))
+    sample = (SAMPLE_BYTES // layers.itemsize) // k * k
+
+    def sampled(transform: RouteTransform) -> int:
+        first = next(transform.forward(layers, sample), layers.reshape(-1)[:0])
+        return len(zstd(transform).compress(first.data))
+
+    best = min(candidates, key=sampled)
+    return _compress_ids(zstd(best), layers, best), best
 
 
 def load_dictionary(data: bytes, digest: bytes) -> Dictionary:
@@ -247,11 +252,14 @@ def load_dictionary(data: bytes, digest: bytes) -> Dictionary:
 
 def self_contained(encoded: EncodedRoutes) -> bool:
     """Whether the streams decode alone (no dictionary, no shared prefix) in a transform
-    clients may be sent (not token-major, which only shards at rest hold)."""
+    clients may be sent (`RouteTransform.served`: not token-major, which only shards at
+    rest and direct writes hold)."""
+    transform = TRANSFORMS.get(encoded.transform)
     return (
         encoded.dictionary is None
         and encoded.prefix is None
-        and encoded.transform != Transform.TOKEN_MAJOR
+        and transform is not None
+        and transform.served
     )
 
 
@@ -293,7 +301,7 @@ def sorted_ids(routes: Routes, spec: RouteSpec) -> npt.NDArray[Any]:
 
 def compress_tokens(token_ids: npt.NDArray[np.int32] | None) -> bytes | None:
     """The `tokens` stream: a zstd frame of `[T]` int32 LE, or None."""
-    return None if token_ids is None else _compressor(1).compress(token_ids.astype("<i4").tobytes())
+    return None if token_ids is None else compressor(1).compress(token_ids.astype("<i4").tobytes())
 
 
 def content_digest(
@@ -317,24 +325,14 @@ def content_digest(
 
 
 def _compress_ids(
-    compressor: zstandard.ZstdCompressor, layers: npt.NDArray[Any], transform: Transform
+    compressor: zstandard.ZstdCompressor, layers: npt.NDArray[Any], transform: RouteTransform
 ) -> bytes:
     """One zstd frame of the ids stream of sorted ids `layers` `[L, T, K]` under
     `transform`, fed a chunk at a time."""
     sink = io.BytesIO()  # grows in place; getvalue() hands over its buffer, no copy
-    num_layers, num_tokens, k = layers.shape
     with compressor.stream_writer(sink, size=layers.nbytes, closefd=False) as stream:
-        if transform == Transform.TOKEN_MAJOR:
-            step = max(1, CHUNK_VALUES // (num_layers * k))  # whole tokens
-            for begin in range(0, num_tokens, step):
-                part = layers[:, begin : begin + step].transpose(1, 0, 2)
-                stream.write(np.ascontiguousarray(part).data)
-        else:
-            flat = layers.reshape(-1)
-            step = max(1, CHUNK_VALUES // k) * k  # whole token-layers
-            for begin in range(0, flat.size, step):
-                part = flat[begin : begin + step]
-                stream.write((_delta(part, k) if transform == Transform.DELTA else part).data)
+        for part in transform.forward(layers, CHUNK_VALUES):
+            stream.write(part.data)
     return sink.getvalue()
 
 
@@ -376,45 +374,9 @@ def decode_tokens(blob: bytes, num_tokens: int) -> npt.NDArray[np.int32]:
     return np.frombuffer(raw, dtype="<i4").astype(np.int32)
 
 
-def _delta(flat: npt.NDArray[Any], k: int) -> npt.NDArray[Any]:
-    """Per token-layer gaps: slot j > 0 becomes `x[j] - x[j-1] - 1` (mod 2**bits)."""
-    out = np.empty_like(flat)
-    with np.errstate(over="ignore"):
-        np.subtract(flat[1:], flat[:-1], out=out[1:])
-        out -= out.dtype.type(1)
-    out[::k] = flat[::k]
-    return out
-
-
-@functools.lru_cache(maxsize=32)
-def _slot_pattern(k: int, step: int, itemsize: int, size: int) -> npt.NDArray[Any]:
-    """`size` values, 1 where the slot index within its token-layer is >= step, else 0."""
-    dtype = np.dtype(f"u{itemsize}")
-    return np.tile((np.arange(k) >= step).astype(dtype), size // k)
-
-
-_PATTERN_TOKENS = 1 << 15
-
-
-def undelta(flat: npt.NDArray[Any], k: int) -> None:
-    """Invert `_delta` in place: a prefix sum within each token-layer (Hillis-Steele)."""
-    chunk = k * _PATTERN_TOKENS
-    with np.errstate(over="ignore"):
-        for start in range(0, flat.size, chunk):
-            part = flat[start : start + chunk]
-            n = part.size
-            part += _slot_pattern(k, 1, flat.itemsize, chunk)[:n]
-            step = 1
-            while step < k:
-                carry = part[:-step] * _slot_pattern(k, step, flat.itemsize, chunk)[step:n]
-                part[step:] += carry
-                step *= 2
-
-
 def _unzstd(blob: bytes, expected: int, what: str, dictionary: Dictionary | None = None) -> bytes:
-    decompressor = _decompressor() if dictionary is None else dictionary.decompressor()
     try:
-        data = decompressor.decompress(blob, max_output_size=expected)
+        data = decompressor(dictionary).decompress(blob, max_output_size=expected)
     except zstandard.ZstdError as exc:
         raise CorruptShard(f"cannot decompress the {what} stream: {exc}") from exc
     if len(data) != expected:
@@ -438,53 +400,69 @@ def decode(
             f"given {'none' if dictionary is None else dictionary.digest.hex()}"
         )
     if encoded.prefix is not None:
-        head = encoded.prefix_tokens
-        if not 0 < head < num_tokens or encoded.prefix.prefix is not None:
-            raise CorruptShard(f"a prefix of {head} tokens in a segment of {num_tokens}")
-        own = dataclasses.replace(encoded, prefix=None, prefix_tokens=0)
-        return Routes.concat(
-            [
-                decode(encoded.prefix, spec, head, dictionary),
-                decode(own, spec, num_tokens - head, dictionary),
-            ]
-        )
-    ids_z, counts_z, order_z = encoded.ids, encoded.counts, encoded.order
-    transform = int(encoded.transform)
+        return _decode_prefixed(encoded, encoded.prefix, spec, num_tokens, dictionary)
+    transform = TRANSFORMS.get(encoded.transform)
+    if transform is None:
+        raise CorruptShard(f"unknown route transform {int(encoded.transform)}")
     layers, k = spec.num_layers, spec.top_k
     shape = (layers, num_tokens, k)
-    n_ids = layers * num_tokens * k
     raw = _unzstd(
-        ids_z,
-        n_ids * spec.id_dtype.itemsize,
+        encoded.ids,
+        layers * num_tokens * k * spec.id_dtype.itemsize,
         "ids",
         None if encoded.dictionary is None else dictionary,
     )
-    ids = np.frombuffer(raw, dtype=spec.id_dtype)
-    if transform == Transform.TOKEN_MAJOR:
-        ids = np.ascontiguousarray(ids.reshape(num_tokens, layers, k).transpose(1, 0, 2))
-        ids = ids.reshape(-1)
-    else:
+    ids = transform.inverse(np.frombuffer(raw, dtype=spec.id_dtype), shape)
+    if not ids.flags.writeable:  # still the decompressed bytes
         ids = ids.copy()
-    if transform == Transform.DELTA:
-        undelta(ids, k)
-    elif transform not in (Transform.SORTED, Transform.TOKEN_MAJOR):
-        raise CorruptShard(f"unknown route transform {transform}")
     counts = None
-    if counts_z is not None:
-        counts_raw = _unzstd(counts_z, layers * num_tokens, "counts")
+    if encoded.counts is not None:
+        counts_raw = _unzstd(encoded.counts, layers * num_tokens, "counts")
         counts = np.frombuffer(counts_raw, dtype=np.uint8).reshape(layers, num_tokens)
     if spec.ordered:
-        if order_z is None:
-            raise CorruptShard("an ordered spec's row has no order stream")
-        if k <= LEHMER_MAX_K:
-            ranks_raw = _unzstd(order_z, layers * num_tokens * 2, "order")
-            ranks = np.frombuffer(ranks_raw, dtype=np.uint16).reshape(layers, num_tokens)
-            if k > 1 and int(ranks.max(initial=0)) >= math.factorial(k):
-                raise CorruptShard("order stream holds a rank past k!")
-            perm = lehmer_table(k)[ranks]
-        else:
-            perm_raw = _unzstd(order_z, n_ids, "order")
-            perm = np.frombuffer(perm_raw, dtype=np.uint8).reshape(shape)
-        base = np.arange(0, n_ids, k, dtype=np.intp).reshape(layers, num_tokens, 1)
-        ids = ids[perm + base]
+        ids = _unsort(ids, encoded.order, spec, num_tokens)
     return Routes(ids.reshape(shape), counts)
+
+
+def _decode_prefixed(
+    encoded: EncodedRoutes,
+    prefix: EncodedRoutes,
+    spec: RouteSpec,
+    num_tokens: int,
+    dictionary: Dictionary | None,
+) -> Routes:
+    """`decode` of a row that continues a shared `prefix` (its `prefix`): the prefix's
+    routes, then its own."""
+    head = encoded.prefix_tokens
+    if not 0 < head < num_tokens or prefix.prefix is not None:
+        raise CorruptShard(f"a prefix of {head} tokens in a segment of {num_tokens}")
+    own = dataclasses.replace(encoded, prefix=None, prefix_tokens=0)
+    return Routes.concat(
+        [
+            decode(prefix, spec, head, dictionary),
+            decode(own, spec, num_tokens - head, dictionary),
+        ]
+    )
+
+
+def _unsort(
+    ids: npt.NDArray[Any], order_z: bytes | None, spec: RouteSpec, num_tokens: int
+) -> npt.NDArray[Any]:
+    """Sorted ids (flat, layer-major) back in the producer's slot order, as the order
+    stream `order_z` holds it."""
+    if order_z is None:
+        raise CorruptShard("an ordered spec's row has no order stream")
+    layers, k = spec.num_layers, spec.top_k
+    n_ids = layers * num_tokens * k
+    if k <= LEHMER_MAX_K:
+        ranks_raw = _unzstd(order_z, layers * num_tokens * 2, "order")
+        ranks = np.frombuffer(ranks_raw, dtype=np.uint16).reshape(layers, num_tokens)
+        if k > 1 and int(ranks.max(initial=0)) >= math.factorial(k):
+            raise CorruptShard("order stream holds a rank past k!")
+        perm = lehmer_table(k)[ranks]
+    else:
+        perm_raw = _unzstd(order_z, n_ids, "order")
+        perm = np.frombuffer(perm_raw, dtype=np.uint8).reshape(layers, num_tokens, k)
+    base = np.arange(0, n_ids, k, dtype=np.intp).reshape(layers, num_tokens, 1)
+    unsorted: npt.NDArray[Any] = ids[perm + base]
+    return unsorted

@@ -94,8 +94,8 @@ def train(
     dictionary = Dictionary.of(trained.as_bytes())
     # worth keeping only if it saves more than its own size on what it learned from
     # (measured at level 3: cheap, and in the same direction as higher levels)
-    plain = zstandard.ZstdCompressor(level=3)
-    saved = sum(len(plain.compress(c)) - len(dictionary.compressor(3).compress(c)) for c in chunks)
+    plain, trained_with = zstandard.ZstdCompressor(level=3), codec.compressor(3, dictionary)
+    saved = sum(len(plain.compress(c)) - len(trained_with.compress(c)) for c in chunks)
     return dictionary if saved > len(dictionary.data) else None
 
 

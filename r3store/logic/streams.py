@@ -11,7 +11,8 @@ size, which must be exactly what the spec and token count imply (at most
 Canonical form (docs/format.md, "Route streams"): per token-layer, the chosen experts
 first, ascending, below `num_experts`, then zeros; counts absent when every count is K,
 else at most K (K or 0 without `allow_fewer`); for ordered specs an order that is a
-permutation keeping empty slots last.
+permutation keeping empty slots last. The ids stream's layout is undone by its
+transform (`r3store.transforms`) before the rules are checked.
 """
 
 from __future__ import annotations
@@ -26,16 +27,11 @@ import zstandard
 
 from r3store.errors import InvalidInput, InvalidRoutes
 from r3store.logic import codec
-from r3store.logic.codec import (
-    LEHMER_MAX_K,
-    Dictionary,
-    EncodedRoutes,
-    Transform,
-    lehmer_table,
-)
+from r3store.logic.codec import LEHMER_MAX_K, Dictionary, EncodedRoutes, lehmer_table
 from r3store.logic.routes import CHUNK_VALUES, Routes
 from r3store.logic.stats import Counts, expert_load
 from r3store.spec import RouteSpec
+from r3store.transforms import TRANSFORMS, RouteTransform
 
 MAX_ROW_BYTES = 64 << 20  # decompressed ids of one segment; longer ones: send segments
 MAX_UPLOAD_BYTES = 256 << 20  # decompressed ids of all encoded segments of one upload
@@ -105,7 +101,7 @@ def _exact(
         )
     try:  # the output is bounded as it is made: a frame that lies about its size stops here
         decompressor = (
-            zstandard.ZstdDecompressor() if dictionary is None else dictionary.decompressor()
+            zstandard.ZstdDecompressor() if dictionary is None else codec.decompressor(dictionary)
         )
         data = decompressor.decompress(blob, max_output_size=expected, allow_extra_data=False)
     except zstandard.ZstdError as exc:
@@ -253,7 +249,7 @@ def accept_counted(
     sent; `token_ids` must then be None. An ids stream that names a dictionary is
     decompressed with `dictionary`, which must be that one; token-major ids
     (`Transform.TOKEN_MAJOR`) are checked as the layer-major ids they hold."""
-    layers, k, itemsize = spec.num_layers, spec.top_k, spec.id_dtype.itemsize
+    layers, k = spec.num_layers, spec.top_k
     if not fits(spec, num_tokens):
         raise InvalidRoutes(
             f"{where}: {num_tokens} tokens of encoded routes decode to more than "
@@ -262,50 +258,17 @@ def accept_counted(
     if sent.tokens is not None:
         if token_ids is not None:
             raise InvalidInput(f"{where}: token ids given twice (as ids and as a stream)")
-        raw_tokens = _exact(sent.tokens, num_tokens * 4, "tokens", where)
-        token_ids = np.frombuffer(raw_tokens, "<i4")
-        if token_ids.size and int(token_ids.min()) < 0:
-            raise InvalidRoutes(f"{where}: token ids must be in [0, 2**31)")
+        token_ids = _sent_tokens(sent.tokens, num_tokens, where)
+    transform = _transform(sent, spec, dictionary, where)
     cells = layers * num_tokens
-    if sent.transform not in (Transform.SORTED, Transform.DELTA, Transform.TOKEN_MAJOR):
-        raise InvalidRoutes(f"{where}: unknown route transform {sent.transform}")
-    if sent.dictionary is not None and (dictionary is None or dictionary.digest != sent.dictionary):
-        raise InvalidRoutes(
-            f"{where}: the ids stream names dictionary {sent.dictionary.hex()}, which the "
-            "namespace does not have"
-        )
-    if spec.ordered != (sent.order is not None):
-        need = "needs an order stream" if spec.ordered else "takes no order stream"
-        raise InvalidRoutes(f"{where}: the namespace {need}")
     used = None if sent.dictionary is None else dictionary
-    raw = _exact(sent.ids, cells * k * itemsize, "ids", where, used)
-    ids = np.frombuffer(raw, spec.id_dtype)
-    if sent.transform == Transform.TOKEN_MAJOR:  # [T, L, K] as sent: checked layer-major
-        ids = np.ascontiguousarray(ids.reshape(num_tokens, layers, k).transpose(1, 0, 2))
-        ids = ids.reshape(-1)
-    if sent.transform == Transform.DELTA:
-        ids = ids.copy()  # undone in place
-        codec.undelta(ids, k)
+    raw = _exact(sent.ids, cells * k * spec.id_dtype.itemsize, "ids", where, used)
+    ids = transform.inverse(np.frombuffer(raw, spec.id_dtype), (layers, num_tokens, k))
     counts = None
     if sent.counts is not None:
         counts = np.frombuffer(_exact(sent.counts, cells, "counts", where), np.uint8)
-    order: npt.NDArray[Any] | None = None
-    if sent.order is not None:
-        if k <= LEHMER_MAX_K:
-            raw = _exact(sent.order, cells * 2, "order", where)
-            order = np.frombuffer(raw, np.uint16)
-        else:
-            order = np.frombuffer(_exact(sent.order, cells * k, "order", where), np.uint8)
-            order = order.reshape(cells, k)
-    sets = ids.reshape(cells, k)
-    step = max(1, CHUNK_VALUES // k)
-    for begin in range(0, cells, step):
-        end = min(cells, begin + step)
-        part = None if counts is None else counts[begin:end]
-        _check_sets(sets[begin:end], part, begin, spec, num_tokens, where)
-        if order is not None:
-            held = np.full(end - begin, k, np.uint8) if part is None else part
-            _check_order(order[begin:end], held, begin, spec, num_tokens, where)
+    order = None if sent.order is None else _sent_order(sent.order, spec, cells, where)
+    _check_all(ids.reshape(cells, k), counts, order, spec, num_tokens, where)
     full = counts is None or bool((counts == k).all())
     order_raw = b"" if order is None else order.reshape(-1).view(np.uint8).data
     tokens_raw = b"" if token_ids is None else token_ids.astype("<i4").tobytes()
@@ -317,8 +280,67 @@ def accept_counted(
         ids=sent.ids,
         counts=None if full else sent.counts,
         order=sent.order,
-        transform=Transform(sent.transform),
+        transform=transform.id,
         digest=codec.content_digest(spec, ids, shape, counts_raw, order_raw, tokens_raw, salt),
         tokens=sent.tokens if sent.tokens is not None else codec.compress_tokens(token_ids),
         dictionary=sent.dictionary,
     ), load
+
+
+def _sent_tokens(blob: bytes, num_tokens: int, where: str) -> npt.NDArray[Any]:
+    """The token ids of a `tokens` stream: exactly `num_tokens`, in [0, 2**31)."""
+    token_ids = np.frombuffer(_exact(blob, num_tokens * 4, "tokens", where), "<i4")
+    if token_ids.size and int(token_ids.min()) < 0:
+        raise InvalidRoutes(f"{where}: token ids must be in [0, 2**31)")
+    return token_ids
+
+
+def _transform(
+    sent: SentStreams, spec: RouteSpec, dictionary: Dictionary | None, where: str
+) -> RouteTransform:
+    """The transform of the ids stream, once it is known, the dictionary it names the
+    one given, and an order stream there exactly when the spec keeps the order."""
+    transform = TRANSFORMS.get(sent.transform)
+    if transform is None:
+        raise InvalidRoutes(f"{where}: unknown route transform {sent.transform}")
+    if sent.dictionary is not None and (dictionary is None or dictionary.digest != sent.dictionary):
+        raise InvalidRoutes(
+            f"{where}: the ids stream names dictionary {sent.dictionary.hex()}, which the "
+            "namespace does not have"
+        )
+    if spec.ordered != (sent.order is not None):
+        need = "needs an order stream" if spec.ordered else "takes no order stream"
+        raise InvalidRoutes(f"{where}: the namespace {need}")
+    return transform
+
+
+def _sent_order(blob: bytes, spec: RouteSpec, cells: int, where: str) -> npt.NDArray[Any]:
+    """The order stream of `cells` token-layers: ranks `[cells]` uint16 (K <= 8) or
+    positions `[cells, K]` uint8."""
+    k = spec.top_k
+    if k <= LEHMER_MAX_K:
+        return np.frombuffer(_exact(blob, cells * 2, "order", where), np.uint16)
+    order = np.frombuffer(_exact(blob, cells * k, "order", where), np.uint8)
+    return order.reshape(cells, k)
+
+
+def _check_all(
+    sets: npt.NDArray[Any],
+    counts: npt.NDArray[np.uint8] | None,
+    order: npt.NDArray[Any] | None,
+    spec: RouteSpec,
+    num_tokens: int,
+    where: str,
+) -> None:
+    """Every rule on the sorted sets `[cells, K]`, their counts and order, a chunk of
+    token-layers at a time."""
+    k = spec.top_k
+    cells = sets.shape[0]
+    step = max(1, CHUNK_VALUES // k)
+    for begin in range(0, cells, step):
+        end = min(cells, begin + step)
+        part = None if counts is None else counts[begin:end]
+        _check_sets(sets[begin:end], part, begin, spec, num_tokens, where)
+        if order is not None:
+            held = np.full(end - begin, k, np.uint8) if part is None else part
+            _check_order(order[begin:end], held, begin, spec, num_tokens, where)

@@ -16,7 +16,7 @@ import pyarrow as pa
 
 from r3store.errors import InvalidInput, StoreError
 from r3store.logic import codec
-from r3store.logic.codec import EncodedRoutes, Transform
+from r3store.logic.codec import EncodedRoutes
 from r3store.logic.routes import Routes, from_mask, to_mask
 from r3store.policy import ENGINE
 from r3store.protocol.formats import (
@@ -32,6 +32,7 @@ from r3store.records import (
     check_source,
 )
 from r3store.spec import RouteSpec
+from r3store.transforms import TRANSFORMS, Transform
 
 
 class _Span(Protocol):
@@ -284,7 +285,7 @@ def _trajectory(
         digest = row.get("digest") or b""
         stored = None
         if fmt is ReadFormat.ENCODED:
-            if row["route_transform"] not in set(Transform):
+            if row["route_transform"] not in TRANSFORMS:
                 raise InvalidInput(f"unknown route transform {row['route_transform']!r}")
             stored = EncodedRoutes(
                 row["route_ids"],
