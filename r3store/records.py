@@ -13,10 +13,9 @@ import numpy.typing as npt
 
 from r3store.errors import Conflict, InvalidInput
 from r3store.logic import codec
-from r3store.logic.codec import EncodedRoutes
-from r3store.logic.routes import Routes, from_mask, from_topk
-from r3store.logic.streams import SentStreams
+from r3store.logic.routes import from_mask, from_topk
 from r3store.policy import ENGINE, MAX_POLICY_VERSION, SOURCES, Source
+from r3store.route_types import Dictionaries, Dictionary, EncodedRoutes, Routes, SentStreams
 from r3store.spec import RouteSpec
 
 _NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -119,9 +118,7 @@ class TrajectoryWrite:
             raise type(exc)(f"{self.trajectory_id}: {exc}") from None
         raise InvalidInput(f"{self.trajectory_id}: encoded routes are checked by decoding")
 
-    def encode(
-        self, spec: RouteSpec, dictionary: codec.Dictionary | None = None
-    ) -> TrajectoryWrite:
+    def encode(self, spec: RouteSpec, dictionary: Dictionary | None = None) -> TrajectoryWrite:
         """This write with its routes validated and encoded here, as the engine would
         (a rollout worker's CPU instead of the server's); the server checks them by
         decoding. With the namespace's `dictionary` (a direct write), the ids go
@@ -262,7 +259,7 @@ class Batch:
     layers: tuple[int, ...] | None = None  # the spec's layers the routes hold; None: all
     # streams read as stored (`Engine.get_batch(as_stored=True)`): the dictionaries they
     # need, by digest
-    dictionaries: codec.Dictionaries = field(default_factory=dict)
+    dictionaries: Dictionaries = field(default_factory=dict)
 
     @property
     def found(self) -> list[TrajectoryRead]:

@@ -49,8 +49,6 @@ from r3store.errors import (
     StoreError,
 )
 from r3store.logic import codec
-from r3store.logic.codec import Dictionary
-from r3store.logic.routes import Routes
 from r3store.logic.sampling import Strategy
 from r3store.logic.sources import choose_source
 from r3store.policy import (
@@ -67,6 +65,7 @@ from r3store.records import (
     check_source,
     missing,
 )
+from r3store.route_types import Dictionary, Routes
 from r3store.spec import RouteSpec
 from r3store.storage.catalog import Catalog
 from r3store.storage.keys import dictionary_key

@@ -27,11 +27,10 @@ from r3store.errors import (
     StoreError,
 )
 from r3store.logic import codec, stats, streams
-from r3store.logic.codec import Dictionaries, Dictionary
-from r3store.logic.routes import Routes
 from r3store.logic.sources import engine_segments, inherit
 from r3store.policy import ENGINE, Source, is_stale, newest_accepted
 from r3store.records import PutResult, Segment, TrajectoryWrite
+from r3store.route_types import Dictionaries, Dictionary, Routes
 from r3store.spec import RouteSpec
 from r3store.storage.catalog import Catalog
 from r3store.storage.dictionary import DictionaryCache

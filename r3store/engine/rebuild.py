@@ -11,8 +11,8 @@ from typing import Any
 from r3store.catalog_types import NamespaceInfo, ShardInfo, TrajectoryEntry
 from r3store.errors import R3StoreError
 from r3store.logic import codec, stats
-from r3store.logic.codec import Dictionary, EncodedRoutes
 from r3store.policy import NamespaceSettings
+from r3store.route_types import Dictionary, EncodedRoutes
 from r3store.spec import RouteSpec
 from r3store.storage.blob import read_blob
 from r3store.storage.catalog import Catalog

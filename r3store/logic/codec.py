@@ -28,9 +28,9 @@ a row may hold only the tokens after a prefix it shares with other samples of it
 group (`EncodedRoutes.prefix`: the streams of the first `prefix_tokens` tokens, stored
 once in the shard). Decoding puts the two parts back together.
 
-The transforms are the vocabulary's (`r3store.transforms`: `Transform`,
-`EVERY_TRANSFORM`), importable from here too. All of it is pure: bytes in, arrays out,
-no I/O.
+The values are the vocabulary's (`r3store.route_types`: `EncodedRoutes`, `Dictionary`;
+`r3store.transforms`: `Transform`, `EVERY_TRANSFORM`), importable from here too. All of
+it is pure: bytes in, arrays out, no I/O.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ import io
 import math
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -50,7 +49,11 @@ import numpy.typing as npt
 import zstandard
 
 from r3store.errors import CorruptShard
-from r3store.logic.routes import CHUNK_VALUES, SENTINEL, Routes, sort_planes
+from r3store.logic.routes import CHUNK_VALUES, SENTINEL, sort_planes
+from r3store.route_types import Dictionaries as Dictionaries
+from r3store.route_types import Dictionary as Dictionary
+from r3store.route_types import EncodedRoutes as EncodedRoutes
+from r3store.route_types import Routes
 from r3store.spec import RouteSpec
 from r3store.transforms import EVERY_TRANSFORM as EVERY_TRANSFORM
 from r3store.transforms import INGEST, TRANSFORMS, RouteTransform
@@ -60,47 +63,6 @@ LEHMER_MAX_K = 8
 SAMPLE_BYTES = 64 * 1024
 DEFAULT_LEVEL = 3
 
-
-@dataclass(frozen=True)
-class EncodedRoutes:
-    """The stored streams of one segment and a digest of its canonical content.
-
-    `tokens`, when the producer sent token ids, is a zstd frame of `[T]` int32 LE (of
-    the whole segment, prefix included). `dictionary`: the digest of the zstd dictionary
-    the ids streams (this row's and its prefix's) need. `prefix`: the streams of the
-    first `prefix_tokens` tokens, shared with other rows; the others then cover the
-    tokens after them.
-    """
-
-    ids: bytes
-    counts: bytes | None
-    order: bytes | None
-    transform: Transform
-    digest: bytes
-    tokens: bytes | None = None
-    dictionary: bytes | None = None
-    prefix: EncodedRoutes | None = None
-    prefix_tokens: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of this row's own streams (a shared prefix not included)."""
-        return sum(len(s or b"") for s in (self.ids, self.counts, self.order, self.tokens))
-
-
-@dataclass(frozen=True, eq=False)
-class Dictionary:
-    """A zstd dictionary (`zstd -D` applies it too) and its digest, SHA-256[:16]."""
-
-    data: bytes
-    digest: bytes
-
-    @staticmethod
-    def of(data: bytes) -> Dictionary:
-        return Dictionary(data, hashlib.sha256(data).digest()[:16])
-
-
-Dictionaries = dict[bytes, Dictionary]  # by digest
 _local = threading.local()
 
 

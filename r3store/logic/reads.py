@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from r3store.logic import codec
-from r3store.logic.codec import Dictionaries, Dictionary, EncodedRoutes
 from r3store.policy import Source
 from r3store.records import SegmentRead, TrajectoryRead, assemble
+from r3store.route_types import Dictionaries, Dictionary, EncodedRoutes
 from r3store.spec import RouteSpec
 
 

@@ -31,8 +31,7 @@ import zstandard
 
 from r3store.errors import CorruptShard
 from r3store.logic import codec
-from r3store.logic.codec import Dictionary, EncodedRoutes
-from r3store.logic.routes import Routes
+from r3store.route_types import Dictionary, EncodedRoutes, Routes
 from r3store.spec import RouteSpec
 
 REST_LEVEL = 6  # bench/rest_bench.py: past 6, a CPU second more saves several times less

@@ -17,7 +17,8 @@ The canonical form is `Routes`: for each token-layer, the chosen experts first (
 ascending for sets, in the producer's order when the spec keeps it; empty slots are
 moved after the chosen ones), zeros in the empty slots, and a count of chosen slots
 (0: no recorded route). It is held layer-major, `[L, T, K]`, as it is stored and as a
-trainer replays it layer by layer; `Routes.ids` is the `[T, L, K]` view.
+trainer replays it layer by layer; `Routes.ids` is the `[T, L, K]` view. `Routes` and
+`EMPTY` are values of the vocabulary (`r3store.route_types`), importable from here too.
 """
 
 from __future__ import annotations
@@ -25,84 +26,17 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from r3store.errors import InvalidRoutes
+from r3store.route_types import EMPTY as EMPTY
+from r3store.route_types import Routes as Routes
 from r3store.spec import RouteSpec
 
-EMPTY = -1
 SENTINEL = 0xFFFF  # sorts after every expert id (E <= 65535)
-
-
-@dataclass(frozen=True, eq=False)
-class Routes:
-    """One trajectory's routes in canonical form (see the module docstring).
-
-    `layers` is `[L, T, K]` of the spec's id dtype; `layer_counts` is `[L, T]` uint8,
-    or None when every token-layer chose exactly K experts.
-    """
-
-    layers: npt.NDArray[Any]
-    layer_counts: npt.NDArray[np.uint8] | None = None
-
-    @property
-    def ids(self) -> npt.NDArray[Any]:
-        """`[T, L, K]` view of the ids."""
-        return self.layers.transpose(1, 0, 2)
-
-    @property
-    def counts(self) -> npt.NDArray[np.uint8]:
-        """`[T, L]` chosen slots per token-layer (0: no recorded route)."""
-        if self.layer_counts is None:
-            return np.full(self.layers.shape[1::-1], self.layers.shape[2], dtype=np.uint8)
-        return self.layer_counts.T
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.layers.shape[1])
-
-    def slot_valid(self) -> npt.NDArray[np.bool_]:
-        """`[L, T, K]` bool: which slots hold a chosen expert."""
-        if self.layer_counts is None:
-            return np.ones(self.layers.shape, dtype=bool)
-        k = self.layers.shape[2]
-        return np.arange(k, dtype=np.uint8) < self.layer_counts[:, :, None]
-
-    def to_topk(self, fill: int = EMPTY, dtype: npt.DTypeLike = np.int16) -> npt.NDArray[Any]:
-        """Token-major ids `[T, L, K]` as `dtype`, with `fill` in empty slots."""
-        out = self.layers.astype(dtype)
-        if self.layer_counts is not None:
-            out[~self.slot_valid()] = fill
-        return np.ascontiguousarray(out.transpose(1, 0, 2))
-
-    @staticmethod
-    def concat(parts: list[Routes]) -> Routes:
-        """The routes of consecutive segments as one trajectory's."""
-        if len(parts) == 1:
-            return parts[0]
-        layers = np.concatenate([p.layers for p in parts], axis=1)
-        if all(p.layer_counts is None for p in parts):
-            return Routes(layers)
-        k = layers.shape[2]
-        counts = [
-            p.layer_counts
-            if p.layer_counts is not None
-            else np.full(p.layers.shape[:2], k, np.uint8)
-            for p in parts
-        ]
-        return Routes(layers, np.concatenate(counts, axis=1))
-
-    def equals(self, other: Routes) -> bool:
-        """Same experts in the same slots and the same counts."""
-        return (
-            self.layers.shape == other.layers.shape
-            and bool(np.array_equal(self.counts, other.counts))
-            and bool(np.array_equal(self.to_topk(), other.to_topk()))
-        )
 
 
 def _where(shape: tuple[int, ...], flat: int, names: tuple[str, ...], first_token: int) -> str:

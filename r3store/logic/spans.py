@@ -8,7 +8,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from r3store.logic.codec import EncodedRoutes, Transform
+from r3store.route_types import EncodedRoutes
+from r3store.transforms import Transform
 
 
 @dataclass(frozen=True)

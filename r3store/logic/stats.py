@@ -20,7 +20,7 @@ import numpy.typing as npt
 import zstandard
 
 from r3store.errors import InvalidInput
-from r3store.logic.routes import Routes
+from r3store.route_types import Routes
 from r3store.spec import RouteSpec
 
 Counts = npt.NDArray[np.int64]

@@ -13,12 +13,14 @@ first, ascending, below `num_experts`, then zeros; counts absent when every coun
 else at most K (K or 0 without `allow_fewer`); for ordered specs an order that is a
 permutation keeping empty slots last. The ids stream's layout is undone by its
 transform (`r3store.transforms`) before the rules are checked.
+
+`SentStreams`, what a client sends, is a value of the vocabulary
+(`r3store.route_types`), importable from here too.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,9 +29,11 @@ import zstandard
 
 from r3store.errors import InvalidInput, InvalidRoutes
 from r3store.logic import codec
-from r3store.logic.codec import LEHMER_MAX_K, Dictionary, EncodedRoutes, lehmer_table
-from r3store.logic.routes import CHUNK_VALUES, Routes
+from r3store.logic.codec import LEHMER_MAX_K, lehmer_table
+from r3store.logic.routes import CHUNK_VALUES
 from r3store.logic.stats import Counts, expert_load
+from r3store.route_types import Dictionary, EncodedRoutes, Routes
+from r3store.route_types import SentStreams as SentStreams
 from r3store.spec import RouteSpec
 from r3store.transforms import TRANSFORMS, RouteTransform
 
@@ -56,32 +60,6 @@ def checking_bytes(spec: RouteSpec, num_tokens: int) -> int:
 def fits(spec: RouteSpec, num_tokens: int) -> bool:
     """Whether a segment may be sent encoded (else: as ids, or in shorter segments)."""
     return decoded_bytes(spec, num_tokens) <= MAX_ROW_BYTES
-
-
-@dataclass(frozen=True)
-class SentStreams:
-    """What a client sends for one segment: the `codec.encode` streams, and (a direct
-    write) the token ids as the `tokens` stream, a zstd frame of `[T]` int32 LE, and
-    the digest of the namespace dictionary the ids stream was compressed with."""
-
-    ids: bytes
-    transform: int
-    counts: bytes | None = None
-    order: bytes | None = None
-    tokens: bytes | None = None
-    dictionary: bytes | None = None
-
-    @classmethod
-    def of(cls, encoded: EncodedRoutes, with_tokens: bool = False) -> SentStreams:
-        tokens = encoded.tokens if with_tokens else None
-        return cls(
-            encoded.ids,
-            int(encoded.transform),
-            encoded.counts,
-            encoded.order,
-            tokens,
-            encoded.dictionary,
-        )
 
 
 def _exact(

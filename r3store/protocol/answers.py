@@ -16,8 +16,7 @@ import pyarrow as pa
 
 from r3store.errors import InvalidInput, StoreError
 from r3store.logic import codec
-from r3store.logic.codec import EncodedRoutes
-from r3store.logic.routes import Routes, from_mask, to_mask
+from r3store.logic.routes import from_mask, to_mask
 from r3store.policy import ENGINE
 from r3store.protocol.formats import (
     WIRE_VERSION,
@@ -31,6 +30,7 @@ from r3store.records import (
     assemble,
     check_source,
 )
+from r3store.route_types import EncodedRoutes, Routes
 from r3store.spec import RouteSpec
 from r3store.transforms import TRANSFORMS, Transform
 

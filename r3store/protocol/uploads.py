@@ -15,7 +15,7 @@ import numpy.typing as npt
 import pyarrow as pa
 
 from r3store.errors import InvalidInput, InvalidRoutes
-from r3store.logic.streams import MAX_UPLOAD_BYTES, SentStreams, checking_bytes, decoded_bytes
+from r3store.logic.streams import MAX_UPLOAD_BYTES, checking_bytes, decoded_bytes
 from r3store.policy import ENGINE
 from r3store.protocol.formats import (
     MAX_ROWS,
@@ -28,6 +28,7 @@ from r3store.records import (
     TrajectoryWrite,
     check_source,
 )
+from r3store.route_types import SentStreams
 from r3store.spec import RouteSpec
 
 UPLOAD_COLUMNS = {  # the columns `encode_writes` sends, with their Arrow types

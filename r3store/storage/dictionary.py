@@ -10,8 +10,9 @@ import contextlib
 from collections.abc import Iterable
 
 from r3store.errors import ObjectExists
-from r3store.logic.codec import Dictionaries, Dictionary, load_dictionary
+from r3store.logic.codec import load_dictionary
 from r3store.logic.lru import LRU
+from r3store.route_types import Dictionaries, Dictionary
 from r3store.storage.keys import dictionary_key
 from r3store.storage.store.base import ObjectStore
 

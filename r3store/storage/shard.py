@@ -23,12 +23,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from r3store.errors import CorruptShard
-from r3store.logic.codec import EncodedRoutes, Transform
 from r3store.logic.spans import RouteSpans, Span
 from r3store.policy import ENGINE, Source
 from r3store.records import check_source
+from r3store.route_types import EncodedRoutes
 from r3store.spec import RouteSpec
 from r3store.storage.keys import shard_key
+from r3store.transforms import Transform
 
 # 3: dictionaries and shared prefixes; 2: the `source` column; 1 (engine routes only)
 FORMAT_VERSION = "3"

@@ -90,8 +90,9 @@ def decode_bomb(name: str, segments: int = 4) -> list[Any]:
     checking them decodes every one in full): what an upload's memory charge is for."""
     import zstandard
 
-    from r3store.logic.streams import MAX_ROW_BYTES, SentStreams
+    from r3store.logic.streams import MAX_ROW_BYTES
     from r3store.records import TrajectoryWrite
+    from r3store.route_types import SentStreams
 
     tokens = MAX_ROW_BYTES // (48 * 8)
     ids = zstandard.ZstdCompressor(level=19).compress(bytes(range(8)) * (48 * tokens))
