@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from r3store.logic.spans import RouteSpans
 from r3store.policy import ENGINE, NamespaceSettings, Source
+from r3store.spans import RouteSpans
 from r3store.spec import RouteSpec
 
 

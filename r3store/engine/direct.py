@@ -34,9 +34,9 @@ from r3store.errors import (
     PlanGone,
 )
 from r3store.logic import signing
-from r3store.logic.spans import ByteRange, RouteSpans
 from r3store.protocol.direct import MAX_BLOB_BYTES, DirectSegment, unpack
 from r3store.records import PutResult, TrajectoryWrite
+from r3store.spans import ByteRange, RouteSpans
 from r3store.storage.blob import write_index
 from r3store.storage.catalog import Catalog
 from r3store.storage.catalog.ledger import DIRECT

@@ -53,8 +53,8 @@ from r3store.catalog_types import ShardUsage, TrajectoryEntry
 from r3store.engine.collection import Collectible, Collection
 from r3store.errors import Conflict, R3StoreError
 from r3store.logic import codec, rest
-from r3store.logic.spans import Span
 from r3store.route_types import Dictionary, EncodedRoutes
+from r3store.spans import Span
 from r3store.spec import RouteSpec
 from r3store.storage import binding
 from r3store.storage.catalog import Catalog

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from r3store.catalog_types import TrajectoryEntry
 from r3store.logic.lru import LRU
 from r3store.logic.reads import read_of
-from r3store.logic.spans import ByteRange, Span
 from r3store.protocol.plans import Fetched
 from r3store.records import TrajectoryRead
 from r3store.route_types import EncodedRoutes
+from r3store.spans import ByteRange, Span
 from r3store.spec import RouteSpec
 from r3store.storage.dictionary import DictionaryCache
 from r3store.storage.shard import BuiltShard

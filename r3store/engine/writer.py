@@ -34,9 +34,9 @@ from r3store.errors import (
     R3StoreError,
     StoreError,
 )
-from r3store.logic.spans import RouteSpans
 from r3store.policy import ENGINE, Source
 from r3store.records import Held, PutResult, Segment, settle
+from r3store.spans import RouteSpans
 from r3store.spec import RouteSpec
 from r3store.storage.catalog import Catalog
 from r3store.storage.catalog.ledger import DIRECT, INGEST

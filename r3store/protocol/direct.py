@@ -18,13 +18,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from r3store.errors import InvalidInput
 from r3store.logic import codec
-from r3store.logic.spans import RouteSpans, Span
 from r3store.logic.streams import MAX_UPLOAD_BYTES, decoded_bytes
 from r3store.policy import ENGINE, MAX_POLICY_VERSION, Source
 from r3store.protocol.fields import SpanModel
 from r3store.protocol.models import PutItem
 from r3store.records import MAX_ID_LENGTH, TrajectoryWrite
 from r3store.route_types import SentStreams
+from r3store.spans import RouteSpans, Span
 from r3store.spec import RouteSpec
 
 MAX_SEGMENTS = 4096  # segments one commit names (its JSON stays under 4 MiB)

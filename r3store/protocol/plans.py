@@ -24,11 +24,11 @@ from pydantic_core import CoreSchema, core_schema
 from r3store.catalog_types import TrajectoryEntry
 from r3store.errors import InvalidInput
 from r3store.logic.reads import read_of
-from r3store.logic.spans import ByteRange, RouteSpans, Span
 from r3store.policy import ENGINE, Source
 from r3store.protocol.fields import Hex, Range, SpansJson, Spec
 from r3store.records import Batch, TrajectoryRead, missing
 from r3store.route_types import Dictionaries, EncodedRoutes
+from r3store.spans import ByteRange, RouteSpans, Span
 from r3store.spec import RouteSpec
 
 

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from r3store.errors import CorruptShard
-from r3store.logic.spans import RouteSpans, Span
 from r3store.records import check_source
+from r3store.spans import RouteSpans, Span
 from r3store.spec import RouteSpec
 from r3store.storage.keys import index_key
 from r3store.storage.shard import ReadRow, ReadShard, RowPlace, ShardRow

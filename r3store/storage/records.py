@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from r3store.catalog_types import ShardInfo, TrajectoryEntry
-from r3store.logic.spans import RouteSpans
 from r3store.policy import Source
 from r3store.route_types import EncodedRoutes
+from r3store.spans import RouteSpans
 from r3store.storage.catalog.stats import LoadRecord
 from r3store.storage.shard import BuiltShard, ReadShard, RowPlace, ShardRow
 

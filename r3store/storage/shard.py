@@ -23,10 +23,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from r3store.errors import CorruptShard
-from r3store.logic.spans import RouteSpans, Span
 from r3store.policy import ENGINE, Source
 from r3store.records import check_source
 from r3store.route_types import EncodedRoutes
+from r3store.spans import RouteSpans, Span
 from r3store.spec import RouteSpec
 from r3store.storage.keys import shard_key
 from r3store.transforms import Transform

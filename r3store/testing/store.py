@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 import pytest
 
 from r3store.errors import InvalidInput, ObjectExists, ObjectNotFound
-from r3store.logic.spans import ByteRange
+from r3store.spans import ByteRange
 from r3store.storage.store.base import ObjectStore
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from r3store.logic.spans import ByteRange
+from r3store.spans import ByteRange
 from r3store.storage.store.base import ObjectInfo, ObjectStore
 from r3store.storage.store.local import LocalStore
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from r3store.errors import InvalidInput
-from r3store.logic.spans import ByteRange
+from r3store.spans import ByteRange
 
 _KEY = re.compile(r"^[A-Za-z0-9._\-]+(/[A-Za-z0-9._\-]+)*$")
 

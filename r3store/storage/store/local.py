@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from r3store.errors import ObjectExists, ObjectNotFound, StoreError
-from r3store.logic.spans import ByteRange
+from r3store.spans import ByteRange
 from r3store.storage.store.base import ObjectInfo, ObjectStore, check_key
 
 _TMP = ".tmp-"

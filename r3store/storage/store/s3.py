@@ -18,7 +18,7 @@ from r3store.errors import (
     R3StoreError,
     StoreError,
 )
-from r3store.logic.spans import ByteRange
+from r3store.spans import ByteRange
 from r3store.storage.store.base import ObjectInfo, ObjectStore, check_key
 
 if TYPE_CHECKING:
