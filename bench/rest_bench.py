@@ -27,6 +27,7 @@ from r3store.engine.maintenance import MaintenanceOptions
 from r3store.engine.reader import ReaderConfig, plan_ranges
 from r3store.logic import codec, rest
 from r3store.logic.routes import Routes, from_topk, to_mask
+from r3store.logic.writes import encode_write
 from r3store.protocol.direct import pack
 from r3store.records import TrajectoryWrite
 from r3store.spec import RouteSpec
@@ -144,8 +145,8 @@ def direct_bytes(spec: RouteSpec, writes: list[TrajectoryWrite]) -> tuple[int, i
             [(namespace, digest)] = [d for d in found if d is not None]
             dictionary = read_dictionary(store, namespace, digest)
             second = writes[half:]
-            plain, _ = pack([w.encode(spec) for w in second])
-            encoded = [w.encode(spec, dictionary) for w in second]
+            plain, _ = pack([encode_write(w, spec) for w in second])
+            encoded = [encode_write(w, spec, dictionary) for w in second]
             blob, _ = pack(encoded)
             before = engine.namespaces.usage("ns").live_route_bytes
             dictionaries = sum(o.size for o in store.list(DICTIONARY_PREFIX))

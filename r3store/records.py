@@ -5,18 +5,15 @@ from __future__ import annotations
 import re
 import unicodedata
 from collections.abc import Container, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from r3store.errors import Conflict, InvalidInput
-from r3store.logic import codec
-from r3store.logic.routes import from_mask, from_topk
 from r3store.policy import ENGINE, MAX_POLICY_VERSION, SOURCES, Source
-from r3store.route_types import Dictionaries, Dictionary, EncodedRoutes, Routes, SentStreams
-from r3store.spec import RouteSpec
+from r3store.route_types import Dictionaries, EncodedRoutes, Routes, SentStreams
 
 _NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _REFUSED = {"Cc", "Cs"}  # control characters, surrogates
@@ -68,7 +65,9 @@ class TrajectoryWrite:
     exactly one of them.
 
     `TrajectoryWrite("run1/p7/s3", num_tokens=4096, topk=ids, prompt_len=512,
-    group_id="run1/p7", policy_version=12)`; see `r3store.logic.routes` for the array forms.
+    group_id="run1/p7", policy_version=12)`; see `r3store.logic.routes` for the array forms,
+    and `r3store.logic.writes` for its routes validated (`canonical_routes`) and encoded
+    where they are (`encode_write`).
 
     Multi-turn: `start > 0` appends a segment of `num_tokens` tokens beginning at token
     `start`, which must be where the trajectory now ends; each segment has its own
@@ -105,32 +104,6 @@ class TrajectoryWrite:
         if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 2**31 - 1):
             raise InvalidInput(f"{self.trajectory_id}: token ids must be in [0, 2**31)")
         return arr.astype(np.int32)
-
-    def canonical(self, spec: RouteSpec) -> Routes:
-        """The ids or masks validated against `spec`, in canonical form (`InvalidRoutes`
-        naming this trajectory and the first offending position)."""
-        try:
-            if self.topk is not None:
-                return from_topk(self.topk, spec, self.num_tokens)
-            if self.mask is not None:
-                return from_mask(self.mask, spec, self.num_tokens)
-        except InvalidInput as exc:
-            raise type(exc)(f"{self.trajectory_id}: {exc}") from None
-        raise InvalidInput(f"{self.trajectory_id}: encoded routes are checked by decoding")
-
-    def encode(self, spec: RouteSpec, dictionary: Dictionary | None = None) -> TrajectoryWrite:
-        """This write with its routes validated and encoded here, as the engine would
-        (a rollout worker's CPU instead of the server's); the server checks them by
-        decoding. With the namespace's `dictionary` (a direct write), the ids go
-        token-major, compressed with it: about the bytes they take at rest."""
-        self.check()
-        if self.encoded is not None:
-            return self
-        transforms = None if dictionary is None else (codec.Transform.TOKEN_MAJOR,)
-        streams = codec.encode(  # the digest is the server's to compute
-            self.canonical(spec), spec, digest=False, dictionary=dictionary, transforms=transforms
-        )
-        return replace(self, topk=None, mask=None, encoded=SentStreams.of(streams))
 
     def check(self) -> None:
         check_id(self.trajectory_id)

@@ -26,6 +26,7 @@ from http_helpers import KEYS, ServerProcess, replicas
 from r3store.engine import Engine
 from r3store.engine.rebuild import rebuild_catalog
 from r3store.errors import Conflict, DirectUnavailable
+from r3store.logic.writes import encode_write
 from r3store.protocol.direct import DirectSegment, pack
 from r3store.protocol.fields import SpanModel
 from r3store.records import PutResult, TrajectoryWrite
@@ -93,7 +94,7 @@ def _commit(http: httpx.Client, ns: str, body: dict[str, Any]) -> httpx.Response
 
 
 def _encoded(writes: list[TrajectoryWrite]) -> tuple[bytes, list[DirectSegment]]:
-    return pack([w.encode(SPEC) for w in writes])
+    return pack([encode_write(w, SPEC) for w in writes])
 
 
 def _key_of(plan: dict[str, Any]) -> str:
@@ -710,7 +711,7 @@ def test_direct_writes_encode_with_the_namespace_dictionary(
                 assert np.array_equal(item.routes.to_topk(), np.sort(write.topk, axis=-1))
 
             # a commit naming a dictionary the namespace does not have changes nothing
-            encoded = [w.encode(SPEC) for w in _routed(3, 1, 50)]
+            encoded = [encode_write(w, SPEC) for w in _routed(3, 1, 50)]
             blob, segments = pack(encoded)
             plan = _plan(http, ns)
             assert _put_blob(plan, blob) in (200, 201)

@@ -25,6 +25,7 @@ from r3store.errors import InvalidRoutes, PlanGone
 from r3store.logic import codec, rest
 from r3store.logic.codec import Transform
 from r3store.logic.routes import Routes, from_topk
+from r3store.logic.writes import canonical_routes, encode_write
 from r3store.policy import NamespaceSettings, Retention
 from r3store.protocol.wire import ReadFormat, encode_batch
 from r3store.records import Batch, TrajectoryWrite
@@ -328,14 +329,14 @@ def test_writes_encoded_with_the_namespace_dictionary_are_checked_kept_and_reste
     dictionary = read_dictionary(store, *parsed)
 
     later = _group_writes(version=1)
-    encoded = [w.encode(SPEC, dictionary) for w, _ids in later.values()]
+    encoded = [encode_write(w, SPEC, dictionary) for w, _ids in later.values()]
     for w in encoded:
         assert w.encoded is not None
         assert (w.encoded.transform, w.encoded.dictionary) == (
             Transform.TOKEN_MAJOR,
             dictionary.digest,
         )
-    plain = [w.encode(SPEC) for w, _ids in later.values()]
+    plain = [encode_write(w, SPEC) for w, _ids in later.values()]
     assert sum(len(w.encoded.ids) for w in encoded if w.encoded) < sum(  # smaller with it
         len(w.encoded.ids) for w in plain if w.encoded
     )
@@ -348,9 +349,11 @@ def test_writes_encoded_with_the_namespace_dictionary_are_checked_kept_and_reste
     assert other is not None
     lying = dataclasses.replace(  # compressed with another dictionary, naming this one
         first.encoded,
-        ids=dataclasses.replace(first, topk=later[first.trajectory_id][1], encoded=None)
-        .encode(SPEC, other)
-        .encoded.ids,  # type: ignore[union-attr]
+        ids=encode_write(
+            dataclasses.replace(first, topk=later[first.trajectory_id][1], encoded=None),
+            SPEC,
+            other,
+        ).encoded.ids,  # type: ignore[union-attr]
     )
     with pytest.raises(InvalidRoutes):
         engine.put("ns", [dataclasses.replace(first, encoded=lying)])
@@ -369,5 +372,5 @@ def test_writes_encoded_with_the_namespace_dictionary_are_checked_kept_and_reste
 
 
 def _cold_row(write: TrajectoryWrite) -> rest.ColdRow:
-    routes = write.canonical(SPEC)
+    routes = canonical_routes(write, SPEC)
     return rest.ColdRow(routes, codec.encode(routes, SPEC), None, "engine", 0, 0)

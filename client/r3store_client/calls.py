@@ -52,6 +52,7 @@ from r3store.logic.codec import Dictionaries, Dictionary, decode_tokens, load_di
 from r3store.logic.sampling import Strategy
 from r3store.logic.spans import ByteRange
 from r3store.logic.streams import fits
+from r3store.logic.writes import encode_write
 from r3store.policy import NamespaceSettings, Source
 from r3store.protocol.direct import WritePlanModel
 from r3store.protocol.models import (
@@ -180,7 +181,7 @@ def encoded_writes(
     too long to be checked by decoding stays as ids."""
     for w in writes:
         check_shape(w, spec)
-    return [w.encode(spec, dictionary) if fits(spec, w.num_tokens) else w for w in writes]
+    return [encode_write(w, spec, dictionary) if fits(spec, w.num_tokens) else w for w in writes]
 
 
 def upload_body(writes: Sequence[TrajectoryWrite], spec: RouteSpec, encode: bool) -> bytes:

@@ -28,6 +28,7 @@ from r3store.errors import (
 )
 from r3store.logic import codec, stats, streams
 from r3store.logic.sources import engine_segments, inherit
+from r3store.logic.writes import canonical_routes
 from r3store.policy import ENGINE, Source, is_stale, newest_accepted
 from r3store.records import PutResult, Segment, TrajectoryWrite
 from r3store.route_types import Dictionaries, Dictionary, Routes
@@ -108,15 +109,6 @@ def _annotating_own(
             )
 
 
-def _canonical(spec: RouteSpec, write: TrajectoryWrite) -> Routes:
-    """The routes of a checked write, validated against `spec`, in canonical form."""
-    if write.encoded is not None:
-        sent = write.encoded
-        stored = streams.accept(sent, spec, write.num_tokens, b"", None, write.trajectory_id)
-        return codec.decode(stored, spec, write.num_tokens)
-    return write.canonical(spec)
-
-
 class Encoder:
     """Checks, validates, encodes and settles writes of one catalog's namespaces.
     `compression_level`: the zstd level of routes encoded here; `max_ahead`: how far
@@ -140,7 +132,7 @@ class Encoder:
     def prepare_routes(spec: RouteSpec, write: TrajectoryWrite) -> Routes:
         """Validate one trajectory against `spec` and return its canonical routes."""
         write.check()
-        return _canonical(spec, write)
+        return canonical_routes(write, spec)
 
     def prepare(
         self,
@@ -164,7 +156,7 @@ class Encoder:
                 dictionary,
             )
         else:
-            routes = _canonical(spec, write)
+            routes = canonical_routes(write, spec)
             load = stats.expert_load(routes, spec)
             encoded = codec.encode(
                 routes,

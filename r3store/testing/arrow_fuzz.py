@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from r3store.errors import R3StoreError
+from r3store.logic.writes import encode_write
 from r3store.protocol.ipc import Flatbuffer, message_header, read_table
 from r3store.protocol.wire import encode_writes
 from r3store.records import TrajectoryWrite
@@ -142,7 +143,7 @@ def base_bodies() -> list[tuple[bytes, list[TrajectoryWrite]]]:
         tokens = int(rng.integers(2, 9))
         ids = uniform_topk(rng, tokens - 1, spec.num_layers, spec.num_experts, spec.top_k)
         write = TrajectoryWrite(f"fuzz/encoded/{row}", tokens, topk=ids, policy_version=row)
-        encoded.append(write.encode(spec))
+        encoded.append(encode_write(write, spec))
     out.append((encode_writes(encoded), encoded))
     return out
 

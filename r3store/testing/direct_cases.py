@@ -25,6 +25,7 @@ import numpy.typing as npt
 
 from r3store.errors import R3StoreError
 from r3store.logic import codec, streams
+from r3store.logic.writes import encode_write
 from r3store.protocol.direct import DirectSegment, pack, unpack
 from r3store.records import TrajectoryWrite
 from r3store.spec import RouteSpec
@@ -116,7 +117,7 @@ class Ctx:
     ) -> Upload:
         """A plan of `namespace`, the writes packed, and their blob (or `blob`) PUT."""
         writes = writes if writes is not None else self.writes(namespace, spec=spec)
-        packed, segments = pack([w.encode(spec or SPECS[namespace]) for w in writes])
+        packed, segments = pack([encode_write(w, spec or SPECS[namespace]) for w in writes])
         plan = self.plan(namespace, who)
         data = packed if blob is None else blob
         status = self.put(plan, data)
@@ -265,7 +266,7 @@ def other_writer(ctx: Ctx) -> None:
 def never_uploaded(ctx: Ctx) -> None:
     ns = pick_ns(ctx)
     writes = ctx.writes(ns)
-    _blob, segments = pack([w.encode(SPECS[ns]) for w in writes])
+    _blob, segments = pack([encode_write(w, SPECS[ns]) for w in writes])
     up = Upload(ns, ctx.plan(ns), _blob, segments, writes)
     reject(ctx, up, up.body())
 
@@ -273,7 +274,7 @@ def never_uploaded(ctx: Ctx) -> None:
 def truncated_blob(ctx: Ctx) -> None:
     ns = pick_ns(ctx)
     writes = ctx.writes(ns)
-    blob, _segments = pack([w.encode(SPECS[ns]) for w in writes])
+    blob, _segments = pack([encode_write(w, SPECS[ns]) for w in writes])
     cut = blob[: ctx.rng.randint(1, len(blob) - 1)]
     up = ctx.upload(ns, writes, blob=cut)
     size = ctx.rng.choice((len(cut), len(blob)))

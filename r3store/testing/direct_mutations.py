@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
+from r3store.logic.writes import encode_write
 from r3store.protocol.direct import pack
 from r3store.testing.direct_cases import (
     OTHER,
@@ -114,7 +115,7 @@ def span_shared(ctx: Ctx) -> None:
 def random_streams(ctx: Ctx) -> None:
     ns = pick_ns(ctx)
     writes = ctx.writes(ns)
-    _blob, segments = pack([w.encode(SPECS[ns]) for w in writes])
+    _blob, segments = pack([encode_write(w, SPECS[ns]) for w in writes])
     junk = (
         os.urandom(ctx.rng.randint(1, 4096))
         if ctx.rng.random() < 0.5
@@ -169,7 +170,7 @@ def zstd_wrong_size(ctx: Ctx) -> None:
         frame = plain.compress(bytes(real)) + b"\0\1\2"
     else:
         frame = plain.compress(bytes(real)) + plain.compress(bytes(real))
-    packed, segments = pack([w.encode(spec)])
+    packed, segments = pack([encode_write(w, spec)])
     blob = packed + frame
     up = ctx.upload(ns, writes, blob=blob)
     name = ctx.rng.choice(("route_ids", "token_ids"))
@@ -180,7 +181,7 @@ def zstd_wrong_size(ctx: Ctx) -> None:
 def blob_flip(ctx: Ctx) -> None:
     ns = pick_ns(ctx)
     writes = ctx.writes(ns)
-    raw = bytearray(pack([w.encode(SPECS[ns]) for w in writes])[0])
+    raw = bytearray(pack([encode_write(w, SPECS[ns]) for w in writes])[0])
     for _ in range(ctx.rng.randint(1, 3)):
         raw[ctx.rng.randrange(len(raw))] ^= 1 << ctx.rng.randrange(8)
     up = ctx.upload(ns, writes, blob=bytes(raw))
