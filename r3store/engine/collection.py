@@ -230,9 +230,7 @@ class Collection:
         shard it names, or a maintenance upload of its namespace not committed (which
         may hold copies of them); compaction and rest never commit dropped segments."""
         cutoff = seen.now - self.grace_seconds
-        copying = {
-            p.namespace for p in seen.pending.values() if p.kind in (MAINTENANCE, DELETING)
-        }
+        copying = {p.namespace for p in seen.pending.values() if p.kind in (MAINTENANCE, DELETING)}
         for info in self.store.list(TOMBSTONE_PREFIX):
             record = read_tombstone(self.store, info.key)
             if record is None:  # another replica's pass deleted it meanwhile

@@ -480,6 +480,7 @@ class Maintenance:
 
 RETIRE, COMPACT = "retire", "compact"
 
+
 @dataclass
 class MaintenancePreview:
     """`Maintenance.preview()`: what a pass would do, as things stand."""

@@ -23,8 +23,8 @@ import pytest
 
 from r3store.errors import Conflict, InvalidInput, NotFound
 from r3store.logic import stats as stats_lib
-from r3store.logic.spans import Span
 from r3store.policy import NamespaceSettings
+from r3store.spans import Span
 from r3store.spec import RouteSpec
 from r3store.storage.catalog import Catalog, head
 from r3store.storage.catalog.ledger import DELETING, INGEST

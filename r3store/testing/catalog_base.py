@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from r3store.catalog_types import ShardInfo, TrajectoryEntry
-from r3store.logic.spans import RouteSpans, Span
 from r3store.policy import ENGINE, Source
+from r3store.spans import RouteSpans, Span
 from r3store.spec import RouteSpec
 from r3store.storage.catalog import Catalog
 from r3store.storage.catalog.ledger import INGEST

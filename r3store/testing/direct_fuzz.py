@@ -215,9 +215,7 @@ class DirectFuzz:
             return
         rep.rejected += 1
 
-    def _control(
-        self, kind: str, r: Any, namespace: str, writes: list[TrajectoryWrite]
-    ) -> None:
+    def _control(self, kind: str, r: Any, namespace: str, writes: list[TrajectoryWrite]) -> None:
         """A valid commit: accepted, and every write read back as written."""
         rep = self.report
         rep.controls += 1

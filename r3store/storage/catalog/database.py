@@ -21,8 +21,8 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from r3store.catalog_types import NamespaceInfo, TrajectoryEntry
 from r3store.errors import Conflict, StoreError
-from r3store.logic.spans import COLUMNS, RouteSpans
 from r3store.policy import NamespaceSettings
+from r3store.spans import COLUMNS, RouteSpans
 from r3store.spec import RouteSpec
 from r3store.storage.catalog.tables import namespaces
 
