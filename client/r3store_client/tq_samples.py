@@ -1,0 +1,164 @@
+"""TransferQueue's samples as r3store trajectories, and back (torch required; no
+TransferQueue import: `r3store_client.transferqueue` does the I/O).
+
+A route field of a TransferQueue put holds one integer tensor `[T, L, K]` per sample
+(verl: `routed_experts`, int16, over the sample's `prompt_len + response_len` tokens,
+zero rows where the engine recorded no route). Each sample becomes one trajectory of
+`T` tokens; a row of K zeros (K > 1) is stored as no route, as `r3store_client.verl`
+stores it. What the controller keeps for the sample (its backend meta, `SampleMeta`) is
+the trajectory's ref, the tensor's dtype and shape: enough to give back exactly the
+tensor that was put, or to refuse.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from r3store_client.extras import missing
+
+try:
+    import torch
+except ImportError as exc:
+    raise missing("torch", __name__, "torch") from exc
+
+from r3store.errors import InvalidInput, RefMismatch
+from r3store.records import TrajectoryWrite
+from r3store.refs import RouteRef
+from r3store.spec import RouteSpec
+from r3store_client.tensors import CompactRoutes
+
+INTEGER_DTYPES = {
+    str(dtype).removeprefix("torch."): dtype
+    for dtype in (torch.int16, torch.int32, torch.int64, torch.uint8, torch.int8)
+}
+
+
+@dataclass(frozen=True)
+class SampleMeta:
+    """One sample's route field as the controller keeps it: `ref` (JSON) names the
+    stored trajectory (None for a sample of no tokens, which is stored nowhere);
+    `dtype` and `shape` are the tensor's as it was put."""
+
+    ref: str | None
+    dtype: str
+    shape: tuple[int, int, int]
+
+    def to_backend(self) -> dict[str, Any]:
+        return {"ref": self.ref, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_backend(cls, value: object, field: str) -> SampleMeta:
+        """The meta the controller handed back; `RefMismatch` when it is not one this
+        backend wrote (the field was put through another backend, or altered)."""
+        ref = dtype = shape = None
+        if isinstance(value, dict):
+            ref, dtype, shape = value.get("ref"), value.get("dtype"), value.get("shape")
+        if (
+            not (ref is None or isinstance(ref, str))
+            or dtype not in INTEGER_DTYPES
+            or not isinstance(shape, list | tuple)
+            or len(shape) != 3
+            or not all(isinstance(n, int) and n >= 0 for n in shape)
+        ):
+            raise RefMismatch(
+                f"{field}: the sample's backend meta {value!r:.200} is not an r3store ref: "
+                "was it put through another storage backend?"
+            )
+        return cls(ref, dtype, (shape[0], shape[1], shape[2]))
+
+    def route_ref(self) -> RouteRef | None:
+        return None if self.ref is None else RouteRef.from_json(self.ref)
+
+
+def per_sample(value: Any, field: str) -> list[torch.Tensor]:
+    """A field's value in a put, one tensor per sample: the components of a nested
+    tensor, or the rows of a dense one."""
+    if not isinstance(value, torch.Tensor):
+        raise InvalidInput(f"{field} must be a tensor per sample, got {type(value).__name__}")
+    return list(value.unbind()) if value.is_nested else list(value)
+
+
+def describe(value: torch.Tensor, field: str) -> SampleMeta:
+    """A sample's tensor before it is stored (no ref yet): integer `[T, L, K]`, or
+    refused."""
+    dtype = str(value.dtype).removeprefix("torch.")
+    if dtype not in INTEGER_DTYPES or value.dim() != 3:
+        raise InvalidInput(
+            f"{field}: each sample's routes must be an integer tensor [T, L, K], got "
+            f"{value.dtype} {list(value.shape)}"
+        )
+    tokens, layers, k = (int(n) for n in value.shape)
+    return SampleMeta(None, dtype, (tokens, layers, k))
+
+
+def new_trajectory_id(partition: str) -> str:
+    """A trajectory id of its own for a sample: TransferQueue reuses its sample indexes
+    after a clear, so they cannot name what is stored."""
+    return f"tq/{partition}/{uuid.uuid4().hex}"
+
+
+def sample_write(
+    trajectory_id: str,
+    routes: torch.Tensor,
+    spec: RouteSpec,
+    *,
+    token_ids: torch.Tensor | None = None,
+    prompt_len: int = 0,
+    group_id: str | None = None,
+    policy_version: int = 0,
+) -> TrajectoryWrite:
+    """One sample's routes `[T, L, K]` as a trajectory write: its token ids with it
+    when they are `T` of them, a prompt length past `T` dropped (the write refuses
+    none); K zeros in a row (K > 1) stored as no route."""
+    tokens, layers, k = (int(n) for n in routes.shape)  # as `describe` checked
+    if (layers, k) != (spec.num_layers, spec.top_k):
+        raise InvalidInput(
+            f"{trajectory_id}: routes of {layers} layers and top-{k} in a namespace of "
+            f"{spec.num_layers} layers and top-{spec.top_k}"
+        )
+    ids = routes.detach().cpu().numpy().astype(np.int32)
+    if k > 1:
+        ids[(ids == 0).all(axis=-1)] = -1
+    tokens_np = None
+    if token_ids is not None and tuple(token_ids.shape) == (tokens,):
+        tokens_np = token_ids.detach().cpu().numpy().astype(np.int32)
+    return TrajectoryWrite(
+        trajectory_id,
+        num_tokens=tokens,
+        topk=ids,
+        prompt_len=prompt_len if 0 <= prompt_len <= tokens else 0,
+        group_id=group_id,
+        policy_version=policy_version,
+        token_ids=tokens_np,
+    )
+
+
+def sample_tensors(
+    metas: Sequence[SampleMeta], routes: CompactRoutes | None, field: str
+) -> list[torch.Tensor]:
+    """Each sample's tensor as it was put, from the routes its refs resolved to (token
+    -major, padded, in the order of the samples that have a ref); `RefMismatch` when
+    what is stored is not the shape the sample was put with."""
+    out = []
+    b = 0
+    for meta in metas:
+        dtype = INTEGER_DTYPES[meta.dtype]
+        if meta.ref is None:
+            out.append(torch.zeros(meta.shape, dtype=dtype))
+            continue
+        assert routes is not None
+        n = int(routes.lengths[b])
+        got = routes.ids[b, :n]
+        if (n, *got.shape[1:]) != meta.shape:
+            raise RefMismatch(
+                f"{field}: {meta.ref} holds routes {[n, *got.shape[1:]]}, but the sample was "
+                f"put as {list(meta.shape)}"
+            )
+        out.append(got.to(dtype))
+        b += 1
+    return out

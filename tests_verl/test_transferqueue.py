@@ -1,0 +1,300 @@
+"""r3store as TransferQueue's storage backend, chosen by configuration, with the real
+TransferQueue 0.1.11 on a local Ray cluster and verl 0.9.1's own code: the agent loop's
+puts (`AgentLoopWorkerTQ._agent_loop_postprocess`), the workers' reads (`tqbridge`) and
+the Megatron router replay. The routes reach r3store and not SimpleStorage, and read
+back exactly as SimpleStorage gives the same tensors."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transfer_queue")
+
+import ray  # noqa: E402
+import transfer_queue as tq  # noqa: E402
+import verl  # noqa: E402  (loads the `verl.plugins` entry points: r3store's among them)
+from tensordict import TensorDict  # noqa: E402
+from test_verl import _replay_in_megatron  # noqa: E402
+from transfer_queue.storage.managers.base import StorageManagerFactory  # noqa: E402
+from verl_rollout import EXPERTS, LAYERS, TOP_K  # noqa: E402
+
+from r3store.refs import RouteRef  # noqa: E402
+from r3store_client import Client  # noqa: E402
+from r3store_client.transferqueue import NAME, R3StoreManager  # noqa: E402
+
+ROUTES = "routed_experts"
+COPY = "routes_through_simple_storage"  # the same tensors, as SimpleStorage keeps them
+
+
+def routes(tokens: int, rng: np.random.Generator, recorded: int | None = None) -> torch.Tensor:
+    """int16 `[tokens, L, K]` of distinct experts per token-layer, in the engine's
+    order; rows past `recorded` zero (verl's rows without a route)."""
+    ids = np.stack(
+        [
+            np.stack([rng.permutation(EXPERTS)[:TOP_K] for _ in range(LAYERS)])
+            for _ in range(tokens)
+        ]
+    )
+    if recorded is not None:
+        ids[recorded:] = 0
+    return torch.from_numpy(ids.astype(np.int16))
+
+
+def conf(url: str, namespace: str) -> dict[str, Any]:
+    spec = {"num_layers": LAYERS, "num_experts": EXPERTS, "top_k": TOP_K}
+    return {
+        "backend": {
+            "storage_backend": NAME,
+            "SimpleStorage": {"num_data_storage_units": 1},
+            NAME: {"url": url, "namespace": namespace, "spec": spec},
+        }
+    }
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[str]:
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def queue(cluster: str, server: str) -> Iterator[str]:
+    """TransferQueue started with the backend chosen by name; the namespace it writes."""
+    tq.init(conf(server, "tq"))
+    try:
+        yield "tq"
+    finally:
+        tq.close()
+
+
+def test_the_entry_point_registers_the_backend() -> None:
+    assert "r3store" in {ep.name for ep in verl_plugins()}
+    assert StorageManagerFactory._registry[NAME] is R3StoreManager
+
+
+def verl_plugins() -> Any:
+    from importlib.metadata import entry_points
+
+    return entry_points(group="verl.plugins")
+
+
+def test_a_put_goes_to_r3store_and_reads_back_as_simple_storage_would(
+    queue: str, server: str
+) -> None:
+    rng = np.random.default_rng(0)
+    tensors = [routes(5, rng), routes(3, rng, recorded=2), routes(7, rng)]
+    tokens = [torch.arange(len(t), dtype=torch.int64) + 10 * i for i, t in enumerate(tensors)]
+    data = TensorDict(
+        {
+            ROUTES: torch.nested.as_nested_tensor(tensors, layout=torch.jagged),
+            COPY: torch.nested.as_nested_tensor(tensors, layout=torch.jagged),
+            "input_ids": torch.nested.as_nested_tensor(tokens, layout=torch.jagged),
+        },
+        batch_size=[3],
+    )
+    tags = [{"prompt_len": 2, "global_steps": 4}] * 3
+    with Client(server) as client:
+        before = client.namespace(queue).trajectories if queue in names(client) else 0
+        tq.kv_batch_put(keys=["a", "b", "c"], partition_id="train", fields=data, tags=tags)
+        assert client.namespace(queue).trajectories == before + 3
+
+    got = tq.kv_batch_get(keys=["c", "a", "b"], partition_id="train")
+    mine, theirs = got[ROUTES], got[COPY]
+    assert type(mine) is type(theirs)
+    assert (mine.dtype, mine.layout, mine.is_nested) == (theirs.dtype, theirs.layout, True)
+    assert torch.equal(mine.offsets(), theirs.offsets())
+    assert torch.equal(mine.values(), theirs.values())
+    for part, want in zip(mine.unbind(), [tensors[2], tensors[0], tensors[1]], strict=True):
+        assert torch.equal(part, want)
+
+    # only the samples asked for, each named by the ref the controller keeps
+    one = tq.kv_batch_get(keys=["b"], partition_id="train", select_fields=[ROUTES])
+    assert torch.equal(one[ROUTES].unbind()[0], tensors[1])
+    meta = tq.get_client().kv_retrieve_meta(keys=["b"], partition_id="train")
+    ref = RouteRef.from_json(meta._custom_backend_meta[0][ROUTES]["ref"])
+    assert (ref.namespace, ref.num_tokens, ref.policy_version) == (queue, 3, 4)
+
+    # and SimpleStorage holds none of them
+    inner = tq.get_client().storage_manager.inner
+    held = asyncio.run(inner.get_data(meta.select_fields([COPY])))
+    assert torch.equal(held[COPY].unbind()[0], tensors[1])
+    with pytest.raises(Exception):  # noqa: B017,PT011 (whatever SimpleStorage raises)
+        nothing = asyncio.run(inner.get_data(meta.select_fields([ROUTES])))
+        assert nothing[ROUTES] is None or len(nothing[ROUTES]) == 0
+        raise ValueError("no routes in SimpleStorage")
+    tq.kv_clear(keys=["a", "b", "c"], partition_id="train")
+
+
+def names(client: Client) -> set[str]:
+    return {ns.name for ns in client.namespaces()}
+
+
+def agent_loop_worker() -> Any:
+    """verl's `AgentLoopWorkerTQ` (the class under its Ray actor), without its model:
+    `verl.trainer.ppo.v1`'s package imports the trainer (torchdata, aiohttp), so the
+    module is loaded from its file."""
+    path = Path(verl.__file__).parent / "trainer/ppo/v1/agent_loop_tq.py"
+    spec = importlib.util.spec_from_file_location("agent_loop_tq", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cls = module.AgentLoopWorkerTQ.__ray_actor_class__
+    worker = cls.__new__(cls)
+    worker.reward_loop_worker_handles = None
+    worker.distillation_enabled = False
+    worker.processor = None
+    return worker
+
+
+def test_the_agent_loops_puts_replay_exactly_in_megatron(queue: str) -> None:
+    """verl's agent loop puts each trajectory (int16 routes over prompt and response,
+    zero rows past what the engine recorded); a worker's `tqbridge` read hands them to
+    verl's R3 replay into Megatron-Core's routers, which route every replayed token to
+    the experts the engine chose."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+    from verl.utils.transferqueue_utils import tqbridge
+    from transfer_queue.metadata import KVBatchMeta
+
+    rng = np.random.default_rng(1)
+    worker = agent_loop_worker()
+    engine_routes = {}
+
+    def output(prompt: int, response: int, recorded: int) -> AgentLoopOutput:
+        ids = routes(recorded, rng)
+        return AgentLoopOutput(
+            prompt_ids=[int(t) for t in rng.integers(6, 120, prompt)],
+            response_ids=[int(t) for t in rng.integers(6, 120, response)],
+            response_mask=[1] * response,
+            routed_experts=ids.tolist(),
+            num_turns=2,
+            metrics=AgentLoopMetrics(),
+            extra_fields={"min_global_steps": 3, "max_global_steps": 3},
+        )
+
+    async def rollouts() -> None:
+        for session, (p, r) in enumerate([(5, 4), (3, 6), (6, 2)]):
+            out = output(p, r, p + r - 1)  # no route for the last sampled token
+            engine_routes[f"g{session}_0_0"] = out.routed_experts
+            await worker._agent_loop_postprocess(
+                out, validate=False, uid=f"g{session}", session_id=0, global_steps=3
+            )
+
+    asyncio.run(rollouts())
+    keys = list(engine_routes)
+    got = tq.kv_batch_get(keys=keys, partition_id="train")
+    for part, key in zip(got[ROUTES].unbind(), keys, strict=True):
+        want = torch.zeros(part.shape, dtype=torch.int16)
+        recorded = torch.tensor(engine_routes[key], dtype=torch.int16)
+        want[: len(recorded)] = recorded
+        assert part.dtype == torch.int16
+        assert torch.equal(part, want)
+
+    seen: dict[str, Any] = {}
+
+    @tqbridge()
+    def compute(batch: TensorDict) -> None:  # a worker method's read, as verl's
+        seen["batch"] = batch
+
+    compute(KVBatchMeta(keys=keys, tags=[{}] * len(keys), partition_id="train"))
+    batch = seen["batch"]
+    targets, used, _native, mask = _replay_in_megatron(batch)
+    values = batch[ROUTES].values()
+    replayed = mask.bool()
+    assert int(replayed.sum()) > 0
+    for layer in range(LAYERS):
+        assert torch.equal(targets[layer], values[:, layer].long())
+        want = torch.zeros(values.shape[0], EXPERTS, dtype=torch.bool)
+        want.scatter_(1, values[:, layer].long(), True)
+        assert torch.equal(used[layer][replayed], want[replayed])
+    tq.kv_clear(keys=keys, partition_id="train")
+
+
+def test_a_tampered_ref_is_refused(queue: str) -> None:
+    rng = np.random.default_rng(2)
+    data = TensorDict({ROUTES: routes(4, rng)[None]}, batch_size=[1])
+    tq.kv_batch_put(keys=["t"], partition_id="train", fields=data)
+    client = tq.get_client()
+    meta = client.kv_retrieve_meta(keys=["t"], partition_id="train")
+    value = dict(meta._custom_backend_meta[0][ROUTES])
+    ref = RouteRef.from_json(value["ref"])
+    other = RouteRef.from_json(value["ref"].replace(ref.digest_hex, "00" * (len(ref.digest_hex) // 2)))
+    value["ref"] = other.to_json()
+    schema = {ROUTES: meta.field_schema[ROUTES]}
+    manager = client.storage_manager.inner
+    asyncio.run(manager.notify_data_update("train", meta.global_indexes, schema, {meta.global_indexes[0]: {ROUTES: value}}))
+    with pytest.raises(Exception, match="RefMismatch|other content|no longer"):  # noqa: PT011
+        tq.kv_batch_get(keys=["t"], partition_id="train")
+    tq.kv_clear(keys=["t"], partition_id="train")
+
+
+def run_python(code: str, gcs: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "RAY_ADDRESS": gcs, **env},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+ATTACH = "import ray; ray.init(address='auto'); import verl, transfer_queue as tq; tq.init()"
+
+
+def test_a_process_without_the_plugin_fails_loudly(queue: str, cluster: str) -> None:
+    """A verl process that did not load the plugin (here: plugins turned off) stops at
+    `tq.init`, naming the backend; never runs on another one."""
+    done = run_python(ATTACH, cluster, VERL_USE_EXTERNAL_PLUGINS="none")
+    assert done.returncode != 0
+    assert f"Unknown manager_type: {NAME}" in done.stderr
+
+
+def test_a_plugin_that_fails_to_import_says_so(queue: str, cluster: str) -> None:
+    """The backend's import fails (a dependency of it missing): verl would log that at
+    debug level; here the process logs it as an error and `tq.init` raises, naming
+    r3store and what failed."""
+    broken = "import sys; sys.modules['r3store_client.tq_samples'] = None; " + ATTACH
+    done = run_python(broken, cluster)
+    assert done.returncode != 0
+    assert "r3store's TransferQueue backend 'R3Store'" in done.stderr
+    assert "could not be imported" in done.stderr
+    assert "r3store_client.tq_samples" in done.stderr
+
+
+def test_a_checkpoint_gives_the_same_routes_after_a_restart(
+    queue: str, server: str, tmp_path: Path
+) -> None:
+    """Checkpoint, consume (clear), lose everything TransferQueue held (close it), start
+    again and load the checkpoint: every sample reads the same routes, bit for bit, and
+    r3store counts them unconsumed again."""
+    rng = np.random.default_rng(3)
+    tensors = [routes(n, rng) for n in (6, 2, 9)]
+    data = TensorDict(
+        {ROUTES: torch.nested.as_nested_tensor(tensors, layout=torch.jagged)}, batch_size=[3]
+    )
+    keys = ["k0", "k1", "k2"]
+    tq.kv_batch_put(keys=keys, partition_id="train", fields=data)
+    where = tmp_path / "global_step_1" / "transfer_queue"
+    tq.save_checkpoint(str(where), metadata={"global_steps": 1})
+    tq.kv_clear(keys=keys, partition_id="train")
+    tq.close()
+    tq.init(conf(server, queue))
+    tq.load_checkpoint(str(where))
+    got = tq.kv_batch_get(keys=keys, partition_id="train")
+    for part, want in zip(got[ROUTES].unbind(), tensors, strict=True):
+        assert torch.equal(part, want)
+    tq.kv_clear(keys=keys, partition_id="train")
