@@ -53,9 +53,14 @@ def test_every_package_is_installed() -> None:
     listed = set(
         tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
     )
-    found = {
-        ".".join(init.parent.relative_to(root).parts)
-        for init in (root / "r3store").rglob("__init__.py")
+    folders = {
+        "r3store": root,
+        "r3store_server": root / "server",
+        "r3store_client": root / "client",
     }
-    found |= {"r3store_server", "r3store_client"}
+    found = {
+        ".".join(init.parent.relative_to(base).parts)
+        for package, base in folders.items()
+        for init in (base / package).rglob("__init__.py")
+    }
     assert found == listed
