@@ -18,13 +18,19 @@ _UNITS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)([dhms])")
 
 
+def _within(text: str, low: int, high: int) -> int | None:
+    """`text` as a whole number from `low` to `high`, or None."""
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return value if low <= value <= high else None
+
+
 def step(text: str) -> int:
     """An argparse type: a trainer step, a whole number from 0 to 2^63 - 1."""
-    try:
-        value: int | None = int(text)
-    except ValueError:
-        value = None
-    if value is None or not 0 <= value <= MAX_STEP:
+    value = _within(text, 0, MAX_STEP)
+    if value is None:
         raise argparse.ArgumentTypeError(
             f"expected a step, a whole number from 0 to 2^63 - 1; got {text!r}"
         )
@@ -45,11 +51,8 @@ def whole_number(low: int, high: int) -> Callable[[str], int]:
     """An argparse type: a whole number from `low` to `high`, refused in one line."""
 
     def whole(text: str) -> int:
-        try:
-            value: int | None = int(text)
-        except ValueError:
-            value = None
-        if value is None or not low <= value <= high:
+        value = _within(text, low, high)
+        if value is None:
             top = "2^63 - 1" if high == MAX_POLICY_VERSION else str(high)
             raise argparse.ArgumentTypeError(
                 f"expected none or a whole number from {low} to {top}; got {text!r}"

@@ -6,9 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from r3store.errors import InvalidConfig
 from r3store_server.backends import migrate_catalog, sqlite_path
-from r3store_server.cli.commands import Commands, open_engine
+from r3store_server.cli.commands import Commands, open_engine, require_catalog
 from r3store_server.cli.output import progress
 from r3store_server.settings import Settings
 
@@ -24,12 +23,7 @@ def rebuild(args: argparse.Namespace, settings: Settings) -> Any:
 def migrate(settings: Settings, dry_run: bool) -> dict[str, Any]:
     """`r3store migrate`: the catalog's schema revision and the newest, and the upgrade
     (none with `--dry-run`). Needs no store; refuses to make a new SQLite catalog."""
-    catalog_file = sqlite_path(settings)
-    if catalog_file is not None and not catalog_file.exists():
-        raise InvalidConfig(
-            f"no catalog at {catalog_file} (R3STORE_CATALOG_URL, or R3STORE_DATA_DIR): point "
-            "the settings at the server's catalog"
-        )
+    require_catalog(sqlite_path(settings))
     return migrate_catalog(settings, dry_run)
 
 

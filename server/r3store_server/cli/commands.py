@@ -8,6 +8,7 @@ import argparse
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeAlias
 
 from r3store.engine import Engine
@@ -62,14 +63,21 @@ def open_engine(settings: Settings, init: bool, bind: bool = True) -> Engine:
         )
     # the embedded store is asked for by its directory; a bucket prefix by --init
     init = init or settings.store == "local"
-    if catalog_file is not None and not catalog_file.exists() and not init:
-        raise InvalidConfig(
-            f"no catalog at {catalog_file} (R3STORE_CATALOG_URL, or R3STORE_DATA_DIR): point "
-            "the settings at the server's catalog, or pass --init to create a new, empty one"
-        )
+    if not init:
+        require_catalog(catalog_file, ", or pass --init to create a new, empty one")
     engine = build_engine(settings)
     print(
         f"r3store: store {engine.store_description}, catalog {settings.catalog_description()}",
         file=sys.stderr,
     )
     return bound(engine, settings, init) if bind else engine
+
+
+def require_catalog(catalog_file: Path | None, hint: str = "") -> None:
+    """Refuses a SQLite catalog file (`sqlite_path`) that is not there, rather than make a
+    new, empty one; `hint` ends the message."""
+    if catalog_file is not None and not catalog_file.exists():
+        raise InvalidConfig(
+            f"no catalog at {catalog_file} (R3STORE_CATALOG_URL, or R3STORE_DATA_DIR): point "
+            f"the settings at the server's catalog{hint}"
+        )

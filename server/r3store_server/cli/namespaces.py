@@ -136,23 +136,34 @@ def add_commands(commands: Commands) -> None:
         on_engine(change_settings),
     )
     settings.add_argument("name", help="the namespace")
-    settings.add_argument(
+    _settings_options(settings)
+
+
+def _settings_options(settings: argparse.ArgumentParser) -> None:
+    """The options of `settings`, one for each of `SETTINGS_FLAGS`, in its order."""
+
+    def count(option: str, low: int, high: int, help: str) -> None:
+        """An option that is a whole number from `low` to `high`, or `none`."""
+        kind = optional(whole_number(low, high))
+        settings.add_argument(option, type=kind, metavar="N", help=help)
+
+    count(
         "--max-lag",
-        type=optional(whole_number(0, MAX_POLICY_VERSION)),
-        metavar="N",
-        help="serve routes at most N policy versions old (0 or more); none: no limit",
+        0,
+        MAX_POLICY_VERSION,
+        "serve routes at most N policy versions old (0 or more); none: no limit",
     )
-    settings.add_argument(
+    count(
         "--max-times-sampled",
-        type=optional(whole_number(1, MAX_TIMES_SAMPLED)),
-        metavar="N",
-        help="sample a trajectory at most N times (1 or more); none: no limit",
+        1,
+        MAX_TIMES_SAMPLED,
+        "sample a trajectory at most N times (1 or more); none: no limit",
     )
-    settings.add_argument(
+    count(
         "--keep-versions",
-        type=optional(whole_number(1, MAX_POLICY_VERSION)),
-        metavar="N",
-        help="keep the routes of the last N policy versions (1 or more); none: all",
+        1,
+        MAX_POLICY_VERSION,
+        "keep the routes of the last N policy versions (1 or more); none: all",
     )
     settings.add_argument(
         "--ttl",
@@ -165,24 +176,24 @@ def add_commands(commands: Commands) -> None:
         action=argparse.BooleanOptionalAction,
         help="drop a trajectory once sampled max-times-sampled times",
     )
-    settings.add_argument(
+    count(
         "--keep-checkpoints",
-        type=optional(whole_number(1, MAX_TIMES_SAMPLED)),
-        metavar="N",
-        help="keep the newest N step checkpoints (1 or more; routes consumed after the "
-        "oldest kept one are kept for a resume); none: every checkpoint",
+        1,
+        MAX_TIMES_SAMPLED,
+        "keep the newest N step checkpoints (1 or more; routes consumed after the oldest kept "
+        "one are kept for a resume); none: every checkpoint",
     )
-    settings.add_argument(
+    count(
         "--max-open-leases",
-        type=optional(whole_number(1, MAX_TIMES_SAMPLED)),
-        metavar="N",
-        help="open leases one API key holds at once (1 or more); none: no limit",
+        1,
+        MAX_TIMES_SAMPLED,
+        "open leases one API key holds at once (1 or more); none: no limit",
     )
-    settings.add_argument(
+    count(
         "--max-held",
-        type=optional(whole_number(1, MAX_TIMES_SAMPLED)),
-        metavar="N",
-        help="trajectories one API key's open leases hold at once; none: no limit",
+        1,
+        MAX_TIMES_SAMPLED,
+        "trajectories one API key's open leases hold at once; none: no limit",
     )
     settings.add_argument(
         "--max-lease-seconds",
