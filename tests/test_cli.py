@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -50,15 +51,39 @@ def env(tmp_path: Path, seaweed: SeaweedFS, monkeypatch: pytest.MonkeyPatch) -> 
     return values
 
 
-def cli(*args: str) -> object:
+def cli_json(*args: str, env: dict[str, str] | None = None) -> object:
+    """What the CLI prints with `--json`, parsed; it must exit 0."""
     result = subprocess.run(
         [sys.executable, "-m", "r3store_server.cli", "--json", *args],
         capture_output=True,
         text=True,
         timeout=120,
+        env=env,
     )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
+
+
+def record(value: object) -> dict[str, Any]:
+    """`value`, a JSON object."""
+    assert isinstance(value, dict), value
+    return value
+
+
+def records(value: object) -> list[dict[str, Any]]:
+    """`value`, a JSON list of objects."""
+    assert isinstance(value, list), value
+    return [record(item) for item in value]
+
+
+def cli(*args: str) -> dict[str, Any]:
+    """A command's record, with `--json`."""
+    return record(cli_json(*args))
+
+
+def cli_list(*args: str) -> list[dict[str, Any]]:
+    """A command's list of records, with `--json`."""
+    return records(cli_json(*args))
 
 
 def test_cli_end_to_end(env: dict[str, str]) -> None:
@@ -66,8 +91,8 @@ def test_cli_end_to_end(env: dict[str, str]) -> None:
     made = cli(
         "--init", "namespaces", "create", "run1", "--layers", "4", "--experts", "64", "--top-k", "4"
     )
-    assert made["spec"]["num_experts"] == 64  # type: ignore[index]
-    assert [n["name"] for n in cli("namespaces", "list")] == ["run1"]  # type: ignore[union-attr]
+    assert made["spec"]["num_experts"] == 64
+    assert [n["name"] for n in cli_list("namespaces", "list")] == ["run1"]
     engine = build_engine(Settings())
     try:
         engine.put(
@@ -75,19 +100,19 @@ def test_cli_end_to_end(env: dict[str, str]) -> None:
         )
     finally:
         engine.close()
-    stats = cli("stats", "run1")["run1"]  # type: ignore[index]
+    stats = cli("stats", "run1")["run1"]
     assert stats["trajectories"] == 6
     assert stats["by_policy_version"] == {"0": 2, "1": 2, "2": 2}
-    assert cli("policy", "run1", "--version", "2")["policy_version"] == 2  # type: ignore[index]
+    assert cli("policy", "run1", "--version", "2")["policy_version"] == 2
     settings = cli("settings", "run1", "--keep-versions", "1", "--max-lag", "3")
-    assert settings["settings"]["retention"]["keep_versions"] == 1  # type: ignore[index]
+    assert settings["settings"]["retention"]["keep_versions"] == 1
     report = cli("maintain", "--grace", "0")
-    assert report["trajectories_dropped"] == 4  # type: ignore[index]
-    assert cli("namespaces", "show", "run1")["trajectories"] == 2  # type: ignore[index]
+    assert report["trajectories_dropped"] == 4
+    assert cli("namespaces", "show", "run1")["trajectories"] == 2
     rebuilt = cli("rebuild", "--yes")
-    assert rebuilt["trajectories"] == 2  # type: ignore[index]
-    assert rebuilt["namespaces"] == 1  # type: ignore[index]
-    assert cli("namespaces", "show", "run1")["policy_version"] == 2  # type: ignore[index]
+    assert rebuilt["trajectories"] == 2
+    assert rebuilt["namespaces"] == 1
+    assert cli("namespaces", "show", "run1")["policy_version"] == 2
     refused = subprocess.run(
         [sys.executable, "-m", "r3store_server.cli", "namespaces", "delete", "run1"],
         capture_output=True,
@@ -95,7 +120,7 @@ def test_cli_end_to_end(env: dict[str, str]) -> None:
     )
     assert refused.returncode != 0
     assert "--yes" in refused.stderr
-    assert cli("namespaces", "delete", "run1", "--yes")["objects_deleted"] >= 2  # type: ignore[index]
+    assert cli("namespaces", "delete", "run1", "--yes")["objects_deleted"] >= 2
     missing = subprocess.run(
         [sys.executable, "-m", "r3store_server.cli", "namespaces", "show", "run1"],
         capture_output=True,
@@ -114,21 +139,16 @@ def test_cli_keys_work_against_the_server(tmp_path: Path) -> None:
 
     env = {**os.environ, "R3STORE_DATA_DIR": str(tmp_path)}
 
-    def run(*args: str) -> object:
-        result = subprocess.run(
-            [sys.executable, "-m", "r3store_server.cli", "--json", *args],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=env,
-        )
-        assert result.returncode == 0, result.stderr
-        return json.loads(result.stdout)
+    def run(*args: str) -> dict[str, Any]:
+        return record(cli_json(*args, env=env))
+
+    def run_list(*args: str) -> list[dict[str, Any]]:
+        return records(cli_json(*args, env=env))
 
     made = run("keys", "create", "trainer", "--role", "reader", "--namespace", "run1")
-    key = made["key"]  # type: ignore[index]
+    key = made["key"]
     assert len(key) >= 32
-    listed = run("keys", "list")
+    listed = run_list("keys", "list")
     assert listed == [
         {"name": "trainer", "role": "reader", "namespaces": ["run1"], "revoked": False}
     ]
@@ -144,11 +164,11 @@ def test_cli_keys_work_against_the_server(tmp_path: Path) -> None:
             "the revoked key refused",
         )
         again = run("keys", "create", "trainer", "--role", "reader")  # a revoked name is free
-        assert again["key"] != key  # type: ignore[index]
-        assert run("keys", "list") == [
+        assert again["key"] != key
+        assert run_list("keys", "list") == [
             {"name": "trainer", "role": "reader", "namespaces": ["*"], "revoked": False}
         ]
-        renewed = {"Authorization": f"Bearer {again['key']}"}  # type: ignore[index]
+        renewed = {"Authorization": f"Bearer {again['key']}"}
         eventually(
             lambda: httpx.get(f"{server.url}/v1/namespaces", headers=renewed).status_code == 200,
             "the new key taken",
@@ -192,7 +212,7 @@ def test_lists_are_aligned_columns_for_people(local: Path) -> None:
     assert second.split()[:8] == ["run2", "4", "8", "2", "0", "none", "none", "none"]
     assert head.index("TTL") == first.index("1d") == second.index("none", head.index("TTL"))
     assert "{" not in listed.stdout
-    assert [n["name"] for n in cli("namespaces", "list")] == ["run1", "run2"]  # type: ignore[union-attr]
+    assert [n["name"] for n in cli_list("namespaces", "list")] == ["run1", "run2"]
     cli("keys", "create", "ops", "--role", "admin")
     keys = run_cli("keys", "list").stdout.splitlines()
     assert [line.split() for line in keys] == [
@@ -219,7 +239,7 @@ def test_stats_experts_is_laid_out_per_source_version_and_layer(local: Path) -> 
             engine.put("run1", [TrajectoryWrite(t, 41, topk=k, source="trainer") for t, k in pairs])  # fmt: skip  # noqa: E501
     finally:
         engine.close()
-    machine = cli("stats", "run1", "--experts")["run1"]  # type: ignore[index]
+    machine = cli("stats", "run1", "--experts")["run1"]
     assert set(machine["expert_load"]) == {"engine", "trainer"}  # --json unchanged
     assert len(machine["expert_load"]["engine"]["0"]["busiest"]) == 4
     assert machine["agreement"]["engine/trainer"]["1"]["overall"] == 1.0
@@ -247,7 +267,7 @@ def test_stats_experts_is_laid_out_per_source_version_and_layer(local: Path) -> 
 
 def test_ttl_takes_durations_as_they_are_shown(local: Path) -> None:
     def ttl(text: str) -> object:
-        return cli("settings", "run1", "--ttl", text)["settings"]["retention"]["ttl_seconds"]  # type: ignore[index]
+        return cli("settings", "run1", "--ttl", text)["settings"]["retention"]["ttl_seconds"]
 
     assert ttl("1d") == 86400
     assert ttl("1d 2h") == 93600
@@ -315,11 +335,11 @@ def test_maintain_dry_run_shows_a_pass_and_changes_nothing(env: dict[str, str]) 
         engine.close()
     cli("policy", "ns", "--version", "1")
     shown = cli("maintain", "--dry-run", "--grace", "0", "--orphan-age", "0")
-    assert shown["dry_run"] is True  # type: ignore[index]
-    assert shown["drop"] == {"ns": {"trajectories": 3, "first": ["old0", "old1", "old2"]}}  # type: ignore[index]
-    assert cli("stats", "ns")["ns"]["trajectories"] == 4  # type: ignore[index]
+    assert shown["dry_run"] is True
+    assert shown["drop"] == {"ns": {"trajectories": 3, "first": ["old0", "old1", "old2"]}}
+    assert cli("stats", "ns")["ns"]["trajectories"] == 4
     done = cli("maintain", "--grace", "0", "--orphan-age", "0")
-    assert done["trajectories_dropped"] == 3  # type: ignore[index]
+    assert done["trajectories_dropped"] == 3
 
 
 def test_checkpoints_and_leases_commands(local: Path) -> None:
@@ -340,8 +360,8 @@ def test_checkpoints_and_leases_commands(local: Path) -> None:
     finally:
         engine.close()
     listed = cli("checkpoints", "list", "run1")
-    assert listed["epoch"] == 0  # type: ignore[index]
-    assert [(c["step"], c["consumed"], c["epoch"]) for c in listed["checkpoints"]] == [  # type: ignore[index]
+    assert listed["epoch"] == 0
+    assert [(c["step"], c["consumed"], c["epoch"]) for c in listed["checkpoints"]] == [
         (10, 1, 0),
         (20, 2, 0),
     ]
@@ -350,7 +370,7 @@ def test_checkpoints_and_leases_commands(local: Path) -> None:
     assert shown[3].split() == ["STEP", "EPOCH", "CONSUMED", "POLICY-VERSION", "CREATED-AT"]
     assert shown[4].split()[:4] == ["10", "0", "1", "0"]
     assert shown[4].endswith(" UTC")
-    [lease] = cli("leases", "run1")["leases"]  # type: ignore[index]
+    [lease] = cli("leases", "run1")["leases"]
     assert lease["lease_id"] == held.lease_id
     assert (lease["holder"], lease["size"], lease["epoch"]) == ("trainer", 1, 0)
     assert 0 < lease["expires_in_seconds"] <= 600
@@ -362,7 +382,7 @@ def test_checkpoints_and_leases_commands(local: Path) -> None:
     refused = run_cli("checkpoints", "resume", "run1", "10")
     assert refused.returncode == 1
     assert "--yes" in refused.stderr
-    assert cli("checkpoints", "list", "run1")["epoch"] == 0  # type: ignore[index]
+    assert cli("checkpoints", "list", "run1")["epoch"] == 0
     done = cli("checkpoints", "resume", "run1", "10", "--yes")
     assert done == {
         "namespace": "run1",
@@ -384,7 +404,7 @@ def test_checkpoints_and_leases_commands(local: Path) -> None:
         "step": 10,
         "deleted": True,
     }
-    assert cli("checkpoints", "list", "run1")["checkpoints"] == []  # type: ignore[index]
+    assert cli("checkpoints", "list", "run1")["checkpoints"] == []
     assert "checkpoints: none" in run_cli("checkpoints", "list", "run1").stdout
 
 
@@ -411,7 +431,7 @@ def test_checkpoint_and_lease_commands_refuse_clearly(local: Path) -> None:
 def test_keep_checkpoints_is_a_setting(local: Path) -> None:
     def kept(*value: str) -> object:
         answer = cli("settings", "run1", *value)
-        return answer["settings"]["retention"]["keep_checkpoints"]  # type: ignore[index]
+        return answer["settings"]["retention"]["keep_checkpoints"]
 
     assert kept() == 3  # the default, unchanged by a settings call that names nothing
     assert kept("--keep-checkpoints", "5") == 5
@@ -427,5 +447,5 @@ def test_keep_checkpoints_is_a_setting(local: Path) -> None:
             engine.consumption.checkpoint("run1", step)
     finally:
         engine.close()
-    steps = [c["step"] for c in cli("checkpoints", "list", "run1")["checkpoints"]]  # type: ignore[index]
+    steps = [c["step"] for c in cli("checkpoints", "list", "run1")["checkpoints"]]
     assert steps == [2, 3]

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
 import r3store
 from r3store.errors import InvalidConfig, R3StoreError
@@ -49,7 +48,7 @@ from r3store_server.cli import (
 from r3store_server.cli.api_keys import keys
 from r3store_server.cli.arguments import CLEAR, DURATIONS
 from r3store_server.cli.catalog import migrate
-from r3store_server.cli.commands import Command, Commands, open_engine
+from r3store_server.cli.commands import Command, Commands, Output, open_engine
 from r3store_server.cli.consumption import checkpoints, leases
 from r3store_server.cli.maintenance import maintain
 from r3store_server.cli.namespaces import SETTINGS_FLAGS, changed
@@ -105,7 +104,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def run(args: argparse.Namespace, settings: Settings) -> Any:
+def run(args: argparse.Namespace, settings: Settings) -> Output:
     """The command `args` names, on the store and catalog the settings name."""
     command: Command = args.run
     return command(args, settings)

@@ -5,14 +5,35 @@ from __future__ import annotations
 
 import argparse
 import secrets
-from typing import Any
+from typing import TypedDict
 
 from r3store.engine import Engine
 from r3store_server.auth import digest
 from r3store_server.cli.commands import Commands, on_engine
 
 
-def keys(engine: Engine, args: argparse.Namespace) -> Any:
+class KeyCreated(TypedDict):
+    name: str
+    role: str
+    namespaces: list[str]
+    key: str  # shown this once
+
+
+class KeyRevoked(TypedDict):
+    name: str
+    revoked: bool
+
+
+class KeyRow(TypedDict):
+    """A key as `keys list` prints it, without the key."""
+
+    name: str
+    role: str
+    namespaces: list[str]
+    revoked: bool
+
+
+def keys(engine: Engine, args: argparse.Namespace) -> KeyCreated | KeyRevoked | list[KeyRow]:
     """API keys in the catalog: the key itself is shown once, at creation; only its
     SHA-256 digest is stored."""
     if args.action == "create":

@@ -7,13 +7,14 @@ import argparse
 from typing import Any
 
 from r3store_server.backends import migrate_catalog, sqlite_path
-from r3store_server.cli.commands import Commands, open_engine, require_catalog
+from r3store_server.cli.commands import Commands, Fields, open_engine, require_catalog
 from r3store_server.cli.output import progress
 from r3store_server.settings import Settings
 
 
-def rebuild(args: argparse.Namespace, settings: Settings) -> Any:
-    """`r3store rebuild --yes`: the catalog's content replaced by what the store holds."""
+def rebuild(args: argparse.Namespace, settings: Settings) -> Fields:
+    """`r3store rebuild --yes`: the catalog's content replaced by what the store holds
+    (`RebuildReport`'s fields)."""
     if not args.yes:
         raise SystemExit("rebuild replaces the catalog's content: pass --yes")
     with open_engine(settings, args.init, bind=False) as engine:

@@ -1,12 +1,12 @@
 """What the command modules share: `Commands`, where each adds its subcommands with what
-runs them, and the engine a command runs on (`open_engine`), which is never a new, empty
-store or catalog unless asked."""
+runs them; `Output`, the type of what a command prints; and the engine a command runs on
+(`open_engine`), which is never a new, empty store or catalog unless asked."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeAlias
@@ -16,7 +16,11 @@ from r3store.errors import InvalidConfig
 from r3store_server.backends import bound, build_engine, sqlite_path
 from r3store_server.settings import Settings
 
-Command: TypeAlias = Callable[[argparse.Namespace, Settings], Any]
+Output: TypeAlias = Mapping[str, object] | Sequence[Mapping[str, object]]
+"""What a command prints: a record, or a list of records (JSON objects either way)."""
+Fields: TypeAlias = dict[str, Any]
+"""A value of the engine's as a record: its fields by name (`to_dict()`, `__dict__`)."""
+Command: TypeAlias = Callable[[argparse.Namespace, Settings], Output]
 """What runs a subcommand: its parsed arguments and the settings in, what it prints out."""
 
 
@@ -41,10 +45,10 @@ class Commands:
         return Commands(sub, self.common)
 
 
-def on_engine(command: Callable[[Engine, argparse.Namespace], Any]) -> Command:
+def on_engine(command: Callable[[Engine, argparse.Namespace], Output]) -> Command:
     """`command` run on the engine the settings name (`open_engine`), closed after."""
 
-    def run(args: argparse.Namespace, settings: Settings) -> Any:
+    def run(args: argparse.Namespace, settings: Settings) -> Output:
         with open_engine(settings, args.init) as engine:
             return command(engine, args)
 

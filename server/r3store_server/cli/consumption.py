@@ -4,14 +4,47 @@ consumed, checkpointed at its steps, and holds under open leases now."""
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TypedDict
 
 from r3store.engine import Engine
 from r3store_server.cli.arguments import step
-from r3store_server.cli.commands import Commands, on_engine
+from r3store_server.cli.commands import Commands, Fields, on_engine
 
 
-def checkpoints(engine: Engine, args: argparse.Namespace) -> Any:
+class Checkpoints(TypedDict):
+    """`checkpoints list`: a namespace's checkpoints by step, and its epoch."""
+
+    namespace: str
+    epoch: int
+    checkpoints: list[Fields]  # each Checkpoint's fields but its namespace
+
+
+class CheckpointDeleted(TypedDict):
+    namespace: str
+    step: int
+    deleted: bool
+
+
+class LeaseRow(TypedDict):
+    """An open lease as `leases` prints it."""
+
+    lease_id: str
+    holder: str | None  # the API key that took it
+    size: int  # trajectories
+    epoch: int
+    created_at: float
+    expires_in_seconds: float
+
+
+class OpenLeases(TypedDict):
+    namespace: str
+    epoch: int
+    leases: list[LeaseRow]  # oldest first
+
+
+def checkpoints(
+    engine: Engine, args: argparse.Namespace
+) -> Checkpoints | CheckpointDeleted | Fields:
     """A namespace's step checkpoints (and its epoch); deleting one; resuming to one."""
     consumption, ns = engine.consumption, args.name
     if args.action == "delete":
@@ -23,7 +56,7 @@ def checkpoints(engine: Engine, args: argparse.Namespace) -> Any:
                 f"this undoes what {ns!r} consumed after step {args.step}'s checkpoint, fences "
                 "off its open leases and drops its later checkpoints: pass --yes"
             )
-        return consumption.resume(ns, args.step).to_dict()
+        return consumption.resume(ns, args.step).to_dict()  # what it did: Resumed's fields
     found = consumption.checkpoints(ns)
     return {
         "namespace": ns,
@@ -34,7 +67,7 @@ def checkpoints(engine: Engine, args: argparse.Namespace) -> Any:
     }
 
 
-def leases(engine: Engine, ns: str) -> dict[str, Any]:
+def leases(engine: Engine, ns: str) -> OpenLeases:
     """A namespace's open, unexpired leases, oldest first, and its epoch."""
     found = engine.consumption.open_leases(ns)
     now = engine.clock()

@@ -4,17 +4,41 @@ collection now, or with `--dry-run` what one would do."""
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TypedDict
 
 from r3store.engine import Engine
 from r3store.engine.maintenance import MaintenanceOptions
 from r3store.logic.rest import REST_LEVEL
-from r3store_server.cli.commands import Commands, on_engine
+from r3store_server.cli.commands import Commands, Fields, on_engine
 from r3store_server.cli.output import progress
 
 
-def maintain(engine: Engine, args: argparse.Namespace) -> Any:
-    """One maintenance pass now, or with `--dry-run` what one would do."""
+class Dropped(TypedDict):
+    trajectories: int
+    first: list[str]  # the first five ids
+
+
+class Deletion(TypedDict):
+    key: str
+    why: str
+
+
+class MaintenancePlan(TypedDict):
+    """`maintain --dry-run`: what a pass would do now (`MaintenancePreview`)."""
+
+    dry_run: bool
+    drop: dict[str, Dropped]  # what retention drops, by namespace
+    retire: list[str]
+    compact: list[str]
+    merge_at_rest: list[list[str]]
+    delete: list[Deletion]
+    left_alone: list[str]
+    deletes_nothing_because: str | None
+
+
+def maintain(engine: Engine, args: argparse.Namespace) -> Fields | MaintenancePlan:
+    """One maintenance pass now (`MaintenanceReport`'s fields), or with `--dry-run` what one
+    would do."""
     maintenance = engine.upkeep.maintenance(
         MaintenanceOptions(
             grace_seconds=args.grace,

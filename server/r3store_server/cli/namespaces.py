@@ -5,7 +5,7 @@ options given change, `none` clears one)."""
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 from pydantic import ValidationError
 
@@ -17,18 +17,42 @@ from r3store_server.cli.arguments import CLEAR, DURATIONS, optional, seconds, wh
 from r3store_server.cli.commands import Commands, on_engine
 
 
-def _namespace(info: NamespaceInfo, count: int | None = None) -> dict[str, Any]:
-    return {
+class NamespaceRecord(TypedDict):
+    """A namespace as `namespaces`, `policy` and `settings` print it."""
+
+    name: str
+    spec: dict[str, Any]  # the RouteSpec's fields
+    settings: dict[str, Any]  # the NamespaceSettings, as JSON
+    policy_version: int
+    created_at: float
+    trajectories: NotRequired[int]  # `namespaces show`: how many it holds
+
+
+class NamespaceCreated(NamespaceRecord):
+    created: bool  # False: it existed, the same
+
+
+class NamespaceDeleted(TypedDict):
+    name: str
+    objects_deleted: int
+
+
+def _namespace(info: NamespaceInfo, count: int | None = None) -> NamespaceRecord:
+    record: NamespaceRecord = {
         "name": info.name,
         "spec": info.spec.__dict__,
         "settings": info.settings.model_dump(mode="json"),
         "policy_version": info.policy_version,
         "created_at": info.created_at,
-        **({"trajectories": count} if count is not None else {}),
     }
+    if count is not None:
+        record["trajectories"] = count
+    return record
 
 
-def namespace_action(engine: Engine, args: argparse.Namespace) -> Any:
+def namespace_action(
+    engine: Engine, args: argparse.Namespace
+) -> NamespaceRecord | list[NamespaceRecord] | NamespaceCreated | NamespaceDeleted:
     """`namespaces list`, `show` (with its count), `create` and `delete` (with `--yes`)."""
     if args.action == "list":
         return [_namespace(n) for n in engine.namespaces.all()]
@@ -39,18 +63,19 @@ def namespace_action(engine: Engine, args: argparse.Namespace) -> Any:
             args.layers, args.experts, args.top_k, args.ordered, args.allow_fewer, args.model
         )
         info, created = engine.namespaces.create(args.name, spec)
-        return {"created": created, **_namespace(info)}  # False: it existed, the same
+        made: NamespaceCreated = {"created": created, **_namespace(info)}
+        return made
     if not args.yes:
         raise SystemExit(f"this deletes {args.name!r} and all its routes: pass --yes")
     return {"name": args.name, "objects_deleted": engine.namespaces.delete(args.name)}
 
 
-def set_policy(engine: Engine, args: argparse.Namespace) -> Any:
+def set_policy(engine: Engine, args: argparse.Namespace) -> NamespaceRecord:
     """`policy NAME --version N`: the namespace's current policy version."""
     return _namespace(engine.namespaces.set_policy_version(args.name, args.version))
 
 
-def change_settings(engine: Engine, args: argparse.Namespace) -> Any:
+def change_settings(engine: Engine, args: argparse.Namespace) -> NamespaceRecord:
     """`settings NAME --option value ...`: the namespace with the options given changed."""
     current = engine.namespaces.get(args.name).settings
     return _namespace(engine.namespaces.update_settings(args.name, changed(current, args)))

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from r3store_server.cli.arguments import duration
+from r3store_server.cli.commands import Output
 
 
 def progress(label: str) -> Callable[[int, int], None] | None:
@@ -49,21 +50,21 @@ def human(value: Any, key: str = "") -> Any:
     return value
 
 
-def write(value: Any, as_json: bool) -> None:
+def write(value: Output, as_json: bool) -> None:
     """JSON with `--json`; for people, `key: value` lines (nested ones indented), lists
     of records as aligned columns, expert statistics layer by layer."""
     if as_json:
         print(json.dumps(value, indent=2, default=str))
         return
-    value = human(value)
-    if isinstance(value, dict):
-        lines = _lines(value)
-    elif isinstance(value, list) and all(isinstance(item, dict) for item in value):
-        if value and all("spec" in item and "settings" in item for item in value):
-            value = [_namespace_row(item) for item in value]
-        lines = _table(value) if value else ["none"]
+    shown = human(value)
+    if isinstance(shown, dict):
+        lines = _lines(shown)
+    elif isinstance(shown, list) and all(isinstance(item, dict) for item in shown):
+        if shown and all("spec" in item and "settings" in item for item in shown):
+            shown = [_namespace_row(item) for item in shown]
+        lines = _table(shown) if shown else ["none"]
     else:
-        lines = [_cell(value)]
+        lines = [_cell(shown)]
     print("\n".join(lines))
 
 

@@ -3,19 +3,45 @@ source and policy version, the agreement between sources and the drift between v
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
 
 from r3store.engine import Engine
 from r3store.logic import stats as stats_lib
 from r3store.policy import SOURCES
-from r3store_server.cli.commands import Commands, on_engine
+from r3store_server.cli.commands import Commands, Fields, on_engine
 
 
-def stats(engine: Engine, name: str | None, experts: bool = False) -> dict[str, Any]:
+class VersionLoad(TypedDict):
+    """Expert load of one source and policy version."""
+
+    tokens: int
+    imbalance: list[float | None]  # per layer: the busiest expert's load over the mean
+    busiest: list[dict[str, float]]  # per layer: the busiest experts' shares, by expert
+
+
+class VersionAgreement(TypedDict):
+    """How far two sources chose the same experts, in one policy version."""
+
+    segments: int
+    overall: float | None
+    per_layer: list[float | None]
+
+
+class RouteStats(TypedDict):
+    """`stats --experts`: what a namespace's routes say of its experts."""
+
+    expert_load: dict[str, dict[str, VersionLoad]]  # by source, then policy version
+    agreement: dict[str, dict[str, VersionAgreement]]  # by pair ("engine/trainer"), version
+    drift: dict[str, list[float | None]]  # by versions ("0->1"): divergence per layer
+
+
+def stats(engine: Engine, name: str | None, experts: bool = False) -> dict[str, Fields]:
+    """Each namespace's usage (`NamespaceUsage`'s fields), by name; with `experts`, its
+    `RouteStats` too."""
     names = [name] if name else [n.name for n in engine.namespaces.all()]
-    out: dict[str, Any] = {}
+    out: dict[str, Fields] = {}
     for ns in names:
         usage = engine.namespaces.usage(ns)
         out[ns] = {
@@ -31,11 +57,11 @@ def _rounded(values: list[float | None]) -> list[float | None]:
     return [None if v is None else round(v, 4) for v in values]
 
 
-def route_stats(engine: Engine, ns: str, top: int = 3) -> dict[str, Any]:
+def route_stats(engine: Engine, ns: str, top: int = 3) -> RouteStats:
     """Expert load per source and policy version (per layer: imbalance, and the `top`
     busiest experts with their share), agreement between sources, drift."""
     analytics = engine.analytics
-    loads: dict[str, Any] = {}
+    loads: dict[str, dict[str, VersionLoad]] = {}
     for source in SOURCES:
         for v in analytics.loads(ns, source):
             layers = []
@@ -48,7 +74,7 @@ def route_stats(engine: Engine, ns: str, top: int = 3) -> dict[str, Any]:
                 "imbalance": _rounded(stats_lib.imbalance(v.load)),
                 "busiest": layers,
             }
-    agreement: dict[str, Any] = {}
+    agreement: dict[str, dict[str, VersionAgreement]] = {}
     for i, a in enumerate(SOURCES):
         for b in SOURCES[i + 1 :]:
             for held in analytics.agreement(ns, a, b):
