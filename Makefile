@@ -18,7 +18,11 @@ VERL_VENV ?= .venv-verl
 VERL_PY := $(VERL_VENV)/bin/python
 VERL_STAMP := $(VERL_VENV)/.installed
 VERL_DEPS := 'transformers==5.9.0' 'tensordict==0.10.0' 'megatron-core==0.16.1' 'ray>=2.41' \
-	'numpy>=2' hydra-core omegaconf pillow datasets cachetools codetiming pytest pytest-timeout
+	'numpy>=2' hydra-core omegaconf pillow datasets cachetools codetiming pytest pytest-timeout \
+	pyzmq msgspec psutil
+# TransferQueue (verl 0.9's transport) without ray[default]'s dashboard extras, which it
+# does not import: its other dependencies are in VERL_DEPS
+TRANSFERQUEUE := 'transferqueue==0.1.11'
 
 .PHONY: setup serve test test-verl lint bench clean
 
@@ -61,12 +65,13 @@ $(VERL_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VERL_VENV)
 	$(VERL_PY) -m pip install --quiet --upgrade pip
 	$(VERL_PY) -m pip install --quiet '$(TORCH)'
-	$(VERL_PY) -m pip install --quiet --no-deps 'verl==0.9.1'
+	$(VERL_PY) -m pip install --quiet --no-deps 'verl==0.9.1' $(TRANSFERQUEUE)
 	$(VERL_PY) -m pip install --quiet $(VERL_DEPS) -e .
 	touch $@
 
 # the verl tests (tests_verl/, its own pytest.ini): verl's agent loop and Megatron
-# router replay on the CPU against an r3store server of their own
+# router replay on the CPU, and TransferQueue with r3store's backend on a local Ray
+# cluster, against an r3store server of their own
 test-verl: $(VERL_STAMP)
 	cd tests_verl && $(abspath $(VERL_PY)) -m pytest
 

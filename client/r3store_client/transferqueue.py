@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 from tensordict import TensorDict
 from transfer_queue.metadata import BatchMeta, extract_field_schema
@@ -65,6 +66,7 @@ NAME = "R3Store"
 CHECKPOINT_FILE = "r3store.json"  # in TransferQueue's checkpoint directory
 PUT_CHUNK = 64  # trajectories per upload
 CONSUME_SECONDS = 60.0  # the lease a clear takes and commits at once
+TIMEOUT = 60.0  # seconds, of each request to r3store
 
 
 @dataclass(frozen=True)
@@ -147,8 +149,16 @@ class R3StoreManager(StorageManager):  # type: ignore[misc]
         loop = asyncio.get_running_loop()
         client = self._clients.get(loop)
         if client is None:
+            # no connection kept between requests: TransferQueue may end this loop
+            # before `close`, and a kept one could then be closed on no loop
+            http = httpx.AsyncClient(
+                base_url=self.settings.url,
+                timeout=TIMEOUT,
+                limits=httpx.Limits(max_keepalive_connections=0),
+            )
             key = os.environ.get(self.settings.api_key_env)
-            client = self._clients[loop] = AsyncClient(self.settings.url, api_key=key)
+            client = AsyncClient(self.settings.url, api_key=key, http=http, timeout=TIMEOUT)
+            self._clients[loop] = client
         return client
 
     async def _namespace_spec(self, client: AsyncClient) -> RouteSpec:
@@ -308,16 +318,19 @@ class R3StoreManager(StorageManager):  # type: ignore[misc]
         return bool(self.inner.can_destroy_zmq_context())
 
     def close(self) -> None:
-        """Close the inner manager and every client this one opened, on its own loop
-        where it still runs (TransferQueue calls this after its own loop has ended)."""
+        """Close the inner manager and every client this one opened: on the client's
+        own loop where it still runs, else on a loop of its own (TransferQueue ends its
+        loop before calling this; no connection outlives a request)."""
         for loop, client in list(self._clients.items()):
             try:
-                if loop.is_running():
-                    asyncio.run_coroutine_threadsafe(client.aclose(), loop).result(10)
+                if loop.is_running() and _running_loop() is loop:
+                    loop.create_task(_aclose(client))
+                elif loop.is_running():
+                    asyncio.run_coroutine_threadsafe(_aclose(client), loop).result(10)
                 elif not loop.is_closed():
-                    loop.run_until_complete(client.aclose())
+                    loop.run_until_complete(_aclose(client))
                 else:
-                    asyncio.run(client.aclose())
+                    asyncio.run(_aclose(client))
             except Exception as exc:  # noqa: BLE001 (closing goes on with the others)
                 log.warning("closing an r3store client failed: %s", exc)
         self._clients.clear()
@@ -327,6 +340,20 @@ class R3StoreManager(StorageManager):  # type: ignore[misc]
         pass  # StorageManager's closes; `close` is called explicitly
 
 
+async def _aclose(client: AsyncClient) -> None:
+    http = client._http
+    await client.aclose()
+    if http is not None:
+        await http.aclose()
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 def _column(data: TensorDict, name: str) -> list[Any] | None:
     """A field of the put, one value per sample, when it has one."""
     if name not in list(data.keys()):
@@ -334,7 +361,7 @@ def _column(data: TensorDict, name: str) -> list[Any] | None:
     value = data[name]
     if isinstance(value, torch.Tensor):
         return list(value.unbind()) if value.is_nested else list(value)
-    return list(value.tolist())  # a NonTensorStack: one object per sample
+    return list(value)  # a NonTensorStack reads as a list: one object per sample
 
 
 def _int(value: object) -> int:
