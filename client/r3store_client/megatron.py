@@ -1,25 +1,17 @@
 """Rollout Routing Replay through Megatron-Core's own `RouterReplay` (torch and
-megatron-core required; both imported only here).
+megatron-core required).
 
 Megatron-Core (`TransformerConfig(moe_enable_routing_replay=True)`) gives every
 `TopKRouter` a `RouterReplay` instance, kept in the process-wide list
 `RouterReplay.global_router_replay_instances` in build order; `set_replay_data` takes
 one `[tokens, top_k]` index tensor per instance, in the order that rank's router sees
 its tokens (here each instance is given its own: `set_target_indices`). Getting that
-order wrong trains on the wrong experts without an error, so it is computed here from
-the layout the trainer uses (docs/replay.md states the rules):
-
-- `sbhd`: the router sees `[s, b]` flattened sequence-major (token `s * b + j`).
-- `thd` (packed sequences): `[t, 1]`; sequence `i` occupies `[cu_seqlens_padded[i],
-  cu_seqlens_padded[i + 1])`, its real tokens first, then padding.
-- context parallelism (cp > 1): each sequence (sbhd: the whole batch's sequence axis)
-  is cut into `2 * cp` chunks and rank `r` keeps chunks `r` and `2 * cp - 1 - r`, as
-  `megatron.core.utils.get_batch_on_this_cp_rank` does; for thd, per sequence.
-- sequence parallelism: each tensor-parallel rank's router sees its contiguous slice of
-  the (context-parallel local) sequence axis, as `scatter_to_sequence_parallel_region`.
-- pipeline parallelism: a stage holds only its MoE layers' routers (virtual stages
-  chunk by chunk; dense layers have none); each is mapped to r3store's layer axis by
-  its global layer number.
+order wrong trains on the wrong experts without an error, so it is computed from the
+layout the trainer uses (`TokenLayout`, `Parallel`: `megatron_layout`; docs/replay.md
+states the rules), and the routes are put in that order by `megatron_routes`. With
+pipeline parallelism a stage holds only its MoE layers' routers (virtual stages chunk
+by chunk; dense layers have none); each is mapped to r3store's layer axis by its global
+layer number.
 
 Token-layers without a recorded route (padding, the last sampled token, a prompt the
 engine did not route) are given to Megatron as `-1` rows, and replay falls back to the
@@ -38,11 +30,6 @@ pipeline stage without MoE layers replays nothing.
     with replay.micro_batch(routes, layout) as step:  # clears, loads, REPLAY_FORWARD
         loss = forward(model, batch)                  # the input ids checked
         step.backward(loss)                           # checks read, REPLAY_BACKWARD
-
-One module on purpose (over 500 lines): the token order each rank's routers see
-(`TokenLayout`, `Parallel`) and the replay that loads it into Megatron's `RouterReplay`
-are one contract with Megatron-Core, checked against each other, and this is the only
-module that imports megatron-core.
 """
 
 from __future__ import annotations
@@ -64,15 +51,29 @@ except ImportError as exc:
 
 from r3store.errors import InvalidRoutes
 from r3store.spec import RouteSpec
-from r3store_client.replay import Gate, check_gate
-from r3store_client.tensors import (
-    CompactRoutes,
-    Origin,
-    RouteTensors,
-    TokenCheck,
-    as_wide,
-    warn_untokened,
+from r3store_client.megatron_layout import Parallel, TokenLayout, check_parallel, router_tokens
+from r3store_client.megatron_routes import (
+    ExpectedTokens,
+    check_tokens,
+    gather_recorded,
+    layer_indices,
+    live_rows,
+    noted,
+    replay_data,
 )
+from r3store_client.replay import Gate, check_gate
+from r3store_client.tensors import CompactRoutes, RouteTensors, TokenCheck, as_wide, warn_untokened
+
+__all__ = [
+    "MegatronReplay",
+    "MicroBatch",
+    "Parallel",
+    "TokenLayout",
+    "check_tokens",
+    "gather_recorded",
+    "megatron_gate",
+    "router_tokens",
+]
 
 
 def _megatron() -> Any:
@@ -85,245 +86,6 @@ def _megatron() -> Any:
         RouterReplay=router_replay.RouterReplay,
         Action=router_replay.RouterReplayAction,
     )
-
-
-@dataclass(frozen=True)
-class Parallel:
-    """This rank's place in the tensor- and context-parallel groups.
-
-    `Parallel(tp_size=2, tp_rank=1, sequence_parallel=True, cp_size=2, cp_rank=0)`;
-    `Parallel.of_this_rank(config)` reads Megatron's `parallel_state`.
-    """
-
-    tp_size: int = 1
-    tp_rank: int = 0
-    sequence_parallel: bool = False
-    cp_size: int = 1
-    cp_rank: int = 0
-
-    def __post_init__(self) -> None:
-        for size, rank, what in (
-            (self.tp_size, self.tp_rank, "tp"),
-            (self.cp_size, self.cp_rank, "cp"),
-        ):
-            if size < 1 or not 0 <= rank < size:
-                raise ValueError(f"{what} rank {rank} is not in [0, {size})")
-
-    @classmethod
-    def of_this_rank(cls, sequence_parallel: bool) -> Parallel:
-        from megatron.core import parallel_state
-
-        return cls(
-            tp_size=parallel_state.get_tensor_model_parallel_world_size(),
-            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-            sequence_parallel=sequence_parallel,
-            cp_size=parallel_state.get_context_parallel_world_size(),
-            cp_rank=parallel_state.get_context_parallel_rank(),
-        )
-
-
-def check_parallel(parallel: Parallel, sequence_parallel: bool | None = None) -> None:
-    """Refuse a layout declared for another rank than this process (its tensor- and
-    context-parallel size and rank, as Megatron's `parallel_state` has them; no parallel
-    state: one rank), and, given the model's `sequence_parallel`, another setting of
-    it. The token check cuts the input ids by the declared layout too, so it cannot see
-    such a layout: this does."""
-    try:
-        from megatron.core import parallel_state
-    except ImportError as exc:  # pragma: no cover - exercised without megatron-core only
-        raise missing("megatron-core", __name__, "megatron") from exc
-
-    sp = parallel.sequence_parallel if sequence_parallel is None else sequence_parallel
-    actual = Parallel(sequence_parallel=sp)
-    if parallel_state.model_parallel_is_initialized():
-        actual = Parallel.of_this_rank(sp)
-    declared = (parallel.tp_size, parallel.tp_rank, parallel.cp_size, parallel.cp_rank)
-    if declared != (actual.tp_size, actual.tp_rank, actual.cp_size, actual.cp_rank) or (
-        actual.tp_size > 1 and parallel.sequence_parallel != sp
-    ):
-        raise InvalidRoutes(
-            f"the layout is declared for {parallel}; this process is {actual} "
-            "(Megatron's parallel_state and the model's sequence_parallel): build it with "
-            "Parallel.of_this_rank(config.sequence_parallel)"
-        )
-
-
-def _cp_chunks(length: int, cp_size: int, cp_rank: int, what: str) -> torch.Tensor:
-    """Offsets within a `length`-long sequence kept by context-parallel rank `cp_rank`."""
-    if cp_size == 1:
-        return torch.arange(length)
-    if length % (2 * cp_size):
-        raise ValueError(f"{what} ({length}) is not a multiple of 2 * cp = {2 * cp_size}")
-    chunk = length // (2 * cp_size)
-    first, second = cp_rank, 2 * cp_size - 1 - cp_rank
-    return torch.cat(
-        [
-            torch.arange(first * chunk, (first + 1) * chunk),
-            torch.arange(second * chunk, (second + 1) * chunk),
-        ]
-    )
-
-
-def _sp_slice(count: int, parallel: Parallel, what: str) -> slice:
-    if not parallel.sequence_parallel or parallel.tp_size == 1:
-        return slice(0, count)
-    if count % parallel.tp_size:
-        raise ValueError(f"{what} ({count}) is not a multiple of tp = {parallel.tp_size}")
-    per = count // parallel.tp_size
-    return slice(parallel.tp_rank * per, (parallel.tp_rank + 1) * per)
-
-
-@dataclass(frozen=True)
-class TokenLayout:
-    """The tokens one rank's routers see, in their order: `sequence[n]`, `token[n]` name
-    the micro-batch sequence and its token (both -1 for padding). `lengths` are the
-    sequences' real token counts, checked against the routes."""
-
-    sequence: torch.Tensor
-    token: torch.Tensor
-    lengths: tuple[int, ...]
-    parallel: Parallel = Parallel()
-    kind: str = "sbhd"
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.sequence.numel())
-
-    @classmethod
-    def sbhd(
-        cls,
-        lengths: Sequence[int],
-        seq_len: int,
-        parallel: Parallel = Parallel(),
-        first: Sequence[int] | None = None,
-    ) -> TokenLayout:
-        """A `[s, b]` batch of `seq_len` positions; sequence `j` starts at position
-        `first[j]` (0: right padding) and has `lengths[j]` tokens."""
-        lengths = tuple(int(n) for n in lengths)
-        first = tuple(int(f) for f in first) if first is not None else (0,) * len(lengths)
-        if len(first) != len(lengths):
-            raise ValueError("give one first position per sequence")
-        for j, (n, f) in enumerate(zip(lengths, first, strict=True)):
-            if f < 0 or f + n > seq_len:
-                raise ValueError(f"sequence {j} ({n} tokens from {f}) does not fit {seq_len}")
-        positions = _cp_chunks(seq_len, parallel.cp_size, parallel.cp_rank, "the sequence length")
-        positions = positions[_sp_slice(positions.numel(), parallel, "the local sequence length")]
-        batch = len(lengths)
-        s = positions.repeat_interleave(batch)  # sequence-major: [s, b] flattened
-        b = torch.arange(batch).repeat(positions.numel())
-        starts = torch.tensor(first, dtype=torch.long)[b]
-        ends = starts + torch.tensor(lengths, dtype=torch.long)[b]
-        real = (s >= starts) & (s < ends)
-        return cls(torch.where(real, b, -1), torch.where(real, s - starts, -1), lengths, parallel)
-
-    @classmethod
-    def thd(
-        cls,
-        lengths: Sequence[int],
-        cu_seqlens_padded: Sequence[int] | torch.Tensor | None = None,
-        parallel: Parallel = Parallel(),
-    ) -> TokenLayout:
-        """Packed sequences: sequence `i` holds `lengths[i]` real tokens at the start of
-        `[cu_seqlens_padded[i], cu_seqlens_padded[i + 1])` (default: no padding)."""
-        lengths = tuple(int(n) for n in lengths)
-        if cu_seqlens_padded is None:
-            bounds = [0]
-            for n in lengths:
-                bounds.append(bounds[-1] + n)
-        else:
-            bounds = [int(x) for x in torch.as_tensor(cu_seqlens_padded).tolist()]
-        if len(bounds) != len(lengths) + 1 or bounds[0] != 0:
-            raise ValueError(
-                "cu_seqlens_padded must start at 0 and have one entry per sequence + 1"
-            )
-        sequences, tokens = [], []
-        for i, n in enumerate(lengths):
-            padded = bounds[i + 1] - bounds[i]
-            if padded < n:
-                raise ValueError(f"sequence {i}: {n} tokens do not fit its {padded} packed slots")
-            offsets = _cp_chunks(
-                padded, parallel.cp_size, parallel.cp_rank, f"sequence {i}'s padded length"
-            )
-            real = offsets < n
-            sequences.append(torch.where(real, i, -1))
-            tokens.append(torch.where(real, offsets, -1))
-        sequence = torch.cat(sequences) if sequences else torch.zeros(0, dtype=torch.long)
-        token = torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long)
-        local = _sp_slice(sequence.numel(), parallel, "the local packed length")
-        return cls(sequence[local], token[local], lengths, parallel, "thd")
-
-
-def layer_indices(
-    routes: RouteTensors | CompactRoutes, layout: TokenLayout, layers: Sequence[int]
-) -> list[torch.Tensor]:
-    """Per MoE layer in `layers` (indices into the routes' layer axis), the `[N, K]`
-    int64 expert ids of the tokens `layout` names, in its order; `-1` rows where no
-    route was recorded (or for padding). A token-layer with fewer than K experts cannot
-    be replayed by Megatron's top-k and is refused."""
-    return _replay_data(as_wide(routes), layout, layers)[0]
-
-
-def _replay_data(
-    routes: RouteTensors, layout: TokenLayout, layers: Sequence[int], tokens: bool = False
-) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-    """`layer_indices`, on the routes' device, with (if `tokens`) the stored token of
-    each router row (-1: padding, or none stored) from the same gather; the host reads
-    one small tensor (partial rows, and the layers with rows for the live router)."""
-    if routes.ids.dim() != 4:
-        raise InvalidRoutes("Megatron replay takes padded routes [B, T, L, K]")
-    _line_up(routes, layout)
-    length = routes.ids.shape[1]
-    device = routes.ids.device
-    sequence = layout.sequence.to(device, non_blocking=True)
-    real = sequence >= 0
-    seq = sequence.clamp(min=0)
-    tok = layout.token.to(device, non_blocking=True).clamp(min=0, max=max(length - 1, 0))
-    ids = routes.ids[seq, tok]  # [N, L, K]
-    valid = routes.valid[seq, tok] & real[:, None, None]
-    full = valid.all(dim=-1)  # [N, L]
-    partial = valid.any(dim=-1) & ~full
-    flags = torch.cat([partial.any()[None], (~full).any(dim=0)]).tolist()
-    if flags[0]:
-        n, layer = (int(x) for x in partial.nonzero()[0])
-        raise InvalidRoutes(
-            f"sequence {int(layout.sequence[n])}, token {int(layout.token[n])}, layer "
-            f"{layer} has fewer than top_k experts: Megatron's top-k cannot replay it"
-        )
-    out = []
-    for layer in layers:
-        chosen = ids[:, layer, :].to(torch.int64)
-        data = torch.where(full[:, layer, None], chosen, torch.full_like(chosen, -1))
-        data._r3_live = flags[1 + layer]  # type: ignore[attr-defined]  # rows for the live router
-        out.append(data)
-    want = None
-    if tokens and routes.tokens is not None:
-        if routes.tokens.dim() != 2:
-            raise InvalidRoutes("the token check takes padded routes' tokens [B, T]")
-        stored = routes.tokens.to(device, non_blocking=True)
-        want = torch.where(real, stored[seq, tok.clamp(max=max(stored.shape[1] - 1, 0))], -1)
-    return out, want
-
-
-def _line_up(routes: RouteTensors | CompactRoutes, layout: TokenLayout) -> None:
-    """Refuse routes of another sequence count or lengths than the layout's."""
-    have = tuple(int(n) for n in routes.lengths.tolist())
-    if len(have) != len(layout.lengths):
-        raise InvalidRoutes(
-            f"routes do not line up with the batch: the batch has {len(layout.lengths)} "
-            f"sequences, the routes {len(have)}"
-        )
-    for i, (ours, theirs) in enumerate(zip(have, layout.lengths, strict=True)):
-        if ours != theirs:
-            raise InvalidRoutes(
-                f"routes do not line up with the batch: sequence {i} has {theirs} tokens "
-                f"in the batch but {ours} in the routes"
-            )
-
-
-def _with_live(data: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`data` carrying `like`'s note of whether it has rows for the live router."""
-    data._r3_live = getattr(like, "_r3_live", None)  # type: ignore[attr-defined]
-    return data
 
 
 def _replay_topk(
@@ -351,7 +113,7 @@ def _replay_topk(
         indices = self.replay_backward_list.pop(0)
     if indices is None:
         raise RuntimeError("router replay is on but no routes were loaded for this layer")
-    live_rows = getattr(indices, "_r3_live", None)  # known when loaded: no read per layer
+    known = live_rows(indices)  # noted when loaded: no read per layer
     indices = indices.to(scores.device)
     if indices.shape != (scores.shape[0], topk):
         raise InvalidRoutes(
@@ -359,99 +121,10 @@ def _replay_topk(
             f"are {list(indices.shape)}"
         )
     live = (indices < 0).any(dim=-1, keepdim=True)
-    if live_rows if live_rows is not None else bool(live.any()):
+    if known if known is not None else bool(live.any()):
         _probs, chosen = default_compute_topk(scores, topk, num_groups, group_topk)
         indices = torch.where(live, chosen, indices)
     return scores.gather(1, indices), indices
-
-
-def router_tokens(input_ids: torch.Tensor, parallel: Parallel = Parallel()) -> torch.Tensor:
-    """The token ids this rank's routers see, in their order, from the input ids its
-    model is called with (`[b, s]`, context-parallel local; packed: `[1, t]` or `[t]`):
-    the embedding's `[s, b]` flattened sequence-major, then, with sequence parallelism,
-    this tensor-parallel rank's contiguous slice. This follows Megatron's own data
-    flow, not the layout the trainer declares, so a layout that is not the batch's
-    gives other tokens than the routes'."""
-    if input_ids.dim() == 2:
-        flat = input_ids.t().reshape(-1)
-    elif input_ids.dim() == 1:
-        flat = input_ids
-    else:
-        raise InvalidRoutes(f"input ids of shape {list(input_ids.shape)}: expected [b, s] or [t]")
-    return flat[_sp_slice(flat.numel(), parallel, "the input's token count")]
-
-
-def _seen_by_routers(input_ids: torch.Tensor, parallel: Parallel) -> torch.Tensor:
-    """`router_tokens` as a view where it can be (no copy): `[s, b]`, this rank's rows
-    of it under sequence parallelism; router row `n` is its element `n` row-major."""
-    if input_ids.dim() == 2:
-        seen = input_ids.t()
-        if parallel.sequence_parallel and parallel.tp_size > 1:
-            if seen.shape[0] % parallel.tp_size:
-                return router_tokens(input_ids, parallel)  # whatever it holds, flat
-            seen = seen[_sp_slice(seen.shape[0], parallel, "the input's sequence length")]
-        return seen
-    return router_tokens(input_ids, parallel)
-
-
-@dataclass(frozen=True)
-class _Expected:
-    """The stored token of each of this rank's router rows (-1: padding, or none
-    stored), made once per micro-batch."""
-
-    want: torch.Tensor
-    origin: Origin
-    layout: TokenLayout
-
-    def compare(self, input_ids: torch.Tensor) -> TokenCheck:
-        got = _seen_by_routers(input_ids, self.layout.parallel)
-        if got.numel() != self.want.numel():
-            raise InvalidRoutes(
-                f"the model's input ids {list(input_ids.shape)} give this rank's routers "
-                f"{got.numel()} tokens; the {self.layout.kind} layout {self.want.numel()}: "
-                "the layout is not the batch's"
-            )
-        want = self.want.view(got.shape)
-        if got.device != want.device:  # compared where the model runs: no copy back
-            want = want.to(got.device, non_blocking=True)
-        return TokenCheck(
-            want,
-            got,
-            self.origin,
-            f"the {self.layout.kind} layout is not the batch's (thd or sbhd, first= for "
-            "left padding, cu_seqlens_padded, tensor/context/sequence parallelism)",
-            self._locate,
-        )
-
-    def _locate(self, rows: Any) -> tuple[Any, Any]:
-        return self.layout.sequence.numpy()[rows], self.layout.token.numpy()[rows]
-
-
-def _expected(tokens: torch.Tensor | None, layout: TokenLayout, origin: Origin) -> _Expected | None:
-    """The stored token of each router row of `layout`, from the routes' `tokens`
-    `[B, T]`, on their device."""
-    if tokens is None:
-        return None
-    if tokens.dim() != 2:
-        raise InvalidRoutes("the token check takes padded routes' tokens [B, T]")
-    sequence = layout.sequence.to(tokens.device, non_blocking=True)
-    index = sequence * tokens.shape[1] + layout.token.to(tokens.device, non_blocking=True)
-    want = torch.where(sequence >= 0, tokens.reshape(-1)[index.clamp(min=0)], -1)
-    return _Expected(want, origin, layout)
-
-
-def check_tokens(
-    routes: RouteTensors | CompactRoutes, layout: TokenLayout, input_ids: torch.Tensor
-) -> TokenCheck | None:
-    """The token check `MegatronReplay` makes, on its own: `input_ids` as this rank's
-    model is called with them, against the routes' stored tokens in the layout's
-    order. `verify()` on the result raises `TokenMismatch`; None when the routes carry
-    no token ids. A layout of another rank than this process is refused
-    (`check_parallel`)."""
-    check_parallel(layout.parallel)
-    _line_up(routes, layout)
-    expected = _expected(routes.tokens, layout, routes.origin)
-    return None if expected is None else expected.compare(input_ids)
 
 
 def megatron_gate(config: Any) -> Gate:
@@ -562,7 +235,7 @@ class MegatronReplay:
         if bad:
             raise ValueError(f"layers {bad} are outside the routes' {spec.num_layers} layers")
         self.instances = [r.router_replay for r in routers]
-        self._expected: _Expected | None = None
+        self._expected: ExpectedTokens | None = None
         self._pending: list[TokenCheck] = []
         self._unchecked = False  # routes with token ids loaded, no input ids compared yet
         self._attached = True
@@ -730,11 +403,11 @@ class MegatronReplay:
         wide = as_wide(routes)
         if self.check_tokens:
             warn_untokened(wide.tokens, wide.origin)
-        data, want = _replay_data(wide, layout, self._axis(wide), tokens=self.check_tokens)
+        data, want = replay_data(wide, layout, self._axis(wide), tokens=self.check_tokens)
         if device is not None:
-            data = [_with_live(d.to(device, non_blocking=True), d) for d in data]
+            data = [noted(d.to(device, non_blocking=True), live_rows(d)) for d in data]
             want = None if want is None else want.to(device, non_blocking=True)
-        expected = None if want is None else _Expected(want, wide.origin, layout)
+        expected = None if want is None else ExpectedTokens(want, wide.origin, layout)
         for instance, indices in zip(self.instances, data, strict=True):
             instance.set_target_indices(indices)
         self._act(self._m.Action.REPLAY_FORWARD)
@@ -816,21 +489,4 @@ class MicroBatch:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward with recomputation replaying this micro-batch's routes."""
         self.replay.before_backward()
-        loss.backward()  # type: ignore[no-untyped-call]
-
-
-def gather_recorded(
-    recorded: Sequence[torch.Tensor], layout: TokenLayout, layers: Sequence[int], spec: RouteSpec
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse of `layer_indices` for what one rank's routers recorded: `[B, T, L, K]`
-    ids (int32) and a `[B, T, L]` mask of the token-layers this rank saw."""
-    batch = len(layout.lengths)
-    length = max(layout.lengths, default=0)
-    ids = torch.zeros((batch, length, spec.num_layers, spec.top_k), dtype=torch.int32)
-    seen = torch.zeros((batch, length, spec.num_layers), dtype=torch.bool)
-    real = layout.sequence >= 0
-    seq, tok = layout.sequence[real], layout.token[real]
-    for data, layer in zip(recorded, layers, strict=True):
-        ids[seq, tok, layer] = data[real].to(torch.int32).cpu()
-        seen[seq, tok, layer] = True
-    return ids, seen
+        torch.autograd.backward(loss)
