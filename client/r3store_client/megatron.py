@@ -51,6 +51,7 @@ except ImportError as exc:
 
 from r3store.errors import InvalidRoutes
 from r3store.spec import RouteSpec
+from r3store_client.gates import check_gate, megatron_gate
 from r3store_client.megatron_layout import Parallel, TokenLayout, check_parallel, router_tokens
 from r3store_client.megatron_routes import (
     ExpectedTokens,
@@ -61,7 +62,6 @@ from r3store_client.megatron_routes import (
     noted,
     replay_data,
 )
-from r3store_client.replay import Gate, check_gate
 from r3store_client.tensors import CompactRoutes, RouteTensors, TokenCheck, as_wide, warn_untokened
 
 __all__ = [
@@ -125,19 +125,6 @@ def _replay_topk(
         _probs, chosen = default_compute_topk(scores, topk, num_groups, group_topk)
         indices = torch.where(live, chosen, indices)
     return scores.gather(1, indices), indices
-
-
-def megatron_gate(config: Any) -> Gate:
-    """The gate a Megatron router of `config` applies (`topk_routing_with_score_function`):
-    softmax before top-k (`moe_router_pre_softmax`) keeps the k probabilities as they
-    are, softmax after it normalises them; sigmoid scores are normalised for top-k > 1;
-    `moe_router_enable_expert_bias` adds a bias that only chooses."""
-    score = config.moe_router_score_function
-    if score == "softmax":
-        normalised = not config.moe_router_pre_softmax or config.moe_router_topk == 1
-    else:
-        normalised = config.moe_router_topk > 1
-    return Gate(score, normalised, bool(config.moe_router_enable_expert_bias))
 
 
 def _config_of(chunks: Sequence[nn.Module]) -> Any:

@@ -25,21 +25,16 @@ in training, routers with jitter (Mixtral, MiniMax) perturb their own logits fir
 
 Routes that carry the token ids stored with them are checked against each forward's
 `input_ids` on the device; the block raises `TokenMismatch` at its end, naming the
-trajectory and the first differing token (`check_tokens=False` turns it off). `Gate`
-and `MODEL_GATES`: the gates of routers and of released models, compared at attach
-when the spec names its model (`RouterReplay(model, spec)`; Megatron's too).
-
-One module on purpose (over 500 lines): the gates (`Gate`) are what `RouterReplay`
-checks when it attaches, and the hooks replace each router's top-k in its own forward;
-the router families it knows are in `hf_routers`.
+trajectory and the first differing token (`check_tokens=False` turns it off). The
+gates of the routers and of released models (`r3store_client.gates`: `Gate`,
+`MODEL_GATES`) are compared at attach when the spec names its model
+(`RouterReplay(model, spec)`); the router families replay knows are in `hf_routers`.
 """
 
 from __future__ import annotations
 
 import functools
-import re
 import threading
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -49,130 +44,23 @@ from r3store_client.extras import missing
 
 try:
     import torch
-    from torch import nn
+    from torch import SymInt, nn
 except ImportError as exc:
     raise missing("torch", __name__, "torch") from exc
 
 from r3store.errors import InvalidRoutes
 from r3store.spec import RouteSpec
-from r3store_client.hf_routers import FAMILIES, SIGMOID_BIAS_GROUPS, Family, supported
+from r3store_client.gates import MODEL_GATES as MODEL_GATES
+from r3store_client.gates import check_gate, hf_gate
+from r3store_client.hf_routers import FAMILIES, Family, supported
 from r3store_client.tensors import (
     CompactRoutes,
-    GateNotChecked,
     RouteTensors,
     TokenCheck,
     as_wide,
     warn_once,
     warn_untokened,
 )
-
-# ---- gates: what turns a router's logits into the weights of its chosen experts
-
-
-@dataclass(frozen=True)
-class Gate:
-    """A router's gate in the terms that change a replayed forward: the score function
-    (`softmax` or `sigmoid`), whether the chosen experts' weights are renormalised to
-    sum to one (softmax over only the top-k logits is the same), and whether a bias
-    that only chooses experts (DeepSeek-V3's `e_score_correction_bias`) is added."""
-
-    score: str
-    normalised: bool
-    selection_bias: bool
-
-    def __str__(self) -> str:
-        norm = "renormalised" if self.normalised else "not renormalised"
-        bias = ", a bias that only chooses" if self.selection_bias else ""
-        return f"{self.score}, {norm}{bias}"
-
-
-SOFTMAX_NORMALISED = Gate("softmax", True, False)
-SOFTMAX_PLAIN = Gate("softmax", False, False)
-SIGMOID_BIASED = Gate("sigmoid", True, True)
-
-# The gates of the released MoE models, by a pattern of their names (lower case, `_`
-# and spaces as `-`), the first that matches: what a namespace's spec `model` names is
-# checked against the gate the trainer's model applies. Names matching none are not
-# checked (a warning says so).
-MODEL_GATES: tuple[tuple[str, Gate], ...] = (
-    (r"deepseek-(v3|r1|prover-v2)|kimi-k2|moonlight|glm-4\.[5-7]", SIGMOID_BIASED),
-    (r"deepseek-(coder-)?v2", SOFTMAX_PLAIN),  # group-limited, times a scaling factor
-    (r"minimax-m2", SIGMOID_BIASED),
-    (r"lfm2", SIGMOID_BIASED),
-    (r"ernie-4\.5", Gate("softmax", True, True)),
-    (r"qwen1\.5-moe|qwen2-moe|qwen2-57b", SOFTMAX_PLAIN),
-    (r"qwen3", SOFTMAX_NORMALISED),
-    (r"mixtral|gpt-oss|minimax|granite|hunyuan", SOFTMAX_NORMALISED),
-    (r"olmoe|jamba", SOFTMAX_PLAIN),
-)
-
-
-def model_gate(name: str) -> Gate | None:
-    """The gate of the model `name` (a hub id or any name holding one), if known."""
-    key = re.sub(r"[\s_]+", "-", name.strip().lower())
-    for pattern, gate in MODEL_GATES:
-        if re.search(pattern, key):
-            return gate
-    return None
-
-
-def check_gate(model: str, gate: Gate, where: str) -> None:
-    """Refuse a trainer model whose gate is not the one of the model the routes were
-    recorded with (the spec's `model`, when set); warn (`GateNotChecked`) when that
-    name is not one whose gate is known."""
-    if not model:
-        return
-    want = model_gate(model)
-    if want is None:
-        warnings.warn(
-            f"the routes' model {model!r} is not one whose gate replay knows: the gate of "
-            f"{where} ({gate}) is not checked against it",
-            GateNotChecked,
-            stacklevel=3,
-        )
-        return
-    if want != gate:
-        raise ValueError(
-            f"the model does not match the routes: the routes are of {model!r}, whose gate "
-            f"is {want}; {where} applies {gate}"
-        )
-
-
-_ALWAYS_NORMALISED = {
-    "Qwen3VLMoeTextTopKRouter",
-    "MixtralTopKRouter",
-    "MiniMaxTopKRouter",
-    "GptOssTopKRouter",
-    "GraniteMoeTopKRouter",
-    "GraniteMoeSharedTopKRouter",
-    "GraniteMoeHybridTopKRouter",
-    "HunYuanMoEV1Gate",
-}
-
-
-def hf_gate(router: nn.Module, config: Any) -> Gate:
-    """The gate of an HF router replay knows (`FAMILIES`), with its model's settings."""
-    name = type(router).__name__
-
-    def flag(attr: str, default: bool) -> bool:
-        value = getattr(router, attr, None)
-        if value is None and config is not None:
-            value = getattr(config, attr, None)
-        return default if value is None else bool(value)
-
-    if name in _ALWAYS_NORMALISED:
-        return SOFTMAX_NORMALISED
-    if name == "Ernie4_5_MoeTopKRouter":
-        return Gate("softmax", True, True)
-    if name in ("DeepseekV2TopkRouter", "JambaTopKRouter"):
-        return SOFTMAX_PLAIN
-    if name == "MiniMaxM2TopKRouter":
-        return SIGMOID_BIASED
-    if name == "Lfm2MoeTopKRouter":
-        return Gate("sigmoid", flag("norm_topk_prob", False), flag("use_expert_bias", False))
-    if FAMILIES[name].gate == SIGMOID_BIAS_GROUPS:
-        return Gate("sigmoid", flag("norm_topk_prob", False), True)
-    return Gate("softmax", flag("norm_topk_prob", False), False)  # the Qwen / OLMoE kind
 
 
 def router_family(module: nn.Module) -> Family | None:
@@ -213,7 +101,7 @@ class _Substitution:
     own: torch.Tensor | None = None  # what it would have chosen
     matches: int = 0
 
-    def applies(self, scores: torch.Tensor, k: int, dim: int, largest: bool) -> bool:
+    def applies(self, scores: torch.Tensor, k: int | SymInt, dim: int, largest: bool) -> bool:
         return (
             threading.get_ident() == self.thread
             and scores.dim() == 2
@@ -223,7 +111,9 @@ class _Substitution:
             and largest
         )
 
-    def topk(self, scores: torch.Tensor, k: int, dim: int, largest: bool, sorted: bool) -> Any:
+    def topk(
+        self, scores: torch.Tensor, k: int | SymInt, dim: int, largest: bool, sorted: bool
+    ) -> torch.return_types.topk:
         own = _ORIGINAL_TOPK(scores, k, dim=dim, largest=largest, sorted=sorted)
         if not self.applies(scores, k, dim, largest):
             return own
@@ -238,17 +128,20 @@ _active = threading.local()
 
 
 def _topk(
-    scores: torch.Tensor,
-    k: int,
+    input: torch.Tensor,
+    k: int | SymInt,
     dim: int = -1,
     largest: bool = True,
     sorted: bool = True,
-    **kwargs: Any,
-) -> Any:
+    *,
+    out: torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor] | None = None,
+) -> torch.return_types.topk:
+    """`torch.topk` (and `Tensor.topk`), of the same signature, through this thread's
+    substitution while one is active."""
     substitution: _Substitution | None = getattr(_active, "substitution", None)
-    if substitution is None or kwargs:
-        return _ORIGINAL_TOPK(scores, k, dim=dim, largest=largest, sorted=sorted, **kwargs)
-    return substitution.topk(scores, k, dim, largest, sorted)
+    if substitution is None or out is not None:
+        return _ORIGINAL_TOPK(input, k, dim=dim, largest=largest, sorted=sorted, out=out)
+    return substitution.topk(input, k, dim, largest, sorted)
 
 
 _patch_lock = threading.Lock()
@@ -262,7 +155,7 @@ def _topk_substituted(substitution: _Substitution) -> Iterator[_Substitution]:
     global _patch_users
     with _patch_lock:
         if _patch_users == 0:
-            torch.topk = _topk  # type: ignore[assignment]
+            torch.topk = _topk
             torch.Tensor.topk = _topk  # type: ignore[method-assign,assignment]
         _patch_users += 1
     _active.substitution = substitution
@@ -343,7 +236,8 @@ class RouterReplay:
                 f"router {', '.join(unknown)} is not one replay knows the gate of "
                 f"(known: {supported()})"
             )
-        self.routers = [m for m in model.modules() if router_family(m) is not None]
+        known = [(m, family) for m in model.modules() if (family := router_family(m)) is not None]
+        self.routers = [m for m, _family in known]
         if not self.routers:
             raise ValueError(f"no MoE router replay knows in the model (known: {supported()})")
         if getattr(model, "use_kernels", False):
@@ -351,7 +245,7 @@ class RouterReplay:
                 "the model uses hub kernels (use_kernels), which replace MoE blocks and "
                 "routers: replay cannot reach them"
             )
-        self.experts = [_experts(r, router_family(r)) for r in self.routers]  # type: ignore[arg-type]
+        self.experts = [_experts(router, family) for router, family in known]
         config = getattr(model, "config", None)
         if config is not None and hasattr(config, "get_text_config"):
             config = config.get_text_config()
