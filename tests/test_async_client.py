@@ -19,7 +19,7 @@ from r3store.records import TrajectoryWrite
 from r3store.spec import RouteSpec
 from r3store.testing.seaweedfs import SeaweedFS
 from r3store.testing.synthetic import uniform_topk
-from r3store_client import AsyncClient, AsyncRolloutWriter, Client, Retry, calls
+from r3store_client import AsyncClient, AsyncRolloutWriter, Client, Retry, write_calls
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_the_event_loop_runs_while_large_uploads_are_encoded(
         for i in range(16)
     ]
     threads: list[str] = []
-    real = calls.encoded_writes  # what a put runs first, direct or through the server
+    real = write_calls.encoded_writes  # what a put runs first, direct or through the server
 
     def slow(*args: Any) -> list[TrajectoryWrite]:
         threads.append(threading.current_thread().name)
@@ -91,7 +91,7 @@ def test_the_event_loop_runs_while_large_uploads_are_encoded(
         time.sleep(max(0.0, 0.6 - (time.perf_counter() - started)))  # at least 0.6 s
         return encoded
 
-    monkeypatch.setattr(calls, "encoded_writes", slow)
+    monkeypatch.setattr(write_calls, "encoded_writes", slow)
 
     async def main() -> tuple[float, float]:
         gaps: list[float] = []

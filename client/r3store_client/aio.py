@@ -28,7 +28,8 @@ import urllib3
 from r3store.errors import Backpressure, R3StoreError
 from r3store.records import TrajectoryWrite
 from r3store.refs import RouteRef
-from r3store_client.calls import Calls, Retry, awaiting
+from r3store_client.call_base import Retry, awaiting
+from r3store_client.calls import Calls
 from r3store_client.steps import Call, Send, Sleep, T
 from r3store_client.writer import (
     Attempt,

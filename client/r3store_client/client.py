@@ -24,8 +24,10 @@ from typing import Any
 import httpx
 import urllib3
 
-from r3store_client.calls import Calls, Retry, blocking, check_shape
+from r3store_client.call_base import Retry, blocking
+from r3store_client.calls import Calls
 from r3store_client.steps import Call, Send, Sleep, T
+from r3store_client.write_calls import check_shape
 
 __all__ = ["Client", "Retry", "check_shape"]
 

@@ -11,19 +11,19 @@ once. `True` insists (the error is raised), `False` never asks.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import urllib3
 
-from r3store.errors import DirectUnavailable, PlanGone, StoreError
-from r3store.logic.codec import Dictionaries, Dictionary
+from r3store.errors import DirectUnavailable, PlanGone, R3StoreError, StoreError
+from r3store.logic.codec import Dictionary
 from r3store.protocol.direct import WriteCommitted, WritePlanModel, pack
 from r3store.protocol.models import PutItem
 from r3store.records import TrajectoryWrite
 from r3store.spec import RouteSpec
+from r3store_client.direct_reads import DirectReads, Replan
 from r3store_client.steps import Call, Work
 
 log = logging.getLogger("r3store_client")
@@ -39,24 +39,21 @@ class _Refused(Exception):
     the PUT may have landed, or not; the blob is never committed unseen): a new plan."""
 
 
-class DirectWrites:
-    """The direct half of `Calls._put`; `Calls` provides `_json`, `_direct` and the
-    settings."""
-
-    direct_writes: bool | None
-    _writes_direct: bool | None  # what was chosen (None: not yet)
-    _plans: dict[str, list[WritePlanModel]]  # unused plans commits answered, per namespace
-    _plans_lock: threading.Lock
-    _dictionaries: Dictionaries  # by digest, shared with direct reads
-
-    def _json(self, method: str, path: str, **kwargs: Any) -> Call[Any]:
-        raise NotImplementedError  # `Calls`
-
-    def _direct(self) -> tuple[urllib3.PoolManager, Any]:
-        raise NotImplementedError  # `Calls`
+class DirectWrites(DirectReads):
+    """The direct half of `WriteCalls._put`; mixed into `Calls`."""
 
     def _plan_dictionary(self, plan: WritePlanModel) -> Dictionary | None:
-        raise NotImplementedError  # `Calls`, beside the dictionaries direct reads fetch
+        """The dictionary a write plan names, or None when it names none or it cannot be
+        read (the routes then go without one, as before the namespace had one)."""
+        if plan.dictionary is None:
+            return None
+        try:
+            return self._dictionary(bytes.fromhex(plan.dictionary.digest), plan.dictionary.url)
+        except (Replan, R3StoreError) as exc:
+            log.warning(
+                "r3store: the namespace's dictionary is not used: %s", exc or "refused by the store"
+            )
+            return None
 
     def _chooses_direct(self) -> bool:
         """Whether the next put should try a write plan."""

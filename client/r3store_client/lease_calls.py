@@ -38,26 +38,13 @@ from r3store.protocol.consumption import (
 )
 from r3store.protocol.wire import ReadFormat
 from r3store.records import Batch
+from r3store_client.read_calls import ReadCalls
 from r3store_client.steps import Call
 
 
-class LeaseCalls:
-    """Leases, checkpoints and resume; mixed into `Calls`, whose requests they send."""
-
-    def _json(self, method: str, path: str, **kwargs: Any) -> Call[Any]:
-        raise NotImplementedError  # `Calls._json`
-
-    def _get_batch(
-        self,
-        namespace: str,
-        ids: Sequence[str],
-        include_stale: bool = False,
-        fmt: ReadFormat = ReadFormat.ENCODED,
-        decode: bool = True,
-        source: Source | None = None,
-        layers: Sequence[int] | None = None,
-    ) -> Call[Batch]:
-        raise NotImplementedError  # `Calls._get_batch`
+class LeaseCalls(ReadCalls):
+    """Leases, checkpoints and resume; mixed into `Calls`. A lease's routes are read as
+    `get_batch` reads them (`read_calls`)."""
 
     def _lease(
         self,

@@ -2,8 +2,8 @@
 
 A call is a generator of steps: `Send` one HTTP request (answered with its
 `httpx.Response`), `Sleep` before a retry, `Work` on the CPU (answered with what it
-returns). `Client` and `AsyncClient` are the two runners of these steps; the call
-mixins (`calls`, `lease_calls`, `direct_writes`) only yield them.
+returns). `Client` and `AsyncClient` are the two runners of these steps; the calls
+(`calls` and the mixins it gathers) only yield them.
 """
 
 from __future__ import annotations

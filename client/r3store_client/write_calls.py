@@ -1,0 +1,106 @@
+"""The client's uploads (`WriteCalls`, mixed into `Calls`): each array's shape is
+checked against the namespace's spec and the routes are validated and encoded here, as
+the engine would, before anything is sent; then they go straight to the object store
+where the server allows it (`direct_writes`), else through the server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from r3store.errors import InvalidRoutes
+from r3store.logic.codec import Dictionary
+from r3store.logic.streams import fits
+from r3store.logic.writes import encode_write
+from r3store.protocol.models import PutItem
+from r3store.protocol.wire import CONTENT_TYPE, encode_writes
+from r3store.records import PutResult, TrajectoryWrite
+from r3store.refs import RouteRef
+from r3store.spec import RouteSpec
+from r3store_client.direct_writes import DirectWrites
+from r3store_client.namespace_calls import NamespaceCalls
+from r3store_client.steps import Call, Work
+
+
+def check_shape(write: TrajectoryWrite, spec: RouteSpec) -> None:
+    """Refuse routes whose array is not `[num_tokens - 1 or num_tokens, layers, width]`
+    (`InvalidRoutes` naming the expected and the given shape). Only the bytes travel, so
+    a transposed `[layers, num_tokens - 1, top_k]` array of the same size would be read
+    as other routes."""
+    if write.encoded is not None or (write.topk is None and write.mask is None):
+        return  # encoded streams are checked by decoding; none at all: `check` says so
+    n = write.num_tokens
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        return  # `check` names a bad token count
+    routes = write.topk if write.topk is not None else write.mask
+    kind, width, name = (
+        ("top-k ids", spec.top_k, "top_k")
+        if write.topk is not None
+        else ("masks", spec.mask_bytes, "ceil(num_experts / 8)")
+    )
+    given = tuple(int(d) for d in np.shape(routes))
+    if len(given) == 3 and given[0] in (n - 1, n) and given[1:] == (spec.num_layers, width):
+        return
+    raise InvalidRoutes(
+        f"{write.trajectory_id}: {kind} of shape {list(given)}; expected "
+        f"[{n - 1}, {spec.num_layers}, {width}] ([num_tokens - 1, layers, {name}]; "
+        f"{n} rows also accepted) for {n} tokens"
+    )
+
+
+def encoded_writes(
+    writes: Sequence[TrajectoryWrite], spec: RouteSpec, dictionary: Dictionary | None = None
+) -> list[TrajectoryWrite]:
+    """The writes with each array's shape checked against the spec and the routes
+    validated and encoded as the engine would (bad ones raise `InvalidRoutes` before
+    anything is sent; with the namespace's `dictionary` for a direct write); a segment
+    too long to be checked by decoding stays as ids."""
+    for w in writes:
+        check_shape(w, spec)
+    return [encode_write(w, spec, dictionary) if fits(spec, w.num_tokens) else w for w in writes]
+
+
+def upload_body(writes: Sequence[TrajectoryWrite], spec: RouteSpec, encode: bool) -> bytes:
+    """An upload's body: each array's shape checked against the spec, and (`encode`)
+    the routes encoded (`encoded_writes`)."""
+    if encode:
+        return encode_writes(encoded_writes(writes, spec))
+    for w in writes:
+        check_shape(w, spec)
+    return encode_writes(writes)
+
+
+class WriteCalls(NamespaceCalls, DirectWrites):
+    """Uploads, direct or through the server; mixed into `Calls`."""
+
+    def _put(self, namespace: str, writes: Sequence[TrajectoryWrite]) -> Call[list[PutResult]]:
+        """Upload trajectories (or appended segments); returns after the durable commit,
+        a result per write with its route ref (`PutResult.ref`). Each array's shape is
+        checked against the namespace's spec, and routes are validated and encoded here
+        (unless `encode=False`): bad ones raise `InvalidRoutes` before anything is
+        sent. Encoded puts go straight to the object store where the server allows it
+        (`direct_writes`; `r3store_client.direct_writes`)."""
+        spec = yield from self._spec(namespace)
+        items: list[PutItem] | None = None
+        if (
+            self.encode
+            and self._chooses_direct()
+            and all(isinstance(w.num_tokens, int) and fits(spec, w.num_tokens) for w in writes)
+        ):
+            for w in writes:
+                check_shape(w, spec)
+            items = yield from self._put_direct(namespace, spec, writes, encoded_writes)
+        if items is None:
+            body = yield Work(upload_body, (list(writes), spec, self.encode))
+            answer = yield from self._json(
+                "POST",
+                f"/v1/namespaces/{namespace}/trajectories",
+                content=body,
+                headers={"Content-Type": CONTENT_TYPE},
+            )
+            items = [PutItem.model_validate(item) for item in answer["results"]]
+        results = [item.result() for item in items]
+        return [dataclasses.replace(r, ref=RouteRef.of(namespace, r)) for r in results]
