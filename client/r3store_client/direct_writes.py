@@ -89,6 +89,21 @@ class DirectWrites(DirectReads):
             left = len(self._plans.get(namespace, []))
         return PLAN_BATCH if left < PLAN_BATCH // 4 else 0
 
+    def _write_plan(self, namespace: str) -> Call[WritePlanModel | None]:
+        """A pooled plan of `namespace`, else a new one from the server; None when the
+        server takes no direct writes (chosen then, unless `direct_writes` insists)."""
+        plan = self._next_plan(namespace)
+        if plan is not None:
+            return plan
+        try:
+            answer = yield from self._json("POST", f"/v1/namespaces/{namespace}/writes", json={})
+        except DirectUnavailable as exc:
+            if self.direct_writes:
+                raise
+            self._chose(False, f"writes go through the server ({exc})")
+            return None
+        return WritePlanModel.model_validate(answer)
+
     def _put_direct(
         self,
         namespace: str,
@@ -103,18 +118,9 @@ class DirectWrites(DirectReads):
         taken) gets a new plan."""
         packed: tuple[bytes | None, bytes, list[Any]] | None = None  # dictionary, blob, segments
         for attempt in range(3):
-            plan = self._next_plan(namespace)
+            plan = yield from self._write_plan(namespace)
             if plan is None:
-                try:
-                    answer = yield from self._json(
-                        "POST", f"/v1/namespaces/{namespace}/writes", json={}
-                    )
-                except DirectUnavailable as exc:
-                    if self.direct_writes:
-                        raise
-                    self._chose(False, f"writes go through the server ({exc})")
-                    return None
-                plan = WritePlanModel.model_validate(answer)
+                return None
             dictionary = yield Work(self._plan_dictionary, (plan,))
             digest = None if dictionary is None else dictionary.digest
             if packed is None or packed[0] != digest:
