@@ -42,6 +42,7 @@ class R3StoreError(Exception):
     """Base class of every error r3store raises on purpose."""
 
     code = "internal"
+    status: int | None = None  # the HTTP status it came with, when the client raises it
 
 
 class InvalidInput(R3StoreError):

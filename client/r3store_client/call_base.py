@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import httpx
 import urllib3
@@ -42,22 +42,36 @@ RETRY_STATUS = {408, 429, 502, 503, 504}
 NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
-def blocking(call: Callable[Concatenate[Any, P], Call[T]]) -> Callable[Concatenate[Any, P], T]:
+class Blocking(Protocol):
+    """A transport that runs a call to its end in the caller's thread (`Client`)."""
+
+    def _run(self, call: Call[T], /) -> T: ...
+
+
+class Awaiting(Protocol):
+    """A transport that runs a call to its end as a coroutine (`AsyncClient`)."""
+
+    async def _run(self, call: Call[T], /) -> T: ...
+
+
+def blocking(
+    call: Callable[Concatenate[Any, P], Call[T]],
+) -> Callable[Concatenate[Blocking, P], T]:
     """A call as a method that runs it to its end (`Client`)."""
 
-    def method(self: Any, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        return self._run(call(self, *args, **kwargs))  # type: ignore[no-any-return]
+    def method(self: Blocking, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._run(call(self, *args, **kwargs))
 
     return _named(method, call)
 
 
 def awaiting(
     call: Callable[Concatenate[Any, P], Call[T]],
-) -> Callable[Concatenate[Any, P], Coroutine[Any, Any, T]]:
+) -> Callable[Concatenate[Awaiting, P], Coroutine[Any, Any, T]]:
     """A call as a coroutine method that runs it to its end (`AsyncClient`)."""
 
-    async def method(self: Any, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        return await self._run(call(self, *args, **kwargs))  # type: ignore[no-any-return]
+    async def method(self: Awaiting, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return await self._run(call(self, *args, **kwargs))
 
     return _named(method, call)
 
@@ -87,7 +101,8 @@ class Retry:
 
 
 def with_status(error: R3StoreError, status: int) -> R3StoreError:
-    error.status = status  # type: ignore[attr-defined]
+    """`error`, noting the HTTP status the server answered it with."""
+    error.status = status
     return error
 
 

@@ -88,7 +88,8 @@ class Client(Calls):
                 try:
                     step = call.throw(error) if error is not None else call.send(value)
                 except StopIteration as done:
-                    return done.value  # type: ignore[no-any-return]
+                    result: T = done.value
+                    return result
                 value, error = None, None
                 try:
                     if isinstance(step, Send):
