@@ -28,7 +28,7 @@ import urllib3
 from r3store.errors import Backpressure, R3StoreError
 from r3store.records import TrajectoryWrite
 from r3store.refs import RouteRef
-from r3store_client.call_base import Retry, awaiting
+from r3store_client.call_base import Retry, Transport, awaiting
 from r3store_client.calls import Calls
 from r3store_client.steps import Call, Send, Sleep, T
 from r3store_client.writer import (
@@ -44,7 +44,7 @@ from r3store_client.writer import (
 __all__ = ["AsyncClient", "AsyncRolloutWriter"]
 
 
-class AsyncClient(Calls):
+class AsyncClient(Calls, Transport[httpx.AsyncClient]):
     """`Client`'s calls as coroutines; see `r3store_client.client.Client` for each."""
 
     def __init__(
@@ -61,18 +61,13 @@ class AsyncClient(Calls):
         direct_writes: bool | None = None,
     ) -> None:
         super().__init__(base_url, api_key, timeout, retry, encode, store_http, direct_writes)
-        self._http = http
-        self._own_http = http is None
+        self._connect(http)
         self.workers = workers
         self._cpu: ThreadPoolExecutor | None = None
 
     @property
     def http(self) -> httpx.AsyncClient:
-        with self._made:
-            if self._http is None:
-                self._http = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout)
-                self._own_http = True
-            return self._http
+        return self._opened(httpx.AsyncClient)
 
     @property
     def cpu(self) -> ThreadPoolExecutor:
@@ -97,13 +92,8 @@ class AsyncClient(Calls):
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["_own_http"] = True
-        return state
-
     def _unpicklable(self) -> tuple[str, ...]:
-        return (*super()._unpicklable(), "_http", "_cpu")
+        return (*super()._unpicklable(), "_cpu")
 
     async def _run(self, call: Call[T]) -> T:
         """Run a call's steps: requests and sleeps awaited, CPU work on `cpu`."""

@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
+from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
 import httpx
 import urllib3
@@ -233,3 +233,35 @@ class CallBase:
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Call[Any]:
         return (yield from self._request(method, path, **kwargs)).json()
+
+
+H = TypeVar("H", httpx.Client, httpx.AsyncClient)
+
+
+class Transport(CallBase, Generic[H]):
+    """What `Client` and `AsyncClient` share: their HTTP client (`H`), the one given or
+    their own, opened on first use; a pickled client drops it and opens its own."""
+
+    _http: H | None
+    _own_http: bool
+
+    def _connect(self, http: H | None) -> None:
+        self._http = http
+        self._own_http = http is None
+
+    def _opened(self, make: Callable[..., H]) -> H:
+        """The HTTP client, made by `make` (`httpx.Client` or `httpx.AsyncClient`) with
+        this client's base URL and timeout if there is none yet."""
+        with self._made:
+            if self._http is None:
+                self._http = make(base_url=self.base_url, timeout=self.timeout)
+                self._own_http = True
+            return self._http
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_own_http"] = True
+        return state
+
+    def _unpicklable(self) -> tuple[str, ...]:
+        return (*super()._unpicklable(), "_http")

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import urllib3
 
-from r3store_client.call_base import Retry, blocking
+from r3store_client.call_base import Retry, Transport, blocking
 from r3store_client.calls import Calls
 from r3store_client.steps import Call, Send, Sleep, T
 from r3store_client.write_calls import check_shape
@@ -32,7 +32,7 @@ from r3store_client.write_calls import check_shape
 __all__ = ["Client", "Retry", "check_shape"]
 
 
-class Client(Calls):
+class Client(Calls, Transport[httpx.Client]):
     def __init__(
         self,
         base_url: str = "http://127.0.0.1:8330",
@@ -46,18 +46,13 @@ class Client(Calls):
         direct_writes: bool | None = None,
     ) -> None:
         super().__init__(base_url, api_key, timeout, retry, encode, store_http, direct_writes)
-        self._http = http
-        self._own_http = http is None
+        self._connect(http)
 
     # connection
 
     @property
     def http(self) -> httpx.Client:
-        with self._made:
-            if self._http is None:
-                self._http = httpx.Client(base_url=self.base_url, timeout=self.timeout)
-                self._own_http = True
-            return self._http
+        return self._opened(httpx.Client)
 
     def close(self) -> None:
         if self._http is not None and self._own_http:
@@ -70,14 +65,6 @@ class Client(Calls):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["_own_http"] = True
-        return state
-
-    def _unpicklable(self) -> tuple[str, ...]:
-        return (*super()._unpicklable(), "_http")
 
     def _run(self, call: Call[T]) -> T:
         """Run a call's steps in this thread."""
