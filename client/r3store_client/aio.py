@@ -33,10 +33,9 @@ from r3store_client.calls import Calls
 from r3store_client.steps import Call, Send, Sleep, T
 from r3store_client.writer import (
     Attempt,
-    Delivery,
     Pause,
     Pending,
-    Queued,
+    Writer,
     WriterReport,
     write_size,
 )
@@ -161,30 +160,14 @@ class AsyncClient(Calls, Transport[httpx.AsyncClient]):
     trajectory_loads = awaiting(Calls._trajectory_loads)
 
 
-class AsyncRolloutWriter:
+class AsyncRolloutWriter(Writer[AsyncClient, asyncio.Future[RouteRef]]):
     """`RolloutWriter` for coroutines: concurrent `put`s are sent together in batches
     by one background task, memory bounded by `max_pending_bytes` (`submit` waits, or
     raises `Backpressure` with `block=False`). Refusals, retries, logging and the report
     are `RolloutWriter`'s (`writer.Delivery`)."""
 
-    def __init__(
-        self,
-        client: AsyncClient,
-        namespace: str,
-        *,
-        batch_size: int = 16,
-        batch_bytes: int = 32 << 20,
-        max_pending_bytes: int = 512 << 20,
-        linger: float = 0.05,
-        retry_backoff: float = 0.5,
-    ) -> None:
-        self.client = client
-        self.namespace = namespace
-        self._delivery = Delivery(client.base_url, retry_backoff)
-        self.report = self._delivery.report
-        self._held: Queued[asyncio.Future[RouteRef]] = Queued(
-            batch_size, batch_bytes, max_pending_bytes, linger
-        )
+    def _start(self) -> None:
+        """The condition writes wait on; the task that sends them starts with the first."""
         self._changed = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
 

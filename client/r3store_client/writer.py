@@ -34,6 +34,7 @@ import numpy as np
 from r3store.errors import Backpressure, InvalidInput, R3StoreError, StoreError
 from r3store.records import PutResult, TrajectoryWrite
 from r3store.refs import RouteRef
+from r3store_client.call_base import CallBase
 from r3store_client.client import Client
 
 log = logging.getLogger("r3store.client")
@@ -189,10 +190,17 @@ class Delivery:
         self._failing_since, self._failed_attempts = None, 0
 
 
-class RolloutWriter:
+C = TypeVar("C", bound=CallBase)
+
+
+class Writer(Generic[C, F]):
+    """What both rollout writers hold: their client (`C`) and namespace, the queue of
+    pending writes with futures `F` (`Queued`), and how a batch is delivered
+    (`Delivery`); each starts its own sender (`_start`)."""
+
     def __init__(
         self,
-        client: Client,
+        client: C,
         namespace: str,
         *,
         batch_size: int = 16,
@@ -205,9 +213,16 @@ class RolloutWriter:
         self.namespace = namespace
         self._delivery = Delivery(client.base_url, retry_backoff)
         self.report = self._delivery.report
-        self._held: Queued[Future[RouteRef]] = Queued(
-            batch_size, batch_bytes, max_pending_bytes, linger
-        )
+        self._held: Queued[F] = Queued(batch_size, batch_bytes, max_pending_bytes, linger)
+        self._start()
+
+    def _start(self) -> None:
+        raise NotImplementedError
+
+
+class RolloutWriter(Writer[Client, Future[RouteRef]]):
+    def _start(self) -> None:
+        """The condition writes wait on, and the thread that sends them."""
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="r3store-writer", daemon=True)
         self._thread.start()
