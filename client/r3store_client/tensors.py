@@ -23,6 +23,7 @@ routes were recorded for (`TokenCheck`) and name the trajectory when it does not
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -88,19 +89,14 @@ class RouteTensors:
     tokens: torch.Tensor | None = None
     origin: Origin = field(default_factory=Origin)
 
-    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> RouteTensors:
-        cu = None if self.cu_seqlens is None else fn(self.cu_seqlens)
-        tokens = None if self.tokens is None else fn(self.tokens)
-        return RouteTensors(fn(self.ids), fn(self.valid), fn(self.lengths), cu, tokens, self.origin)
-
     def to(self, device: torch.device | str, non_blocking: bool = True) -> RouteTensors:
-        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+        return _mapped(self, lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> RouteTensors:
         """Page-locked copies for asynchronous copies to the GPU (as is without CUDA)."""
         if not torch.cuda.is_available():
             return self
-        return self._map(lambda t: t.pin_memory())
+        return _mapped(self, lambda t: t.pin_memory())
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`(ids, valid)` of one MoE layer: `[..., K]` each."""
@@ -122,14 +118,7 @@ class CompactRoutes:
     origin: Origin = field(default_factory=Origin)
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> CompactRoutes:
-        def move(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=non_blocking)
-
-        cu = None if self.cu_seqlens is None else move(self.cu_seqlens)
-        tokens = None if self.tokens is None else move(self.tokens)
-        return CompactRoutes(
-            move(self.ids), move(self.counts), move(self.lengths), cu, tokens, self.origin
-        )
+        return _mapped(self, lambda t: t.to(device, non_blocking=non_blocking))
 
     @property
     def nbytes(self) -> int:
@@ -153,6 +142,19 @@ class CompactRoutes:
                 row[~row_ok] = torch.tensor(spare[: int((~row_ok).sum())], dtype=torch.int32)
             ids[where] = rows.to(ids.device)
         return RouteTensors(ids, valid, self.lengths, self.cu_seqlens, self.tokens, self.origin)
+
+
+R = TypeVar("R", RouteTensors, CompactRoutes)
+
+
+def _mapped(routes: R, fn: Callable[[torch.Tensor], torch.Tensor]) -> R:
+    """`routes` with `fn` applied to each of its tensors (the optional ones it has)."""
+    moved: dict[str, Any] = {
+        f.name: fn(value)
+        for f in dataclasses.fields(routes)
+        if isinstance(value := getattr(routes, f.name), torch.Tensor)
+    }
+    return dataclasses.replace(routes, **moved)
 
 
 def as_wide(routes: RouteTensors | CompactRoutes) -> RouteTensors:
