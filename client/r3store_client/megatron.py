@@ -71,7 +71,6 @@ __all__ = [
     "TokenLayout",
     "check_tokens",
     "gather_recorded",
-    "megatron_gate",
     "router_tokens",
 ]
 
