@@ -21,9 +21,9 @@ from r3store.engine.maintenance import MaintenanceOptions
 from r3store.engine.reader import ReaderConfig
 from r3store.engine.writer import WriterConfig
 from r3store.errors import Conflict
-from r3store.logic.spans import ByteRange
 from r3store.protocol.wire import CONTENT_TYPE, decode_batch, encode_writes
 from r3store.records import PutResult, TrajectoryWrite
+from r3store.spans import ByteRange
 from r3store.storage.catalog import Catalog
 from r3store.storage.store import LocalStore, ObjectInfo, ObjectStore
 from r3store.testing.postgres import Postgres

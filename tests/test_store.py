@@ -10,7 +10,7 @@ import boto3
 import pytest
 
 from r3store.errors import ObjectExists, StoreError
-from r3store.logic.spans import ByteRange
+from r3store.spans import ByteRange
 from r3store.storage.store import LocalStore, ObjectStore, S3Config, S3Store
 from r3store.testing.seaweedfs import SeaweedFS
 from r3store.testing.store import StoreTests

@@ -12,11 +12,11 @@ import urllib3
 
 from r3store.errors import R3StoreError, StoreError
 from r3store.logic.codec import Dictionaries, Dictionary, load_dictionary
-from r3store.logic.spans import ByteRange
 from r3store.policy import Source
 from r3store.protocol.models import ReadPlanModel
 from r3store.protocol.plans import Fetched, ReadPlan, reads_of
 from r3store.records import Batch
+from r3store.spans import ByteRange
 from r3store.spec import RouteSpec
 from r3store_client.call_base import CallBase
 from r3store_client.steps import Call, Work
