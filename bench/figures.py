@@ -22,9 +22,9 @@ class Figure:
 
     @property
     def ratio(self) -> float | None:
-        if self.baseline in (None, 0):
+        if not self.baseline:
             return None
-        return self.value / self.baseline  # type: ignore[operator]
+        return self.value / self.baseline
 
 
 def median_of(runs: int, measure: Callable[[], float]) -> float:

@@ -31,7 +31,9 @@ def check(engine: Engine, data: Path, live: dict[str, object]) -> None:
     batch = engine.get_batch("ns", list(live))
     assert batch.missing == []
     for tid, item in zip(live, batch.items, strict=True):
-        assert np.array_equal(item.routes.to_topk(), expected_ids(live[tid]))  # type: ignore[arg-type]
+        assert item is not None
+        assert item.routes is not None
+        assert np.array_equal(item.routes.to_topk(), expected_ids(live[tid]))
     counts: dict[str, int] = {}
     catalog = open_catalog(data)  # behind the engine's back
     for entry in catalog.segments.by_versions("ns", 0, 1000):

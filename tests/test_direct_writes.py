@@ -459,7 +459,9 @@ def test_direct_writes_on_two_replicas(
                 batch = rebuilt.get_batch("ns", ids)
                 assert batch.missing == []
                 for tid, item in zip(ids, batch.items, strict=True):
-                    assert np.array_equal(item.routes.to_topk(), expected_ids(acked[tid][0]))  # type: ignore[union-attr]
+                    assert item is not None
+                    assert item.routes is not None
+                    assert np.array_equal(item.routes.to_topk(), expected_ids(acked[tid][0]))
             finally:
                 fresh.close()
         finally:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 
 from helpers import SPEC, MakeEngine, expected_ids, make_write
@@ -141,13 +144,13 @@ def test_racing_puts_of_one_id_store_it_once(tmp_path: Path, make_engine: MakeEn
         assert sorted(map(str, outcomes)) == sorted(["conflict", "conflict", "True"])
 
 
-def _bad_ids(edit):  # type: ignore[no-untyped-def]
+def _bad_ids(edit: Callable[[npt.NDArray[Any]], object]) -> npt.NDArray[Any]:
     ids = np.asarray(make_write("good", tokens=11).topk).copy()
     edit(ids)
     return ids
 
 
-def _mask(edit):  # type: ignore[no-untyped-def]
+def _mask(edit: Callable[[npt.NDArray[Any]], object]) -> npt.NDArray[Any]:
     from r3store.engine import Engine
 
     routes = Engine.prepare_routes(SPEC, make_write("good", tokens=11))

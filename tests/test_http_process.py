@@ -93,6 +93,8 @@ def test_sigkill_during_writes_loses_no_acknowledged_write(
             batch = decode_batch(r.content)[1]
             assert batch.missing == []
             for tid, item in zip(ids, batch.items, strict=True):
-                assert np.array_equal(item.routes.to_topk(), expected_ids(acked[tid]))  # type: ignore[arg-type]
+                assert item is not None
+                assert item.routes is not None
+                assert np.array_equal(item.routes.to_topk(), expected_ids(acked[tid]))
     finally:
         restarted.stop()

@@ -34,7 +34,9 @@ def check_all(engine: Engine, writes: dict[str, object]) -> None:
     batch = engine.get_batch("ns", list(writes))
     assert batch.missing == []
     for tid, item in zip(writes, batch.items, strict=True):
-        assert np.array_equal(item.routes.to_topk(), expected_ids(writes[tid]))  # type: ignore[arg-type]
+        assert item is not None
+        assert item.routes is not None
+        assert np.array_equal(item.routes.to_topk(), expected_ids(writes[tid]))
 
 
 def test_retention_by_versions(store: ObjectStore, make_engine: MakeEngine) -> None:

@@ -79,7 +79,8 @@ def _check(engine: Engine, writes: dict[str, tuple[TrajectoryWrite, np.ndarray]]
     assert batch.missing == []
     for tid, item in zip(batch.ids, batch.items, strict=True):
         assert item is not None
-        assert np.array_equal(item.routes.to_topk(), writes[tid][1]), tid  # type: ignore[union-attr]
+        assert item.routes is not None
+        assert np.array_equal(item.routes.to_topk(), writes[tid][1]), tid
     stored = engine.get_batch("ns", list(writes), decode=False)
     for tid, item in zip(stored.ids, stored.items, strict=True):
         assert item is not None
@@ -302,7 +303,8 @@ def test_direct_reads_of_rows_at_rest(server: ServerProcess) -> None:
         _spec, proxied = client.fetch("ns", list(writes), decode=False)
         for tid, item in zip(direct.ids, direct.items, strict=True):
             assert item is not None  # decoded where the bytes were fetched
-            assert np.array_equal(item.routes.to_topk(), writes[tid][1]), tid  # type: ignore[union-attr]
+            assert item.routes is not None
+            assert np.array_equal(item.routes.to_topk(), writes[tid][1]), tid
         for tid, item in zip(proxied.ids, proxied.items, strict=True):
             assert item is not None  # streams again that decode alone
             (segment,) = item.segments

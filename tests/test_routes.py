@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -170,7 +173,9 @@ def good_ids(rows: int = 5) -> np.ndarray:
         (lambda a: (a.__setitem__((4, 0, 1), -1), a)[1], "token 4, layer 0 has 1 experts"),
     ],
 )
-def test_bad_topk_is_refused_with_its_position(mutate, message: str) -> None:  # type: ignore[no-untyped-def]
+def test_bad_topk_is_refused_with_its_position(
+    mutate: Callable[[npt.NDArray[Any]], npt.NDArray[Any]], message: str
+) -> None:
     with pytest.raises(InvalidRoutes, match=message):
         from_topk(mutate(good_ids()), SPEC, 5)
 
@@ -249,7 +254,7 @@ def test_uniform_routes_compress_near_the_entropy_bound(ordered: bool) -> None:
 
 
 @pytest.mark.parametrize("generator", [skewed_topk, drifting_topk])
-def test_skewed_routes_compress_no_worse_than_masks(generator) -> None:  # type: ignore[no-untyped-def]
+def test_skewed_routes_compress_no_worse_than_masks(generator: Callable[..., Any]) -> None:
     import zstandard
 
     spec = RouteSpec(48, 128, 8)

@@ -17,6 +17,7 @@ from r3store.engine.reader import ReaderConfig
 from r3store.engine.rebuild import rebuild_catalog
 from r3store.engine.writer import WriterConfig
 from r3store.errors import Conflict, NotFound
+from r3store.spans import ByteRange
 from r3store.spec import RouteSpec
 from r3store.storage.catalog import Catalog
 from r3store.storage.keys import SHARD_PREFIX
@@ -85,7 +86,7 @@ def test_reads_fetch_exactly_the_asked_bytes(tmp_path: Path, make_engine: MakeEn
     class Counting(LocalStore):
         ranges: ClassVar[list[tuple[str, int, int]]] = []
 
-        def get(self, key, byte_range=None):  # type: ignore[no-untyped-def]
+        def get(self, key: str, byte_range: ByteRange | None = None) -> bytes:
             if byte_range is not None:
                 self.ranges.append((key, byte_range.start, byte_range.end))
             return super().get(key, byte_range)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -81,7 +83,7 @@ def test_a_wrong_layer_count_is_named() -> None:
 
 
 @pytest.mark.parametrize("fmt", list(ReadFormat))
-def test_batches_round_trip(tmp_path, fmt: ReadFormat) -> None:  # type: ignore[no-untyped-def]
+def test_batches_round_trip(tmp_path: Path, fmt: ReadFormat) -> None:
     with Engine(LocalStore(tmp_path / "o"), Catalog(f"sqlite:///{tmp_path / 'c.db'}")) as engine:
         engine.namespaces.create("ns", SPEC)
         writes = [make_write(f"t{i}", group_id="g") for i in range(3)]
