@@ -75,7 +75,7 @@ $(VERL_STAMP): pyproject.toml
 test-verl: $(VERL_STAMP)
 	cd tests_verl && $(abspath $(VERL_PY)) -m pytest
 
-bench: setup
+bench: setup $(VERL_STAMP)
 	$(PY) -m bench
 
 clean:

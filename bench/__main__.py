@@ -21,6 +21,7 @@ from bench import (
     memory_bench,
     replay_bench,
     rest_bench,
+    verl_env,
 )
 from bench.figures import Figure, print_table, write_json
 from r3store.testing import seaweedfs
@@ -34,7 +35,7 @@ def main() -> None:
     parser.add_argument(
         "--only",
         default="codec,rest,engine,http,datapath,direct,catalog,memory,hardening,abuse,leases,replay"
-        ",ray,async,grpo",
+        ",ray,async,grpo,transferqueue",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -104,6 +105,11 @@ def main() -> None:
     if "grpo" in sections:
         print("grpo (a GRPO loop through the service, with and without R3) ...", flush=True)
         more, detail = grpo_bench.run(quick=args.quick)
+        figures += more
+        details.update(detail)
+    if "transferqueue" in sections:
+        print("transferqueue (SimpleStorage beside r3store's backend, verl's env) ...", flush=True)
+        more, detail = verl_env.run("bench.tq_bench", quick=args.quick)
         figures += more
         details.update(detail)
     print()
