@@ -261,17 +261,18 @@ def test_a_stalled_store_loses_nothing_and_answers_in_bounded_time(tmp_path: Pat
             threads = [threading.Thread(target=writer, args=(w,)) for w in range(3)]
             for t in threads:
                 t.start()
-            time.sleep(2)
+            eventually(lambda: len(acked) >= 6, "writes acknowledged before the stall")
             weed.process.send_signal(signal.SIGSTOP)
             try:
-                time.sleep(1.5)
+                time.sleep(1.5)  # past the readiness probe's timeout
                 started = time.monotonic()
                 ready = http.get("/readyz")
                 ready_seconds = time.monotonic() - started
-                time.sleep(5)
+                eventually(lambda: 503 in statuses, "a write answered 503 in the stall", 60)
             finally:
                 weed.process.send_signal(signal.SIGCONT)
-            time.sleep(3)
+            resumed = len(acked)
+            eventually(lambda: len(acked) > resumed + 3, "writes acknowledged after the stall")
             stop.set()
             for t in threads:
                 t.join(120)

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
-from helpers import expected_ids, make_write
+from helpers import eventually, expected_ids, make_write
 from http_helpers import KEYS, SPEC_JSON, ServerProcess
 from r3store.protocol.wire import CONTENT_TYPE, decode_batch, encode_writes
 from r3store.testing.seaweedfs import SeaweedFS
@@ -79,7 +78,7 @@ def test_sigkill_during_writes_loses_no_acknowledged_write(
     threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
     for t in threads:
         t.start()
-    time.sleep(2.0)
+    eventually(lambda: len(acked) > 10, "some uploads acknowledged")
     server.kill()
     stop.set()
     for t in threads:
