@@ -290,7 +290,12 @@ def test_a_checkpoint_gives_the_same_routes_after_a_restart(
     where = tmp_path / "global_step_1" / "transfer_queue"
     tq.save_checkpoint(str(where), metadata={"global_steps": 1})
     tq.kv_clear(keys=keys, partition_id="train")
-    tq.close()
+    manager = tq.get_client().storage_manager
+    opened = list(manager._clients.values())
+    assert opened  # the sync API's loop's, at least
+    tq.close()  # closes what the backend opened, though TransferQueue's loop has ended
+    assert all(c._http is None and c._cpu is None for c in opened)
+    assert not manager._clients
     tq.init(conf(server, queue))
     tq.load_checkpoint(str(where))
     got = tq.kv_batch_get(keys=keys, partition_id="train")
