@@ -184,16 +184,23 @@ class R3StoreManager(StorageManager):  # type: ignore[misc]
         names = list(data.keys())  # a TensorDict answers no `in`
         routes = [f for f in self.settings.fields if f in names]
         rest = [f for f in names if f not in routes]
+        work = []  # at once: the inner backend's put while the routes encode
         if rest:
-            await self.inner.put_data(data.select(*rest), metadata, data_parser=data_parser)
+            work.append(self.inner.put_data(data.select(*rest), metadata, data_parser=data_parser))
         if routes:
-            stored = await self._store(data, metadata, routes)
-            await self.inner.notify_data_update(
-                metadata.partition_ids[0],
-                metadata.global_indexes,
-                extract_field_schema(data.select(*routes)),
-                stored,
-            )
+            work.append(self._put_routes(data, metadata, routes))
+        await asyncio.gather(*work)
+
+    async def _put_routes(self, data: TensorDict, metadata: BatchMeta, routes: list[str]) -> None:
+        """The route fields stored, then the controller told they are ready, with each
+        sample's meta."""
+        stored = await self._store(data, metadata, routes)
+        await self.inner.notify_data_update(
+            metadata.partition_ids[0],
+            metadata.global_indexes,
+            extract_field_schema(data.select(*routes)),
+            stored,
+        )
 
     async def _store(
         self, data: TensorDict, metadata: BatchMeta, routes: Sequence[str]
@@ -266,24 +273,24 @@ class R3StoreManager(StorageManager):  # type: ignore[misc]
         """The samples are consumed: their trajectories leased by name and committed
         (retention may drop them after, as the namespace's settings say). A failure is
         logged, not raised: TransferQueue would leave the samples half cleared."""
-        ids = sorted(
-            {
-                ref.trajectory_id
-                for m in metadata._custom_backend_meta or []
-                for field, value in (m or {}).items()
-                if field in self.settings.fields
-                for ref in [SampleMeta.from_backend(value, field).route_ref()]
-                if ref is not None
-            }
-        )
-        if ids:
-            try:
+        try:
+            ids = sorted(
+                {
+                    ref.trajectory_id
+                    for m in metadata._custom_backend_meta or []
+                    for field, value in (m or {}).items()
+                    if field in self.settings.fields
+                    for ref in [SampleMeta.from_backend(value, field).route_ref()]
+                    if ref is not None
+                }
+            )
+            if ids:
                 client = self._client()
                 ns = self.settings.namespace
                 lease = await client.lease(ns, trajectory_ids=ids, seconds=CONSUME_SECONDS)
                 await client.commit(lease)
-            except R3StoreError as exc:
-                log.error("r3store could not count %d cleared samples consumed: %s", len(ids), exc)
+        except R3StoreError as exc:
+            log.error("r3store could not count cleared samples consumed: %s", exc)
         await self.inner.clear_data(metadata)
 
     async def save_checkpoint(self, checkpoint_dir: str) -> None:
