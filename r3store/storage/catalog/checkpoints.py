@@ -21,7 +21,7 @@ from r3store.storage.catalog.consumption import (
     lock_in_epoch,
     trim,
 )
-from r3store.storage.catalog.database import BATCH, Database, lock
+from r3store.storage.catalog.database import BATCH, Repository, lock
 from r3store.storage.catalog.tables import checkpoints, lease_items, leases, namespaces
 
 # why a checkpoint of an earlier epoch is refused (`Fenced`)
@@ -56,10 +56,7 @@ def _undo_after(conn: Connection, namespace: str, consumed: int, now: float) -> 
     return len(undone), sum(counts.values())
 
 
-class Checkpoints:
-    def __init__(self, db: Database) -> None:
-        self._db = db
-
+class Checkpoints(Repository):
     def checkpoint(
         self,
         namespace: str,

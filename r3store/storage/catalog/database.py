@@ -6,7 +6,8 @@ between rows and the catalog's values (`segment_row`, `segment_of`, `namespace_o
 SQLite runs in WAL mode with `synchronous=FULL`: a committed write survives a crash.
 The tables are in `r3store.storage.catalog.tables`; the repositories over them
 (`namespaces`, `segments`, `shards`, `keys`, `stats`, `ledger`, `leases`, `checkpoints`)
-take a `Database` and run each call in a connection or a transaction of their own.
+are each a `Repository` over a `Database`, running each call in a connection or a
+transaction of its own.
 """
 
 from __future__ import annotations
@@ -131,6 +132,14 @@ class Database:
     def ping(self) -> None:
         with self.connect() as conn:
             conn.execute(sa.text("SELECT 1"))
+
+
+class Repository:
+    """One of the catalog's repositories (`Catalog.namespaces`, `Catalog.segments`, ...):
+    each of its calls runs in a connection or a transaction of its own on `db`."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
 
 
 # rows and values

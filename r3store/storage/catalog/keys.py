@@ -9,14 +9,11 @@ import sqlalchemy as sa
 
 from r3store.catalog_types import ApiKeyRecord
 from r3store.errors import Conflict, NotFound
-from r3store.storage.catalog.database import Database
+from r3store.storage.catalog.database import Repository
 from r3store.storage.catalog.tables import api_keys
 
 
-class Keys:
-    def __init__(self, db: Database) -> None:
-        self._db = db
-
+class Keys(Repository):
     def add(self, name: str, role: str, namespaces: list[str], digest: bytes) -> None:
         """A new key. A revoked key's name may be taken again: its row, digest and all,
         gives way to the new one, so the old key stays unknown (refused) everywhere."""

@@ -30,7 +30,7 @@ from r3store.storage.catalog.consumption import (
     oldest_kept,
     trim,
 )
-from r3store.storage.catalog.database import BATCH, Database, lock
+from r3store.storage.catalog.database import BATCH, Repository, lock
 from r3store.storage.catalog.segments import delete_in, lookup_in
 from r3store.storage.catalog.tables import lease_items, leases, namespaces, trajectories
 
@@ -209,10 +209,7 @@ def _protected(conn: Connection, namespace: str, now: float) -> set[str]:
     return found
 
 
-class Leases:
-    def __init__(self, db: Database) -> None:
-        self._db = db
-
+class Leases(Repository):
     # leases
 
     def take(self, namespace: str, pick: Pick, terms: Terms, now: Now) -> Lease:

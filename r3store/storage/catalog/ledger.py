@@ -36,7 +36,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
-from r3store.storage.catalog.database import Database
+from r3store.storage.catalog.database import Repository
 from r3store.storage.catalog.tables import (
     catalog_meta,
     dictionaries,
@@ -255,12 +255,9 @@ def delete_all(conn: Connection) -> None:
     conn.execute(dictionaries.delete())
 
 
-class Ledger:
+class Ledger(Repository):
     """What the catalog owns in the store: its identity and generation, the uploads it
     planned, the dictionaries it holds (`catalog.ledger`)."""
-
-    def __init__(self, db: Database) -> None:
-        self._db = db
 
     # identity and generation
 

@@ -11,15 +11,12 @@ from r3store.errors import Conflict, InvalidInput, NotFound
 from r3store.policy import NamespaceSettings
 from r3store.spec import RouteSpec
 from r3store.storage.catalog import checkpoints, leases, ledger, stats
-from r3store.storage.catalog.database import Database, lock, namespace_of, namespace_row
+from r3store.storage.catalog.database import Repository, lock, namespace_of, namespace_row
 from r3store.storage.catalog.tables import namespaces, shards, trajectories
 from r3store.storage.keys import dictionary_key
 
 
-class Namespaces:
-    def __init__(self, db: Database) -> None:
-        self._db = db
-
+class Namespaces(Repository):
     def create(
         self,
         name: str,

@@ -18,14 +18,11 @@ from sqlalchemy.engine import Connection
 
 from r3store.catalog_types import TrajectoryEntry
 from r3store.policy import ENGINE
-from r3store.storage.catalog.database import BATCH, Database, segment_of
+from r3store.storage.catalog.database import BATCH, Repository, segment_of
 from r3store.storage.catalog.tables import trajectories
 
 
-class Segments:
-    def __init__(self, db: Database) -> None:
-        self._db = db
-
+class Segments(Repository):
     def _select(self, namespace: str) -> sa.Select[Any]:
         """The trajectories' own rows (engine routes)."""
         t = trajectories

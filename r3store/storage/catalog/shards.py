@@ -16,7 +16,7 @@ from sqlalchemy.engine import Connection
 from r3store.catalog_types import NamespaceInfo, ShardInfo, ShardUsage, TrajectoryEntry
 from r3store.errors import Conflict, NotFound, PlanGone
 from r3store.storage.catalog import ledger, stats
-from r3store.storage.catalog.database import Database, lock, namespace_row, segment_row
+from r3store.storage.catalog.database import Repository, lock, namespace_row, segment_row
 from r3store.storage.catalog.stats import LoadRecord
 from r3store.storage.catalog.tables import namespaces, shards, trajectories
 
@@ -28,10 +28,7 @@ def insert(conn: Connection, shard: ShardInfo, entries: Sequence[TrajectoryEntry
         conn.execute(trajectories.insert(), [segment_row(e) for e in entries])
 
 
-class Shards:
-    def __init__(self, db: Database) -> None:
-        self._db = db
-
+class Shards(Repository):
     def get(self, key: str) -> ShardInfo:
         with self._db.connect() as conn:
             row = conn.execute(sa.select(shards).where(shards.c.key == key)).first()

@@ -23,7 +23,7 @@ from sqlalchemy.engine import Connection
 
 from r3store.logic import stats
 from r3store.policy import ENGINE, Source
-from r3store.storage.catalog.database import Database
+from r3store.storage.catalog.database import Repository
 from r3store.storage.catalog.tables import expert_load, route_agreement, trajectories
 
 
@@ -187,11 +187,8 @@ def delete_all(conn: Connection) -> None:
     conn.execute(route_agreement.delete())
 
 
-class Stats:
+class Stats(Repository):
     """Expert load and agreement between sources (`catalog.stats`)."""
-
-    def __init__(self, db: Database) -> None:
-        self._db = db
 
     def expert_loads(
         self, namespace: str, source: Source, shape: tuple[int, int], newest: int | None = None
