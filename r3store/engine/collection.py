@@ -78,22 +78,15 @@ class _Snapshot:
     recorded: set[str]
 
 
+@dataclass(eq=False)
 class Collection:
     """Collection over one store and its catalog, with a maintenance pass's clock."""
 
-    def __init__(
-        self,
-        store: ObjectStore,
-        catalog: Catalog,
-        clock: Callable[[], float],
-        grace_seconds: float,
-        orphan_seconds: float,
-    ) -> None:
-        self.store = store
-        self.catalog = catalog
-        self.clock = clock
-        self.grace_seconds = grace_seconds
-        self.orphan_seconds = orphan_seconds
+    store: ObjectStore
+    catalog: Catalog
+    clock: Callable[[], float]
+    grace_seconds: float
+    orphan_seconds: float
 
     def collect(self) -> Collected:
         """Delete what `collectible` names, each deletion logged; objects this catalog

@@ -20,7 +20,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from r3store.engine.encoding import Encoder
@@ -63,36 +63,28 @@ class WritePlan:
     dictionary: tuple[bytes, str] | None = None  # the namespace's newest: digest, URL
 
 
+@dataclass(eq=False)
 class DirectWrites:
-    def __init__(
-        self,
-        store: ObjectStore,
-        catalog: Catalog,
-        namespaces: Namespaces,
-        encoder: Encoder,
-        committer: GroupCommitter,
-        analytics: Analytics,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self._store = store
-        self._namespaces = namespaces
-        self._encoder = encoder
-        self._committer = committer
-        self._analytics = analytics
-        self._catalog = catalog
-        self._clock = clock
-        self._secret: bytes | None = None
-        self._lock = threading.Lock()
-        self._newest: dict[str, tuple[bytes | None, float]] = {}  # dictionary, when looked up
+    store: ObjectStore
+    catalog: Catalog
+    namespaces: Namespaces
+    encoder: Encoder
+    committer: GroupCommitter
+    analytics: Analytics
+    clock: Callable[[], float] = time.time
+    _secret: bytes | None = field(default=None, init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    # per namespace, its newest dictionary and when it was looked up
+    _newest: dict[str, tuple[bytes | None, float]] = field(default_factory=dict, init=False)
 
     @property
     def available(self) -> bool:
         """Whether the store hands out URLs (S3); the embedded store does not."""
-        return self._store.signs_urls
+        return self.store.signs_urls
 
     def _key(self) -> bytes:
         if self._secret is None:
-            self._secret = self._catalog.ledger.secret(SECRET)
+            self._secret = self.catalog.ledger.secret(SECRET)
         return self._secret
 
     def _dictionary(self, namespace: str, now: float) -> bytes | None:
@@ -103,7 +95,7 @@ class DirectWrites:
             known = self._newest.get(namespace)
         if known is not None and now - known[1] < DICTIONARY_SECONDS:
             return known[0]
-        newest = self._catalog.ledger.newest_dictionary(namespace)
+        newest = self.catalog.ledger.newest_dictionary(namespace)
         if newest is not None:  # none yet: asked again, so a new one is used at once
             with self._lock:
                 self._newest[namespace] = (newest, now)
@@ -136,23 +128,23 @@ class DirectWrites:
         if not self.available:
             raise DirectUnavailable(
                 f"direct writes need an object store that signs URLs (S3); "
-                f"{self._store.description} does not: upload through the server"
+                f"{self.store.description} does not: upload through the server"
             )
-        self._namespaces.get(namespace)
-        now = self._clock()
+        self.namespaces.get(namespace)
+        now = self.clock()
         keys = [blob_key(namespace, now) for _ in range(count)]
         # planned as of when their URLs stop working: never orphans while they can be used
-        keys = self._catalog.ledger.plan_uploads(
+        keys = self.catalog.ledger.plan_uploads(
             keys, namespace, DIRECT, now + expires, writer, most, at=now
         )
         newest = self._dictionary(namespace, now)
         dictionary = None
         if newest is not None:
-            where = self._store.presign_get(dictionary_key(namespace, newest), expires)
+            where = self.store.presign_get(dictionary_key(namespace, newest), expires)
             dictionary = (newest, where)
         out = []
         for key in keys:
-            url, headers = self._store.presign_put(key, expires)
+            url, headers = self.store.presign_put(key, expires)
             token = signing.sign(self._key(), {"n": namespace, "k": key, "w": writer})
             out.append(WritePlan(token, url, headers, now + expires, MAX_BLOB_BYTES, dictionary))
         return out
@@ -184,7 +176,7 @@ class DirectWrites:
         if size > MAX_BLOB_BYTES:
             raise PayloadTooLarge(f"a blob of {size} bytes; at most {MAX_BLOB_BYTES}")
         try:  # a byte more than said: a larger object is refused without reading it all
-            blob = self._store.get(key, ByteRange(0, size + 1))
+            blob = self.store.get(key, ByteRange(0, size + 1))
         except ObjectNotFound:
             raise InvalidInput(
                 "nothing was uploaded with this plan (or its object was collected): PUT the "
@@ -193,10 +185,10 @@ class DirectWrites:
         if len(blob) != size:
             shown = f"more than {size}" if len(blob) > size else str(len(blob))
             raise InvalidInput(f"the uploaded blob holds {shown} bytes; the commit says {size}")
-        spec = self._namespaces.spec(namespace)  # cached: bounds only; `encode` reads it
+        spec = self.namespaces.spec(namespace)  # cached: bounds only; `encode` reads it
         writes: list[TrajectoryWrite] = unpack(blob, segments, spec)
         del blob
-        put = self._encoder.encode(namespace, writes, writer=writer, annotate_any=annotate_any)
+        put = self.encoder.encode(namespace, writes, writer=writer, annotate_any=annotate_any)
         del writes
         committed: list[PutResult] = []
         if put.fresh:
@@ -206,18 +198,18 @@ class DirectWrites:
             ]
 
             def index(rows: list[ShardRow], at: list[RouteSpans]) -> str:
-                now = self._clock()
-                return write_index(self._store, key, namespace, put.spec, now, rows, at, now)
+                now = self.clock()
+                return write_index(self.store, key, namespace, put.spec, now, rows, at, now)
 
             try:
-                committed = self._committer.commit_stored(
+                committed = self.committer.commit_stored(
                     namespace, put.spec, key, size, put.fresh, spans, index
                 )
             except PlanGone:
                 with self._lock:  # its dictionary may be the one gone: look again
                     self._newest.pop(namespace, None)
                 raise
-            self._analytics.compare_sources(namespace, put.spec, put.fresh)
+            self.analytics.compare_sources(namespace, put.spec, put.fresh)
         return put.answer(committed)
 
 

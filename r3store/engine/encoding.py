@@ -109,24 +109,17 @@ def _annotating_own(
             )
 
 
+@dataclass(eq=False)
 class Encoder:
     """Checks, validates, encodes and settles writes of one catalog's namespaces.
     `compression_level`: the zstd level of routes encoded here; `max_ahead`: how far
     past its namespace's current policy version a write may be (None: any)."""
 
-    def __init__(
-        self,
-        catalog: Catalog,
-        namespaces: Namespaces,
-        dictionaries: DictionaryCache,
-        compression_level: int = codec.DEFAULT_LEVEL,
-        max_ahead: int | None = None,
-    ) -> None:
-        self._catalog = catalog
-        self._namespaces = namespaces
-        self._dictionary_cache = dictionaries
-        self._level = compression_level
-        self._max_ahead = max_ahead
+    catalog: Catalog
+    namespaces: Namespaces
+    dictionaries: DictionaryCache
+    compression_level: int = codec.DEFAULT_LEVEL
+    max_ahead: int | None = None
 
     @staticmethod
     def prepare_routes(spec: RouteSpec, write: TrajectoryWrite) -> Routes:
@@ -161,7 +154,7 @@ class Encoder:
             encoded = codec.encode(
                 routes,
                 spec,
-                self._level,
+                self.compression_level,
                 salt=_salt(write),
                 token_ids=write.tokens(),
             )
@@ -191,7 +184,7 @@ class Encoder:
         a caller can free them before the commit. `stop()` is asked before each write
         is encoded: once true (its request was answered), `StoreError` and no more
         work."""
-        info = self._namespaces.get(namespace)
+        info = self.namespaces.get(namespace)
         seen: set[RowKey] = set()
         for write in writes:
             write.check()
@@ -203,7 +196,7 @@ class Encoder:
                 )
             seen.add(key)
         known = (
-            self._catalog.segments.lookup(namespace, {w.trajectory_id for w in writes})
+            self.catalog.segments.lookup(namespace, {w.trajectory_id for w in writes})
             if writes
             else {}
         )
@@ -212,7 +205,7 @@ class Encoder:
         writes = [inherit(w, engines) for w in writes]
         if not annotate_any:
             _annotating_own(writes, stored, writer)
-        newest = newest_accepted(info.policy_version, self._max_ahead)
+        newest = newest_accepted(info.policy_version, self.max_ahead)
         for write in writes:
             if is_stale(write.policy_version, info.policy_version, info.settings):
                 raise StalePolicy(
@@ -223,11 +216,11 @@ class Encoder:
             if newest is not None and write.policy_version > newest:
                 raise InvalidInput(
                     f"{write.trajectory_id}: policy version {write.policy_version} is more "
-                    f"than {self._max_ahead} ahead of the namespace's current "
+                    f"than {self.max_ahead} ahead of the namespace's current "
                     f"version {info.policy_version} (the limit R3STORE_MAX_POLICY_AHEAD): "
                     "set the policy version first (PUT .../policy-version)"
                 )
-        dictionaries = self._dictionaries(namespace, writes)
+        dictionaries = self._named_dictionaries(namespace, writes)
         rows = []
         for write in writes:
             if stop is not None and stop():
@@ -239,13 +232,15 @@ class Encoder:
         order = [row_key(r) for r in rows]
         return EncodedPut(namespace, info.spec, fresh, results, order)
 
-    def _dictionaries(self, namespace: str, writes: Sequence[TrajectoryWrite]) -> Dictionaries:
+    def _named_dictionaries(
+        self, namespace: str, writes: Sequence[TrajectoryWrite]
+    ) -> Dictionaries:
         """The namespace dictionaries that client-encoded writes name (a direct write's
         ids compressed with one); `PlanGone` for one the namespace does not have (any
         more: collected since the plan named it, or never its)."""
         named = [w.encoded.dictionary for w in writes if w.encoded is not None]
         try:
-            return self._dictionary_cache.many(namespace, named)
+            return self.dictionaries.many(namespace, named)
         except (ObjectNotFound, CorruptShard):
             raise PlanGone(
                 f"the writes name a dictionary that namespace {namespace!r} does not have "

@@ -10,6 +10,7 @@ background pass, the operator's CLI and tests need; no part of a request's data 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from r3store.engine.analytics import Analytics
 from r3store.engine.maintenance import Maintenance, MaintenanceOptions
@@ -20,44 +21,36 @@ from r3store.storage.catalog import Catalog
 from r3store.storage.store.base import ObjectStore
 
 
+@dataclass(eq=False)
 class Upkeep:
-    def __init__(
-        self,
-        store: ObjectStore,
-        catalog: Catalog,
-        namespaces: Namespaces,
-        analytics: Analytics,
-        row_group_bytes: int,
-    ) -> None:
-        """`row_group_bytes`: the writer's, for the shards maintenance writes."""
-        self._store = store
-        self._catalog = catalog
-        self._namespaces = namespaces
-        self._analytics = analytics
-        self._row_group_bytes = row_group_bytes
+    store: ObjectStore
+    catalog: Catalog
+    namespaces: Namespaces
+    analytics: Analytics
+    row_group_bytes: int  # the writer's, for the shards maintenance writes
 
     def maintenance(self, options: MaintenanceOptions | None = None) -> Maintenance:
         """Retention, compaction and collection over the store and the catalog."""
         return Maintenance(
-            self._store,
-            self._catalog,
-            self._namespaces.spec,
+            self.store,
+            self.catalog,
+            self.namespaces.spec,
             options,
-            row_group_bytes=self._row_group_bytes,
+            row_group_bytes=self.row_group_bytes,
         )
 
     def bind(self, create: bool, where: str = "") -> str:
         """Check that the store and the catalog belong together (`r3store.storage.binding`);
         a new, empty pair is bound only when `create`. `InvalidConfig` when they do not
         belong together; returns their id. The server and the CLI call it on open."""
-        return binding.bind(self._store, self._catalog, create=create, where=where)
+        return binding.bind(self.store, self.catalog, create=create, where=where)
 
     def rebuild(self, progress: Callable[[int, int], None] | None = None) -> RebuildReport:
         """Make the catalog again from the object store alone (the source of truth); the
         catalog takes the store's identity."""
-        self._namespaces.forget_specs()
-        report = rebuild_catalog(self._store, self._catalog, progress)
-        binding.adopt(self._store, self._catalog)
-        for info in self._catalog.namespaces.all():
-            self._analytics.compare_all(info.name)
+        self.namespaces.forget_specs()
+        report = rebuild_catalog(self.store, self.catalog, progress)
+        binding.adopt(self.store, self.catalog)
+        for info in self.catalog.namespaces.all():
+            self.analytics.compare_all(info.name)
         return report
