@@ -51,7 +51,16 @@ def _first(bad_lt: npt.NDArray[np.bool_], first_token: int) -> str:
     return _where(bad_lt.T.shape, flat, ("token", "layer"), first_token)
 
 
-def _check_rows(rows: int, num_tokens: int) -> None:
+def _check_shape(
+    arr: npt.NDArray[Any], what: str, width: int, spec: RouteSpec, num_tokens: int
+) -> None:
+    """`arr` must be `[rows, L, width]`, a row per token (or for all but the last)."""
+    want = (spec.num_layers, width)
+    if arr.ndim != 3 or arr.shape[1:] != want:
+        raise InvalidRoutes(
+            f"{what} must have shape [rows, {want[0]}, {want[1]}], got {list(arr.shape)}"
+        )
+    rows = arr.shape[0]
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
         raise InvalidRoutes(f"num_tokens must be a positive integer, got {num_tokens!r}")
     if rows not in (num_tokens, num_tokens - 1):
@@ -135,12 +144,7 @@ def from_topk(ids: Any, spec: RouteSpec, num_tokens: int) -> Routes:
     arr = np.asarray(ids)
     if arr.dtype.kind not in "iu":
         raise InvalidRoutes(f"top-k ids must be integers, got dtype {arr.dtype}")
-    want = (spec.num_layers, spec.top_k)
-    if arr.ndim != 3 or arr.shape[1:] != want:
-        raise InvalidRoutes(
-            f"top-k ids must have shape [rows, {want[0]}, {want[1]}], got {list(arr.shape)}"
-        )
-    _check_rows(arr.shape[0], num_tokens)
+    _check_shape(arr, "top-k ids", spec.top_k, spec, num_tokens)
 
     def convert(first: int, out: npt.NDArray[Any], out_counts: npt.NDArray[np.uint8]) -> None:
         _topk_rows(arr[first : first + out.shape[1]], spec, first, out, out_counts)
@@ -219,12 +223,7 @@ def from_mask(mask: Any, spec: RouteSpec, num_tokens: int) -> Routes:
     arr = np.asarray(mask)
     if arr.dtype != np.uint8:
         raise InvalidRoutes(f"masks must be uint8, got dtype {arr.dtype}")
-    want = (spec.num_layers, spec.mask_bytes)
-    if arr.ndim != 3 or arr.shape[1:] != want:
-        raise InvalidRoutes(
-            f"masks must have shape [rows, {want[0]}, {want[1]}], got {list(arr.shape)}"
-        )
-    _check_rows(arr.shape[0], num_tokens)
+    _check_shape(arr, "masks", spec.mask_bytes, spec, num_tokens)
 
     def convert(first: int, out: npt.NDArray[Any], out_counts: npt.NDArray[np.uint8]) -> None:
         _mask_rows(arr[first : first + out.shape[1]], spec, first, out, out_counts)
