@@ -78,6 +78,14 @@ def _span_of(data: Mapping[str, Any] | None) -> Span | None:
     return None if data is None else Span(int(data["offset"]), int(data["length"]))
 
 
+def _required_ids(spans: Mapping[str, Span | None], missing: str) -> Span:
+    """The ids span of `spans`, which routes always have: ValueError(`missing`) without."""
+    ids = spans["ids"]
+    if ids is None:
+        raise ValueError(missing)
+    return ids
+
+
 @dataclass(frozen=True)
 class RouteSpans:
     """Where one trajectory's route streams lie in its shard: its own, and those of the
@@ -144,22 +152,19 @@ class RouteSpans:
         own = _take(columns, "", SPAN_NAMES)
         tokens = columns.get("prefix_tokens") or 0
         dictionary = columns.get("dictionary")
-        if own["ids"] is None:
-            raise ValueError("no ids span")
+        ids = _required_ids(own, "no ids span")
         prefix = None
         if tokens:
             shared = _take(columns, "prefix_", PREFIX_SPAN_NAMES)
-            if shared["ids"] is None:
-                raise ValueError("no prefix_ids span")
             prefix = cls(
-                shared["ids"],
+                _required_ids(shared, "no prefix_ids span"),
                 shared["counts"],
                 shared["order"],
                 columns["prefix_transform"],
                 dictionary=dictionary,
             )
         return cls(
-            own["ids"],
+            ids,
             own["counts"],
             own["order"],
             columns["transform"],
@@ -205,19 +210,15 @@ class RouteSpans:
         prefix = None
         if shared is not None:
             p = spans(shared)
-            if p["ids"] is None:
-                raise ValueError("no prefix route_ids span")
             prefix = cls(
-                p["ids"],
+                _required_ids(p, "no prefix route_ids span"),
                 p["counts"],
                 p["order"],
                 int(shared["route_transform"]),
                 dictionary=dictionary,
             )
-        if own["ids"] is None:
-            raise ValueError("no route_ids span")
         return cls(
-            own["ids"],
+            _required_ids(own, "no route_ids span"),
             own["counts"],
             own["order"],
             int(data["route_transform"]),
