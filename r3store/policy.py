@@ -8,7 +8,7 @@ JSON of the wrong type (`"4"`, `true`) is refused rather than coerced.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -17,6 +17,10 @@ from r3store.leases import MAX_LEASE_SECONDS
 MAX_POLICY_VERSION = 2**63 - 1
 MAX_TIMES_SAMPLED = 2**31 - 1
 MAX_TTL_SECONDS = 1e10  # about 317 years
+
+# a limit on a count (checkpoints kept, leases open, trajectories held, samplings): at
+# least 1, and no more than the catalog's 32-bit counts hold
+CountLimit = Annotated[int, Field(ge=1, le=MAX_TIMES_SAMPLED)]
 
 # Where a segment's routes come from: `engine`, observed at rollout (the trajectory
 # itself); `predicted`, a predictor's top-k for the same tokens, which replay takes
@@ -46,10 +50,8 @@ class Retention(BaseModel):
     evict_after_sampled: bool = Field(
         False, description="drop a trajectory once it was sampled max_times_sampled times"
     )
-    keep_checkpoints: int | None = Field(
+    keep_checkpoints: CountLimit | None = Field(
         3,
-        ge=1,
-        le=MAX_TIMES_SAMPLED,
         description="keep the newest N step checkpoints (routes consumed after the oldest "
         "kept one are kept for a resume); None: keep every checkpoint",
     )
@@ -62,17 +64,11 @@ class Leasing(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    max_open: int | None = Field(
-        1024,
-        ge=1,
-        le=MAX_TIMES_SAMPLED,
-        description="open leases one key holds at once; None: no limit",
+    max_open: CountLimit | None = Field(
+        1024, description="open leases one key holds at once; None: no limit"
     )
-    max_held: int | None = Field(
-        None,
-        ge=1,
-        le=MAX_TIMES_SAMPLED,
-        description="trajectories one key's open leases hold at once; None: no limit",
+    max_held: CountLimit | None = Field(
+        None, description="trajectories one key's open leases hold at once; None: no limit"
     )
     max_seconds: float = Field(
         86400.0,
@@ -95,11 +91,8 @@ class NamespaceSettings(BaseModel):
         le=MAX_POLICY_VERSION,
         description="routes older than current - lag are stale; None: no limit",
     )
-    max_times_sampled: int | None = Field(
-        None,
-        ge=1,
-        le=MAX_TIMES_SAMPLED,
-        description="a trajectory is sampled at most this often; None: no limit",
+    max_times_sampled: CountLimit | None = Field(
+        None, description="a trajectory is sampled at most this often; None: no limit"
     )
     retention: Retention = Field(default_factory=Retention)
     leasing: Leasing = Field(default_factory=Leasing)
