@@ -31,6 +31,7 @@ import ctypes
 import functools
 import threading
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import anyio
@@ -293,6 +294,7 @@ def presented_key(headers: list[tuple[bytes, bytes]]) -> str | None:
     return token.strip() or None if scheme.lower() == "bearer" else None
 
 
+@dataclass(frozen=True)
 class BodyGuard:
     """ASGI middleware bounding request bodies (the module's docstring): `keyring`
     authenticates a request with a body before it is read (paths that need a key;
@@ -301,21 +303,12 @@ class BodyGuard:
     body; every other body may carry `limit` bytes; every body keeps to a `BodyClock`
     of `grace` seconds and `rate` bytes per second."""
 
-    def __init__(
-        self,
-        app: ASGIApp,
-        keyring: KeyRing,
-        is_upload: Callable[[str, str], bool],
-        limit: int,
-        grace: float,
-        rate: float,
-    ) -> None:
-        self.app = app
-        self.keyring = keyring
-        self.is_upload = is_upload
-        self.limit = limit
-        self.grace = grace
-        self.rate = rate
+    app: ASGIApp
+    keyring: KeyRing
+    is_upload: Callable[[str, str], bool]
+    limit: int
+    grace: float
+    rate: float
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
