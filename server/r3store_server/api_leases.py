@@ -103,18 +103,8 @@ async def take_lease(
             raise StoreError("the lease was not recorded: its request was answered already")
 
     def take() -> LeaseModel:
-        lease = engine.consumption.lease(
-            namespace,
-            n=body.n,
-            trajectory_ids=body.trajectory_ids,
-            strategy=body.strategy,
-            whole_groups=body.whole_groups,
-            seed=body.seed,
-            seconds=body.seconds,
-            epoch=body.epoch,
-            holder=who.name,
-            admit=answered,
-        )
+        # the request's fields are the lease's arguments of the same names
+        lease = engine.consumption.lease(namespace, **dict(body), holder=who.name, admit=answered)
         return LeaseModel.of(lease)
 
     return await deadline.run(take, what="the lease")
