@@ -18,28 +18,23 @@ from r3store.storage.catalog import Catalog, plan_at, upgrade_at
 from r3store.storage.store import LocalStore, ObjectStore, S3Config, S3Store
 from r3store_server.settings import Settings
 
+# the S3 settings that are not the store's options as they are: `S3Settings.credentials`
+CREDENTIAL_SETTINGS = {
+    "access_key_id",
+    "secret_access_key",
+    "access_key_id_file",
+    "secret_access_key_file",
+}
+
 
 def build_store(settings: Settings) -> ObjectStore:
     """`R3STORE_STORE=local`: files under the data directory; `s3`: the bucket (AWS when
     no endpoint is given, with boto3's default credentials when none are)."""
     if settings.store == "local":
         return LocalStore(settings.data_dir.absolute() / "objects")
-    s3 = settings.s3
-    key_id, secret = s3.credentials()
-    return S3Store(
-        S3Config(
-            bucket=s3.bucket,
-            endpoint_url=s3.endpoint_url,
-            public_endpoint_url=s3.public_endpoint_url,
-            region=s3.region,
-            access_key_id=key_id,
-            secret_access_key=secret,
-            prefix=s3.prefix,
-            connect_timeout=s3.connect_timeout,
-            read_timeout=s3.read_timeout,
-            max_attempts=s3.max_attempts,
-        )
-    )
+    key_id, secret = settings.s3.credentials()
+    options = settings.s3.model_dump(exclude=CREDENTIAL_SETTINGS)  # S3Config's, by name
+    return S3Store(S3Config(**options, access_key_id=key_id, secret_access_key=secret))
 
 
 def build_engine(settings: Settings) -> Engine:
