@@ -34,12 +34,11 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials
 
 from r3store import __version__
-from r3store.engine import Engine
 from r3store.engine.analytics import VersionLoad
 from r3store.errors import Forbidden, NotFound, TooManyFailures, Unauthorized
 from r3store.policy import SOURCES
 from r3store.protocol.models import NAME_PATTERN
-from r3store_server.auth import KeyRing, Principal, digest
+from r3store_server.auth import Principal, digest
 from r3store_server.deps import (
     API_KEY,
     BEARER,
@@ -48,7 +47,6 @@ from r3store_server.deps import (
     KeyRingDep,
     client_address,
 )
-from r3store_server.limits import Deadline
 from r3store_server.ui_render import (
     Activity,
     Consumption,
@@ -234,14 +232,15 @@ def _html(page: bytes | str) -> HTMLResponse:
 
 @dataclasses.dataclass(frozen=True)
 class Visit:
-    """A browser's request for a page: what it sent, and what serving the page takes."""
+    """A browser's request for a page: what it sent, and what serving the page takes
+    (a dependency: FastAPI fills in each field)."""
 
     request: Request
-    engine: Engine
-    keys: KeyRing
-    deadline: Deadline
-    key: str | None
-    bearer: HTTPAuthorizationCredentials | None
+    engine: EngineDep
+    keys: KeyRingDep
+    deadline: DeadlineDep
+    key: KeyHeader = None
+    bearer: BearerHeader = None
 
     def reader(self, namespace: str | None = None) -> Principal | HTMLResponse:
         """Who sends it, with the read right (on `namespace`, if given); else the login
@@ -265,18 +264,7 @@ class Visit:
         return _html(await self.deadline.run(page, what="the status page"))
 
 
-async def _visit(
-    request: Request,
-    engine: EngineDep,
-    keys: KeyRingDep,
-    deadline: DeadlineDep,
-    key: KeyHeader = None,
-    bearer: BearerHeader = None,
-) -> Visit:
-    return Visit(request, engine, keys, deadline, key, bearer)
-
-
-VisitDep = Annotated[Visit, Depends(_visit)]
+VisitDep = Annotated[Visit, Depends()]
 
 
 @router.get("", response_class=HTMLResponse)
