@@ -91,28 +91,33 @@ class FailedKeys:
         """Addresses remembered now."""
         return len(self._seen)
 
+    def _minute(self, client: str, now: float) -> tuple[float, int]:
+        """When `client`'s minute began and the unknown keys it sent in it: once a minute
+        is over, a new one with none yet. With the lock held."""
+        began, count = self._seen.get(client, (now, 0))
+        return (began, count) if now - began < self.window else (now, 0)
+
     def check(self, client: str | None) -> None:
         """Raise `TooManyFailures` while `client` is over the limit."""
         if client is None or self.limit <= 0:
             return
         now = time.monotonic()
         with self._lock:
-            began, count = self._seen.get(client, (now, 0))
-            if count >= self.limit and now - began < self.window:
-                wait = self.window - (now - began)
-                raise TooManyFailures(
-                    f"too many unknown API keys from {client}; try again in {wait:.0f} s",
-                    retry_after=wait,
-                )
+            began, count = self._minute(client, now)
+        if count >= self.limit:
+            wait = self.window - (now - began)
+            raise TooManyFailures(
+                f"too many unknown API keys from {client}; try again in {wait:.0f} s",
+                retry_after=wait,
+            )
 
     def failed(self, client: str | None) -> None:
+        """Count an unknown key from `client` (the address forgotten last from now)."""
         if client is None or self.limit <= 0:
             return
-        now = time.monotonic()
         with self._lock:
-            began, count = self._seen.pop(client, (now, 0))
-            if now - began >= self.window:
-                began, count = now, 0
+            began, count = self._minute(client, time.monotonic())
+            self._seen.pop(client, None)
             self._seen[client] = (began, count + 1)
             while len(self._seen) > self.addresses:
                 self._seen.popitem(last=False)
