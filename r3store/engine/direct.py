@@ -72,7 +72,7 @@ class DirectWrites:
     committer: GroupCommitter
     analytics: Analytics
     clock: Callable[[], float] = time.time
-    _secret: bytes | None = field(default=None, init=False)
+    _secret: bytes | None = field(default=None, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
     # per namespace, its newest dictionary and when it was looked up
     _newest: dict[str, tuple[bytes | None, float]] = field(default_factory=dict, init=False)
