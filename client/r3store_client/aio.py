@@ -30,9 +30,8 @@ from r3store.records import TrajectoryWrite
 from r3store.refs import RouteRef
 from r3store_client.call_base import Retry, Transport, awaiting
 from r3store_client.calls import Calls
-from r3store_client.steps import Call, Send, Sleep, T
+from r3store_client.steps import Call, Send, Sleep, Step, Stepper, T
 from r3store_client.writer import (
-    Attempt,
     Pause,
     Pending,
     Writer,
@@ -96,28 +95,25 @@ class AsyncClient(Calls, Transport[httpx.AsyncClient]):
 
     async def _run(self, call: Call[T]) -> T:
         """Run a call's steps: requests and sleeps awaited, CPU work on `cpu`."""
-        loop = asyncio.get_running_loop()
-        value: Any = None
-        error: Exception | None = None
+        steps = Stepper(call)
         try:
-            while True:
+            for step in steps:
                 try:
-                    step = call.throw(error) if error is not None else call.send(value)
-                except StopIteration as done:
-                    result: T = done.value
-                    return result
-                value, error = None, None
-                try:
-                    if isinstance(step, Send):
-                        value = await self.http.request(step.method, step.path, **step.kwargs)
-                    elif isinstance(step, Sleep):
-                        await asyncio.sleep(step.seconds)
-                    else:
-                        value = await loop.run_in_executor(self.cpu, step.fn, *step.args)
+                    steps.answer(await self._outcome(step))
                 except Exception as exc:  # noqa: BLE001  (the call raises it, or retries)
-                    error = exc
+                    steps.fail(exc)
         finally:
             call.close()
+        return steps.result
+
+    async def _outcome(self, step: Step) -> Any:
+        """What a step comes to: the response, the work's result, None after a sleep."""
+        if isinstance(step, Send):
+            return await self.http.request(step.method, step.path, **step.kwargs)
+        if isinstance(step, Sleep):
+            await asyncio.sleep(step.seconds)
+            return None
+        return await asyncio.get_running_loop().run_in_executor(self.cpu, step.fn, *step.args)
 
     request = awaiting(Calls._request)
 
@@ -255,22 +251,14 @@ class AsyncRolloutWriter(Writer[AsyncClient, asyncio.Future[RouteRef]]):
 
     async def _send(self, batch: list[Pending[Any]]) -> list[Pending[Any]]:
         """Deliver a batch; returns what could not be sent before closing."""
-        steps = self._delivery.deliver(batch, self._give_up)
-        outcome: Any = None
-        error: R3StoreError | None = None
-        while True:
-            try:
-                step = steps.throw(error) if error is not None else steps.send(outcome)
-            except StopIteration as done:
-                left: list[Pending[Any]] = done.value
-                return left
-            outcome, error = None, None
+        steps = Stepper(self._delivery.deliver(batch, self._give_up))
+        for step in steps:
             if isinstance(step, Pause):
                 async with self._changed:  # a wait that close() cuts short
                     await self._until(lambda: self._held.closing, step.seconds)
                 continue
-            assert isinstance(step, Attempt)
             try:
-                outcome = await self.client.put(self.namespace, step.writes)
+                steps.answer(await self.client.put(self.namespace, step.writes))
             except R3StoreError as exc:
-                error = exc
+                steps.fail(exc)
+        return steps.result

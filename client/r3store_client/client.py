@@ -26,7 +26,7 @@ import urllib3
 
 from r3store_client.call_base import Retry, Transport, blocking
 from r3store_client.calls import Calls
-from r3store_client.steps import Call, Send, Sleep, T
+from r3store_client.steps import Call, Send, Sleep, Step, Stepper, T
 from r3store_client.write_calls import check_shape
 
 __all__ = ["Client", "Retry", "check_shape"]
@@ -68,27 +68,25 @@ class Client(Calls, Transport[httpx.Client]):
 
     def _run(self, call: Call[T]) -> T:
         """Run a call's steps in this thread."""
-        value: Any = None
-        error: Exception | None = None
+        steps = Stepper(call)
         try:
-            while True:
+            for step in steps:
                 try:
-                    step = call.throw(error) if error is not None else call.send(value)
-                except StopIteration as done:
-                    result: T = done.value
-                    return result
-                value, error = None, None
-                try:
-                    if isinstance(step, Send):
-                        value = self.http.request(step.method, step.path, **step.kwargs)
-                    elif isinstance(step, Sleep):
-                        time.sleep(step.seconds)
-                    else:
-                        value = step.fn(*step.args)
+                    steps.answer(self._outcome(step))
                 except Exception as exc:  # noqa: BLE001  (the call raises it, or retries)
-                    error = exc
+                    steps.fail(exc)
         finally:
             call.close()
+        return steps.result
+
+    def _outcome(self, step: Step) -> Any:
+        """What a step comes to: the response, the work's result, None after a sleep."""
+        if isinstance(step, Send):
+            return self.http.request(step.method, step.path, **step.kwargs)
+        if isinstance(step, Sleep):
+            time.sleep(step.seconds)
+            return None
+        return step.fn(*step.args)
 
     request = blocking(Calls._request)
 

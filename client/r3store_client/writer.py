@@ -36,6 +36,7 @@ from r3store.records import PutResult, TrajectoryWrite
 from r3store.refs import RouteRef
 from r3store_client.call_base import CallBase
 from r3store_client.client import Client
+from r3store_client.steps import Stepper
 
 log = logging.getLogger("r3store.client")
 
@@ -307,24 +308,17 @@ class RolloutWriter(Writer[Client, Future[RouteRef]]):
 
     def _send(self, batch: list[Pending[Any]]) -> list[Pending[Any]]:
         """Deliver a batch, blocking; returns what could not be sent before closing."""
-        steps = self._delivery.deliver(batch, self._give_up)
-        outcome: Any = None
-        error: R3StoreError | None = None
-        while True:
-            try:
-                step = steps.throw(error) if error is not None else steps.send(outcome)
-            except StopIteration as done:
-                left: list[Pending[Any]] = done.value
-                return left
-            outcome, error = None, None
+        steps = Stepper(self._delivery.deliver(batch, self._give_up))
+        for step in steps:
             if isinstance(step, Pause):
                 with self._cond:  # a sleep that close() can cut short
                     self._cond.wait(step.seconds)
                 continue
             try:
-                outcome = self.client.put(self.namespace, step.writes)
+                steps.answer(self.client.put(self.namespace, step.writes))
             except R3StoreError as exc:
-                error = exc
+                steps.fail(exc)
+        return steps.result
 
 
 class Queued(Generic[F]):
