@@ -43,75 +43,60 @@ def main() -> None:
     started = time.perf_counter()
     figures: list[Figure] = []
     details: dict[str, object] = {}
-    if "codec" in sections:
-        print("codec ...", flush=True)
+
+    def chosen(section: str, what: str) -> bool:
+        """Whether `section` is to run; if so, say that it starts."""
+        if section in sections:
+            print(f"{what} ...", flush=True)
+        return section in sections
+
+    def add(result: tuple[list[Figure], dict[str, object]]) -> None:
+        """A section's figures and the details it found."""
+        more, detail = result
+        figures.extend(more)
+        details.update(detail)
+
+    if chosen("codec", "codec"):
         figures += codec_bench.run(tokens=1024 if args.quick else 4096)
-    if "rest" in sections:
-        print("rest (trained-model corpus: made once, cached in bench/.corpus) ...", flush=True)
+    if chosen("rest", "rest (trained-model corpus: made once, cached in bench/.corpus)"):
         figures += rest_bench.run(quick=args.quick)
-    if "engine" in sections:
-        print("engine (starting SeaweedFS) ...", flush=True)
+    if chosen("engine", "engine (starting SeaweedFS)"):
         with seaweedfs.running() as server:
             figures += engine_bench.run(server, count=32 if args.quick else 256)
-    if "http" in sections:
-        print("http ...", flush=True)
+    if chosen("http", "http"):
         figures += http_bench.run(count=32 if args.quick else 256)
-    if "datapath" in sections:
-        print("datapath (starting SeaweedFS) ...", flush=True)
+    if chosen("datapath", "datapath (starting SeaweedFS)"):
         with seaweedfs.running() as server:
             figures += datapath_bench.run(server, count=32 if args.quick else 256)
-    if "direct" in sections:
-        print("direct (fuzzing direct commits, starting SeaweedFS) ...", flush=True)
+    if chosen("direct", "direct (fuzzing direct commits, starting SeaweedFS)"):
         with seaweedfs.running() as server:
             more, detail = direct_fuzz_bench.run(server, cases=300 if args.quick else 2000)
         figures += more
         details["direct_fuzz"] = detail
-    if "catalog" in sections:
-        print("catalog ...", flush=True)
+    if chosen("catalog", "catalog"):
         figures += catalog_bench.run(count=32 if args.quick else 128)
-    if "memory" in sections:
-        print("memory ...", flush=True)
+    if chosen("memory", "memory"):
         figures += memory_bench.run((1 << 28) if args.quick else (4 << 30))
-    if "hardening" in sections:
-        print("hardening (fuzzing uploads, then upload memory) ...", flush=True)
-        more, detail = hardening_bench.run(quick=args.quick)
-        figures += more
-        details.update(detail)
-    if "abuse" in sections:
-        print("abuse (a fresh server per attack, a bystander asking /healthz) ...", flush=True)
-        more, detail = abuse_bench.run(quick=args.quick)
-        figures += more
-        details.update(detail)
-    if "leases" in sections:
-        print(
-            "leases (a trainer and its server SIGKILLed, resumed from checkpoints) ...", flush=True
-        )
-        more, detail = lease_bench.run(quick=args.quick)
-        figures += more
-        details.update(detail)
-    if "replay" in sections:
-        print("replay (the token check beside none, on the tests' models) ...", flush=True)
+    if chosen("hardening", "hardening (fuzzing uploads, then upload memory)"):
+        add(hardening_bench.run(quick=args.quick))
+    if chosen("abuse", "abuse (a fresh server per attack, a bystander asking /healthz)"):
+        add(abuse_bench.run(quick=args.quick))
+    if chosen("leases", "leases (a trainer and its server SIGKILLed, resumed from checkpoints)"):
+        add(lease_bench.run(quick=args.quick))
+    if chosen("replay", "replay (the token check beside none, on the tests' models)"):
         figures += replay_bench.run(quick=args.quick)
-    if "ray" in sections:
-        print("ray (route refs beside routes by value, in a local Ray cluster) ...", flush=True)
+    if chosen("ray", "ray (route refs beside routes by value, in a local Ray cluster)"):
         from bench import ray_bench  # ray: a dev dependency, loaded only here
 
-        more, detail = ray_bench.run(quick=args.quick)
-        figures += more
-        details.update(detail)
-    if "async" in sections:
-        print("async (asyncio ingest beside threaded ingest, one server) ...", flush=True)
+        add(ray_bench.run(quick=args.quick))
+    if chosen("async", "async (asyncio ingest beside threaded ingest, one server)"):
         figures += async_bench.run(quick=args.quick)
-    if "grpo" in sections:
-        print("grpo (a GRPO loop through the service, with and without R3) ...", flush=True)
-        more, detail = grpo_bench.run(quick=args.quick)
-        figures += more
-        details.update(detail)
-    if "transferqueue" in sections:
-        print("transferqueue (SimpleStorage beside r3store's backend, verl's env) ...", flush=True)
-        more, detail = verl_env.run("bench.tq_bench", quick=args.quick)
-        figures += more
-        details.update(detail)
+    if chosen("grpo", "grpo (a GRPO loop through the service, with and without R3)"):
+        add(grpo_bench.run(quick=args.quick))
+    if chosen(
+        "transferqueue", "transferqueue (SimpleStorage beside r3store's backend, verl's env)"
+    ):
+        add(verl_env.run("bench.tq_bench", quick=args.quick))
     print()
     print_table(figures)
     write_json(figures, args.out, time.perf_counter() - started, details)

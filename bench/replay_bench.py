@@ -58,6 +58,24 @@ def _figure(what: str, shape: tuple[int, int], on: float, off: float) -> Figure:
     )
 
 
+def _routes(ids: Any, valid: Any, tokens: Any) -> Any:
+    """The `RouteTensors` a `b` x `s` batch of `tokens` replays: the recorded `ids`,
+    `valid` where a route was recorded, every trajectory ("t0", "t1", ...) `s` tokens."""
+    import torch
+
+    from r3store_client.tensors import Origin, RouteTensors
+
+    b, s = tokens.shape
+    return RouteTensors(
+        ids,
+        valid,
+        torch.tensor([s] * b, dtype=torch.int32),
+        None,
+        tokens.to(torch.int32),
+        Origin("bench", tuple(f"t{i}" for i in range(b))),
+    )
+
+
 def megatron_case(b: int, s: int, repeats: int) -> Figure:
     """The Megatron test model replaying a `b` x `s` micro-batch (in `cpu_shims`)."""
     import torch
@@ -65,7 +83,6 @@ def megatron_case(b: int, s: int, repeats: int) -> Figure:
     from megatron_world import causal_mask, tiny_config, tiny_gpt
     from r3store.spec import RouteSpec
     from r3store_client.megatron import MegatronReplay, TokenLayout, gather_recorded
-    from r3store_client.tensors import Origin, RouteTensors
 
     spec = RouteSpec(2, 8, 2)
     torch.manual_seed(0)
@@ -77,14 +94,7 @@ def megatron_case(b: int, s: int, repeats: int) -> Figure:
     with torch.no_grad(), replay.record() as recorded:
         model(tokens, positions, mask)
     ids, seen = gather_recorded(recorded, layout, replay.layers, spec)
-    routes = RouteTensors(
-        ids,
-        seen[..., None].expand(ids.shape).clone(),
-        torch.tensor([s] * b, dtype=torch.int32),
-        None,
-        tokens.to(torch.int32),
-        Origin("bench", tuple(f"t{i}" for i in range(b))),
-    )
+    routes = _routes(ids, seen[..., None].expand(ids.shape).clone(), tokens)
 
     def step(check: bool) -> None:
         replay.check_tokens = check
@@ -102,21 +112,13 @@ def hf_case(model: Any, b: int, s: int, repeats: int) -> Figure:
     import torch
 
     from r3store_client.replay import RouterReplay
-    from r3store_client.tensors import Origin, RouteTensors
 
     tokens = torch.randint(0, 128, (b, s), generator=torch.Generator().manual_seed(1))
     replayer = RouterReplay(model)
     with torch.no_grad(), replayer.record() as recorded:
         model(input_ids=tokens)
     ids = recorded.ids
-    routes = RouteTensors(
-        ids,
-        torch.ones(ids.shape, dtype=torch.bool),
-        torch.tensor([s] * b, dtype=torch.int32),
-        None,
-        tokens.to(torch.int32),
-        Origin("bench", tuple(f"t{i}" for i in range(b))),
-    )
+    routes = _routes(ids, torch.ones(ids.shape, dtype=torch.bool), tokens)
 
     def step(check: bool) -> None:
         replayer.check_tokens = check
