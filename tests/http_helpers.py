@@ -226,6 +226,28 @@ class ServerProcess:
         stop_server(self.process)
         self.log.close()
 
+    def cli(self, *args: str) -> Any:
+        """What `r3store --json <args>` prints, parsed, run with this server's settings
+        (its catalog and store; not its port); it must exit 0."""
+        import json
+        import os
+        import subprocess
+        import sys
+
+        env = {k: v for k, v in os.environ.items() if not k.startswith("R3STORE_")}
+        env.update(
+            {k: v for k, v in self.env.items() if k.startswith("R3STORE_") and k != "R3STORE_PORT"}
+        )
+        done = subprocess.run(
+            [sys.executable, "-m", "r3store_server.cli", "--json", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
 
 @contextmanager
 def replicas(

@@ -4,10 +4,6 @@ SeaweedFS with presigned URLs; expiry, revoked keys and the embedded store."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Generator, Iterator
 from pathlib import Path
@@ -113,23 +109,8 @@ def test_urls_expire_and_the_client_plans_again(
 
 def test_a_revoked_key_gets_no_new_plans(server: ServerProcess, client: Client) -> None:
     client.put("direct", _writes()[:1])
-    env = {k: v for k, v in os.environ.items() if not k.startswith("R3STORE_")}
-    env.update(
-        {k: v for k, v in server.env.items() if k.startswith("R3STORE_") and k != "R3STORE_PORT"}
-    )
-
-    def cli(*args: str) -> object:
-        done = subprocess.run(
-            [sys.executable, "-m", "r3store_server.cli", "--json", *args],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout)
-
-    key = cli("keys", "create", "trainer", "--role", "reader", "--namespace", "direct")["key"]  # type: ignore[index]
+    made = server.cli("keys", "create", "trainer", "--role", "reader", "--namespace", "direct")
+    key = made["key"]
     headers = {"Authorization": f"Bearer {key}"}
     known = f"{server.url}/v1/namespaces/direct"
     eventually(  # the server rereads the catalog's keys every 5 s
@@ -138,7 +119,7 @@ def test_a_revoked_key_gets_no_new_plans(server: ServerProcess, client: Client) 
     with Client(server.url, api_key=key) as trainer:
         plan = trainer.plan("direct", ["d0"], expires=2)
         assert trainer.fetch_direct("direct", ["d0"])[1].items[0] is not None
-        cli("keys", "revoke", "trainer")
+        server.cli("keys", "revoke", "trainer")
         eventually(
             lambda: httpx.get(known, headers=headers).status_code == 401, "the revoked key refused"
         )

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -110,26 +107,9 @@ def _listed(store: S3Store, prefix: str) -> set[str]:
     return {info.key for info in store.list(prefix)}
 
 
-def _cli(server: ServerProcess, *args: str, env: dict[str, str] | None = None) -> Any:
-    full = {k: v for k, v in os.environ.items() if not k.startswith("R3STORE_")}
-    full.update(
-        {k: v for k, v in server.env.items() if k.startswith("R3STORE_") and k != "R3STORE_PORT"}
-    )
-    full.update(env or {})
-    done = subprocess.run(
-        [sys.executable, "-m", "r3store_server.cli", "--json", *args],
-        env=full,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
-
-
 def _collect_orphans(server: ServerProcess) -> dict[str, Any]:
     """A maintenance pass that takes every upload never committed for an orphan."""
-    report: dict[str, Any] = _cli(server, "maintain", "--orphan-age", "0", "--grace", "0")
+    report: dict[str, Any] = server.cli("maintain", "--orphan-age", "0", "--grace", "0")
     return report
 
 
@@ -334,7 +314,7 @@ def test_a_commit_replayed_by_another_key_is_refused(
 
 def test_a_revoked_keys_plan_dies_at_its_expiry(server: ServerProcess, objects: S3Store) -> None:
     ns = _namespace(server)
-    made = _cli(server, "keys", "create", "rollout", "--role", "writer", "--namespace", ns)
+    made = server.cli("keys", "create", "rollout", "--role", "writer", "--namespace", ns)
     blob, segments = _encoded([make_write("r0")])
     with _http(server, made["key"]) as worker, _http(server, KEYS["admin"]) as admin:
         eventually(  # the server rereads the catalog's keys every 5 s
@@ -343,7 +323,7 @@ def test_a_revoked_keys_plan_dies_at_its_expiry(server: ServerProcess, objects: 
         uploaded = _plan(worker, ns, expires=10)
         unused = _plan(worker, ns, expires=10)
         assert _put_blob(uploaded, blob) in (200, 201)
-        _cli(server, "keys", "revoke", "rollout")
+        server.cli("keys", "revoke", "rollout")
         eventually(
             lambda: worker.get(f"/v1/namespaces/{ns}").status_code == 401,
             "the revoked key refused",
@@ -687,7 +667,7 @@ def test_direct_writes_encode_with_the_namespace_dictionary(
             client.put(ns, first[begin : begin + 16])
         with _http(server, KEYS["writer"]) as http:
             assert _plan(http, ns)["dictionary"] is None  # none made yet
-            assert _cli(server, "maintain", "--cold-age", "0")["dictionaries_trained"] == 1
+            assert server.cli("maintain", "--cold-age", "0")["dictionaries_trained"] == 1
             [key] = _listed(objects, f"{DICTIONARY_PREFIX}{ns}/")
             digest = key.rsplit("/", 1)[1].removesuffix(".zdict")
             planned = _plan(http, ns)["dictionary"]
