@@ -2,12 +2,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from helpers import MakeEngine
 from r3store.storage.store import LocalStore, ObjectStore
 from r3store.testing import postgres, seaweedfs
+
+if TYPE_CHECKING:
+    from http_helpers import ServerProcess
+    from r3store_client import Client
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -50,3 +55,13 @@ def make_engine(tmp_path: Path) -> Iterator[MakeEngine]:
     made = MakeEngine(tmp_path)
     yield made
     made.close()
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> Iterator[Client]:
+    """An admin client of the test module's own `server` fixture, retrying quickly
+    (`http_helpers.client_for`); a module that needs another client defines its own."""
+    from http_helpers import client_for  # it loads the web application: only when asked
+
+    with client_for(server) as made:
+        yield made

@@ -16,6 +16,7 @@ from r3store.protocol.wire import CONTENT_TYPE, decode_batch, encode_writes
 from r3store.records import TrajectoryWrite
 from r3store.testing.seaweedfs import SeaweedFS
 from r3store.testing.service import free_port, stop_server, wait_ready
+from r3store_client import Client, Retry
 from r3store_server.app import create_app
 from r3store_server.settings import Settings
 
@@ -27,6 +28,8 @@ KEYS = {
     "other": "other-reader-key-0123456789abcd",  # a reader scoped to namespace "other"
 }
 SPEC_JSON = {"num_layers": 4, "num_experts": 64, "top_k": 4}
+# a server's maintenance passes: one a second, collecting without a grace period
+MAINTAINED_EACH_SECOND = {"R3STORE_MAINTENANCE_INTERVAL": "1", "R3STORE_MAINTENANCE_GRACE": "0"}
 # namespace "ns" whose retention keeps the current policy version only
 KEEP_ONE_VERSION = {
     "name": "ns",
@@ -214,6 +217,12 @@ class ServerProcess:
         if wait:
             wait_ready(self.process, self.url)
 
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def kill(self) -> None:
         import signal
 
@@ -247,6 +256,12 @@ class ServerProcess:
         )
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout)
+
+
+def client_for(server: ServerProcess, role: str = "admin") -> Client:
+    """A client of `server` with `role`'s key that retries quickly (3 attempts, backing
+    off from 0.05 s)."""
+    return Client(server.url, api_key=KEYS[role], retry=Retry(attempts=3, backoff=0.05))
 
 
 @contextmanager

@@ -43,15 +43,8 @@ L, E, K = SPEC.num_layers, SPEC.num_experts, SPEC.top_k
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, seaweed: SeaweedFS) -> Iterator[ServerProcess]:
-    process = ServerProcess(tmp_path_factory.mktemp("client"), seaweed)
-    yield process
-    process.stop()
-
-
-@pytest.fixture
-def client(server: ServerProcess) -> Iterator[Client]:
-    with Client(server.url, api_key=KEYS["admin"], retry=Retry(attempts=3, backoff=0.05)) as made:
-        yield made
+    with ServerProcess(tmp_path_factory.mktemp("client"), seaweed) as process:
+        yield process
 
 
 @pytest.fixture

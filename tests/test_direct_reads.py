@@ -29,9 +29,8 @@ pytestmark = pytest.mark.s3
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, seaweed: SeaweedFS) -> Iterator[ServerProcess]:
-    process = ServerProcess(tmp_path_factory.mktemp("direct"), seaweed)
-    yield process
-    process.stop()
+    with ServerProcess(tmp_path_factory.mktemp("direct"), seaweed) as process:
+        yield process
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from helpers import SPEC, eventually, expected_ids, make_write
-from http_helpers import KEYS, ServerProcess
+from http_helpers import KEYS, MAINTAINED_EACH_SECOND, ServerProcess, client_for
 from r3store.errors import (
     Conflict,
     Fenced,
@@ -29,7 +29,7 @@ from r3store.errors import (
 from r3store.leases import Lease, LeaseState
 from r3store.policy import Leasing, NamespaceSettings, Retention
 from r3store.testing.seaweedfs import SeaweedFS
-from r3store_client import AsyncClient, Client, Retry
+from r3store_client import AsyncClient, Client
 
 EVICTING = NamespaceSettings(
     max_times_sampled=1, retention=Retention(evict_after_sampled=True, keep_checkpoints=2)
@@ -38,20 +38,10 @@ EVICTING = NamespaceSettings(
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, seaweed: SeaweedFS) -> Iterator[ServerProcess]:
-    env = {"R3STORE_MAINTENANCE_INTERVAL": "1", "R3STORE_MAINTENANCE_GRACE": "0"}
-    process = ServerProcess(tmp_path_factory.mktemp("leases"), seaweed, env=env)
-    yield process
-    process.stop()
-
-
-def _client(server: ServerProcess, role: str = "admin") -> Client:
-    return Client(server.url, api_key=KEYS[role], retry=Retry(attempts=3, backoff=0.05))
-
-
-@pytest.fixture
-def client(server: ServerProcess) -> Iterator[Client]:
-    with _client(server) as made:
-        yield made
+    with ServerProcess(
+        tmp_path_factory.mktemp("leases"), seaweed, env=MAINTAINED_EACH_SECOND
+    ) as process:
+        yield process
 
 
 def _namespace(client: Client, request: pytest.FixtureRequest, settings: NamespaceSettings) -> str:
@@ -216,7 +206,7 @@ def test_deleting_checkpoints_lets_eviction_go_on(client: Client, namespace: str
 
 
 def test_rights_and_bad_requests(server: ServerProcess, client: Client, namespace: str) -> None:
-    with _client(server, "reader") as reader, _client(server, "trainer") as trainer:
+    with client_for(server, "reader") as reader, client_for(server, "trainer") as trainer:
         lease = reader.lease(namespace, n=1)
         assert lease.holder == "reader"
         reader.commit(lease)
@@ -225,9 +215,9 @@ def test_rights_and_bad_requests(server: ServerProcess, client: Client, namespac
         with pytest.raises(Forbidden):
             reader.resume(namespace, 0)
         assert trainer.checkpoint(namespace, 0).step == 0
-    with _client(server, "writer") as writer, pytest.raises(Forbidden):
+    with client_for(server, "writer") as writer, pytest.raises(Forbidden):
         writer.lease(namespace, n=1)
-    with _client(server, "other") as other, pytest.raises(Forbidden):
+    with client_for(server, "other") as other, pytest.raises(Forbidden):
         other.lease(namespace, n=1)
     base = f"/v1/namespaces/{namespace}"
     for body in ({}, {"n": 1, "trajectory_ids": ["t00"]}, {"n": 0}, {"n": 1, "seconds": -1}):
@@ -271,7 +261,7 @@ def test_a_lease_belongs_to_the_key_that_took_it(
 ) -> None:
     """Another reader key (a dashboard's) neither sees a trainer's lease ids nor reads,
     commits, releases or renews the lease; an admin may; a refusal changes nothing."""
-    with _client(server, "trainer") as trainer, _client(server, "reader") as dashboard:
+    with client_for(server, "trainer") as trainer, client_for(server, "reader") as dashboard:
         lease = trainer.lease(namespace, n=4, seconds=60)
         assert dashboard.leases(namespace)[1] == []
         assert [held.lease_id for held in trainer.leases(namespace)[1]] == [lease.lease_id]
@@ -297,7 +287,7 @@ def test_what_one_key_may_hold_is_bounded_by_the_namespace(
 ) -> None:
     settings = NamespaceSettings(leasing=Leasing(max_open=2, max_held=5, max_seconds=60))
     namespace = _namespace(client, request, settings)
-    with _client(server, "trainer") as trainer, _client(server, "reader") as dashboard:
+    with client_for(server, "trainer") as trainer, client_for(server, "reader") as dashboard:
         with pytest.raises(InvalidInput, match=r"leasing\.max_seconds"):
             trainer.lease(namespace, n=1, seconds=61)
         first = trainer.lease(namespace, n=3, seconds=60)

@@ -16,29 +16,23 @@ import pytest
 import torch
 
 from helpers import SPEC, expected_ids, make_write
-from http_helpers import KEYS, ServerProcess
+from http_helpers import MAINTAINED_EACH_SECOND, ServerProcess
 from r3store.errors import InvalidInput, RefMismatch
 from r3store.policy import NamespaceSettings, Retention
 from r3store.protocol.wire import ReadFormat
 from r3store.records import Batch, PutResult, TrajectoryWrite
 from r3store.refs import RouteRef
 from r3store.testing.seaweedfs import SeaweedFS
-from r3store_client import Client, Retry, RolloutWriter
+from r3store_client import Client, RolloutWriter
 from r3store_client.tensors import RouteTensors, compact, padded, rank_slice
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, seaweed: SeaweedFS) -> Iterator[ServerProcess]:
-    env = {"R3STORE_MAINTENANCE_INTERVAL": "1", "R3STORE_MAINTENANCE_GRACE": "0"}
-    process = ServerProcess(tmp_path_factory.mktemp("refs"), seaweed, env=env)
-    yield process
-    process.stop()
-
-
-@pytest.fixture
-def client(server: ServerProcess) -> Iterator[Client]:
-    with Client(server.url, api_key=KEYS["admin"], retry=Retry(attempts=3, backoff=0.05)) as made:
-        yield made
+    with ServerProcess(
+        tmp_path_factory.mktemp("refs"), seaweed, env=MAINTAINED_EACH_SECOND
+    ) as process:
+        yield process
 
 
 @pytest.fixture
