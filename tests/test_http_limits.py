@@ -286,28 +286,37 @@ def test_connections_answered_before_their_body_still_count(tmp_path: Path) -> N
 # 7. one writer cannot starve the others
 
 
-def test_one_key_holds_at_most_its_share_of_the_upload_memory(tmp_path: Path) -> None:
-    limits = {"max_body_bytes": str(1 << 20), "upload_memory_bytes": str(6 << 20)}
-    with running(tmp_path, **limits, request_timeout="4", body_timeout="30") as server:
-        upload = head(
-            "POST",
+# 1 MiB bodies at most, 6 MiB of upload memory in all
+UPLOAD_MEMORY = {"max_body_bytes": str(1 << 20), "upload_memory_bytes": str(6 << 20)}
+# a writer's upload of 1 MiB, up to its body
+UPLOAD_HEAD = head(
+    "POST",
+    "/v1/namespaces/ns/trajectories",
+    bearer("writer"),
+    f"Content-Type: {CONTENT_TYPE}\r\n",
+    f"Content-Length: {1 << 20}\r\n",
+)
+
+
+def upload_one(server: ServerProcess, role: str, write: TrajectoryWrite) -> httpx.Response:
+    """The answer to `write` uploaded with `role`'s key, on a connection of its own."""
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        return http.post(
             "/v1/namespaces/ns/trajectories",
-            bearer("writer"),
-            f"Content-Type: {CONTENT_TYPE}\r\n",
-            f"Content-Length: {1 << 20}\r\n",
+            content=encode_writes([write]),
+            headers={"Authorization": f"Bearer {KEYS[role]}", "Content-Type": CONTENT_TYPE},
         )
-        holds = [connect(server, upload) for _ in range(2)]  # each would hold 3 MiB: all
+
+
+def test_one_key_holds_at_most_its_share_of_the_upload_memory(tmp_path: Path) -> None:
+    with running(tmp_path, **UPLOAD_MEMORY, request_timeout="4", body_timeout="30") as server:
+        holds = [connect(server, UPLOAD_HEAD) for _ in range(2)]  # each would hold 3 MiB: all
         admin = {"Authorization": f"Bearer {KEYS['admin']}"}
         with httpx.Client(base_url=server.url, headers=admin) as http:
             held = lambda: gauge(http, "r3store_memory_held_bytes") >= 3 << 20  # noqa: E731
             eventually(held, "the writer's uploads hold its share")
         started = time.monotonic()
-        with httpx.Client(base_url=server.url, timeout=30) as http:
-            other = http.post(
-                "/v1/namespaces/ns/trajectories",
-                content=encode_writes([make_write("x")]),
-                headers={"Authorization": f"Bearer {KEYS['admin']}", "Content-Type": CONTENT_TYPE},
-            )
+        other = upload_one(server, "admin", make_write("x"))
         assert other.status_code == 200, other.text
         assert time.monotonic() - started < 1.5
         answers = [until_closed(sock, 10)[0] for sock in holds]
@@ -315,25 +324,12 @@ def test_one_key_holds_at_most_its_share_of_the_upload_memory(tmp_path: Path) ->
 
 
 def test_an_upload_that_does_not_arrive_gives_its_memory_back(tmp_path: Path) -> None:
-    limits = {"max_body_bytes": str(1 << 20), "upload_memory_bytes": str(6 << 20)}
-    with running(tmp_path, **limits, body_timeout="1") as server:
-        upload = head(
-            "POST",
-            "/v1/namespaces/ns/trajectories",
-            bearer("writer"),
-            f"Content-Type: {CONTENT_TYPE}\r\n",
-            f"Content-Length: {1 << 20}\r\n",
-        )
-        answer, closed = until_closed(connect(server, upload + b"\xff" * 1000), 4)
+    with running(tmp_path, **UPLOAD_MEMORY, body_timeout="1") as server:
+        answer, closed = until_closed(connect(server, UPLOAD_HEAD + b"\xff" * 1000), 4)
         assert answer.startswith(b"HTTP/1.1 408 "), answer[:300]
         assert closed
-        with httpx.Client(base_url=server.url, timeout=30) as http:
-            r = http.post(
-                "/v1/namespaces/ns/trajectories",
-                content=encode_writes([make_write("y")]),
-                headers={"Authorization": f"Bearer {KEYS['writer']}", "Content-Type": CONTENT_TYPE},
-            )
-            assert r.status_code == 200, r.text
+        r = upload_one(server, "writer", make_write("y"))
+        assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("strategy", ["fifo", "uniform"])
