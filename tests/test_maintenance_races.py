@@ -51,6 +51,21 @@ def _before(catalog: Catalog, name: str, first: Callable[[], object]) -> list[ob
     return ran
 
 
+def _retention_inside_rest(
+    engine: Engine, x: Maintenance, x_catalog: Catalog
+) -> tuple[list[object], MaintenanceReport]:
+    """Y, a pass without a rest step, runs just before X (over `x_catalog`) replaces the
+    shards its rest step copied; X then settles its rest step alone (retention is Y's).
+    What Y reported, and X's report."""
+    y = engine.upkeep.maintenance(
+        MaintenanceOptions(grace_seconds=0, orphan_seconds=0, cold_seconds=None)
+    )
+    ran = _before(x_catalog, "shards.replace", y.run)
+    report = MaintenanceReport()
+    x.settle(report)
+    return ran, report
+
+
 def _exact(engine: Engine, namespace: str, writes: dict[str, Any], ids: bool = False) -> None:
     batch = engine.get_batch(namespace, list(writes))
     assert batch.missing == []
@@ -90,12 +105,7 @@ def test_a_dictionary_collected_while_a_pass_encodes_with_it_is_not_committed(
     x_catalog = make_engine.catalog()
     # (version 1's rows in one merge; the shard at rest of version 0 is not small)
     x = _pass(engine, x_catalog, rest_shard_bytes=4 * at_rest[0].live_bytes)
-    y = engine.upkeep.maintenance(
-        MaintenanceOptions(grace_seconds=0, orphan_seconds=0, cold_seconds=None)
-    )
-    ran = _before(x_catalog, "shards.replace", y.run)
-    report = MaintenanceReport()
-    x.settle(report)  # its rest step alone: retention is Y's
+    ran, report = _retention_inside_rest(engine, x, x_catalog)
     assert ran
     assert ran[0].trajectories_dropped == len(old)
     assert report.shards_at_rest == 0, "the commit with a collected dictionary is refused"
@@ -111,15 +121,19 @@ def test_a_dictionary_collected_while_a_pass_encodes_with_it_is_not_committed(
     assert rebuilt.get_batch("ns", list(old)).missing == list(old)
 
 
-def _mixed(engine: Engine) -> tuple[list[TrajectoryWrite], dict[str, TrajectoryWrite]]:
-    """One shard: 8 rows of version 0 (retention's once the version moves) and 12 of 1,
-    so that a copy holding all 20 is 60% live: never compacted."""
+def _mixed(
+    make_engine: MakeEngine, store: ObjectStore
+) -> tuple[Engine, list[TrajectoryWrite], dict[str, TrajectoryWrite]]:
+    """An engine over `store` with one shard: 8 rows of version 0 (retention's once the
+    version moves) and 12 of 1, so that a copy holding all 20 is 60% live: never
+    compacted."""
+    engine = make_engine(store)
     engine.namespaces.create("ns", SPEC, KEEP_ONE)
     dropped = [make_write(f"old{i}", policy_version=0) for i in range(8)]
     live = {f"new{i}": make_write(f"new{i}", policy_version=1) for i in range(12)}
     engine.put("ns", [*dropped, *live.values()])
     engine.namespaces.set_policy_version("ns", 1)
-    return dropped, live
+    return engine, dropped, live
 
 
 def _settle_down(engine: Engine) -> None:
@@ -148,17 +162,11 @@ def _stay_dropped(
 def test_rows_retention_drops_while_a_rest_pass_copies_them_stay_dropped(
     store: ObjectStore, make_engine: MakeEngine
 ) -> None:
-    engine = make_engine(store)
-    dropped, live = _mixed(engine)
+    engine, dropped, live = _mixed(make_engine, store)
     # X copies the shard's 20 rows into a new object; before X commits, Y drops 8
     x_catalog = make_engine.catalog()
     x = _pass(engine, x_catalog)
-    y = engine.upkeep.maintenance(
-        MaintenanceOptions(grace_seconds=0, orphan_seconds=0, cold_seconds=None)
-    )
-    ran = _before(x_catalog, "shards.replace", y.run)
-    report = MaintenanceReport()
-    x.settle(report)  # its rest step alone: retention is Y's
+    ran, report = _retention_inside_rest(engine, x, x_catalog)
     assert ran
     assert ran[0].trajectories_dropped == 8
     assert report.shards_at_rest == 0, "rows dropped meanwhile: the switch is refused"
@@ -168,8 +176,7 @@ def test_rows_retention_drops_while_a_rest_pass_copies_them_stay_dropped(
 def test_rows_a_rest_pass_moved_while_retention_drops_them_stay_dropped(
     store: ObjectStore, make_engine: MakeEngine
 ) -> None:
-    engine = make_engine(store)
-    dropped, live = _mixed(engine)
+    engine, dropped, live = _mixed(make_engine, store)
     # Y writes its tombstone naming the old shard; before Y forgets the rows, X moves
     # all 20 into a new shard and commits
     y_catalog = make_engine.catalog()
@@ -191,8 +198,7 @@ def test_an_orphan_collected_while_its_commit_is_under_way_is_not_committed(
 ) -> None:
     from r3store.storage.store import LocalStore
 
-    store = LocalStore(tmp_path / "o")
-    engine = make_engine(store)
+    engine = make_engine(LocalStore(tmp_path / "o"))
     engine.namespaces.create("ns", SPEC)
     catalog = engine._catalog
     # a commit delayed past the orphan age: collection takes the upload first
