@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +44,18 @@ def expected_ids(write: TrajectoryWrite, spec: RouteSpec = SPEC) -> np.ndarray:
         ids = np.sort(ids, axis=-1)
     empty = np.full((1, *ids.shape[1:]), -1, dtype=np.int16)
     return np.concatenate([ids, empty])
+
+
+def assert_reads_back(
+    engine: Engine, writes: Mapping[str, TrajectoryWrite], namespace: str = "ns"
+) -> None:
+    """Every one of `writes` (by trajectory id) reads back from `engine` as written."""
+    batch = engine.get_batch(namespace, list(writes))
+    assert batch.missing == []
+    for tid, item in zip(writes, batch.items, strict=True):
+        assert item is not None
+        assert item.routes is not None
+        assert np.array_equal(item.routes.to_topk(), expected_ids(writes[tid]))
 
 
 def run_and_kill(script: Path, args: list[str], seconds: float) -> str:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from helpers import SPEC, expected_ids, make_write, run_and_kill
+from helpers import SPEC, assert_reads_back, make_write, run_and_kill
 from r3store.engine import Engine
 from r3store.engine.maintenance import MaintenanceOptions
 from r3store.policy import NamespaceSettings, Retention
+from r3store.records import TrajectoryWrite
 from r3store.storage.catalog import Catalog
 from r3store.storage.keys import SHARD_PREFIX
 from r3store.storage.store import LocalStore
@@ -27,13 +27,8 @@ def open_engine(data: Path) -> Engine:
     return Engine(LocalStore(data / "objects"), open_catalog(data))
 
 
-def check(engine: Engine, data: Path, live: dict[str, object]) -> None:
-    batch = engine.get_batch("ns", list(live))
-    assert batch.missing == []
-    for tid, item in zip(live, batch.items, strict=True):
-        assert item is not None
-        assert item.routes is not None
-        assert np.array_equal(item.routes.to_topk(), expected_ids(live[tid]))
+def check(engine: Engine, data: Path, live: dict[str, TrajectoryWrite]) -> None:
+    assert_reads_back(engine, live)
     counts: dict[str, int] = {}
     catalog = open_catalog(data)  # behind the engine's back
     for entry in catalog.segments.by_versions("ns", 0, 1000):
@@ -45,7 +40,7 @@ def check(engine: Engine, data: Path, live: dict[str, object]) -> None:
 @pytest.mark.slow
 def test_sigkill_during_compaction(tmp_path: Path) -> None:
     rng = random.Random(7)
-    live: dict[str, object] = {}
+    live: dict[str, TrajectoryWrite] = {}
     for round_ in range(3):
         with open_engine(tmp_path) as engine:
             if round_ == 0:

@@ -6,10 +6,9 @@ import os
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from helpers import SPEC, MakeEngine, expected_ids, make_write
+from helpers import SPEC, MakeEngine, assert_reads_back, make_write
 from r3store.engine import Engine
 from r3store.engine.maintenance import MaintenanceOptions
 from r3store.errors import StoreError
@@ -28,15 +27,6 @@ class Clock:
 
 def settings(**retention: object) -> NamespaceSettings:
     return NamespaceSettings(retention=Retention(**retention))  # type: ignore[arg-type]
-
-
-def check_all(engine: Engine, writes: dict[str, object]) -> None:
-    batch = engine.get_batch("ns", list(writes))
-    assert batch.missing == []
-    for tid, item in zip(writes, batch.items, strict=True):
-        assert item is not None
-        assert item.routes is not None
-        assert np.array_equal(item.routes.to_topk(), expected_ids(writes[tid]))
 
 
 def test_retention_by_versions(store: ObjectStore, make_engine: MakeEngine) -> None:
@@ -95,7 +85,7 @@ def test_compaction_keeps_live_trajectories_identical(
     report = maintenance.run()
     assert report.trajectories_dropped == 6
     assert report.shards_compacted == 1
-    check_all(engine, new)
+    assert_reads_back(engine, new)
     assert {o.key for o in store.list(SHARD_PREFIX)} > {before}, "old kept during the grace"
     assert report.objects_deleted == 0
     clock.now += 61
@@ -104,7 +94,7 @@ def test_compaction_keeps_live_trajectories_identical(
     keys = [o.key for o in store.list(SHARD_PREFIX)]
     assert before not in keys
     assert len(keys) == 1
-    check_all(engine, new)
+    assert_reads_back(engine, new)
     assert report.dead_bytes < report.live_bytes
 
 
@@ -124,10 +114,10 @@ def test_failed_compaction_changes_nothing(tmp_path: Path) -> None:
     catalog.shards.replace = crash  # type: ignore[method-assign]
     report = engine.upkeep.maintenance(MaintenanceOptions(grace_seconds=0, orphan_seconds=0)).run()
     assert report.shards_compacted == 0
-    check_all(engine, {"w3": writes["w3"]})
+    assert_reads_back(engine, {"w3": writes["w3"]})
     # the new shard written before the failure is an orphan: collected, nothing else is
     assert len(list(LocalStore(tmp_path / "o").list(SHARD_PREFIX))) == 1
-    check_all(engine, {"w3": writes["w3"]})
+    assert_reads_back(engine, {"w3": writes["w3"]})
     engine.close()
 
 
@@ -159,7 +149,7 @@ def test_orphans_older_than_the_grace_are_collected(
     assert [p.key for p in catalog.ledger.pending_uploads()] == [
         f"{SHARD_PREFIX}ns/9999999999999-new.parquet"
     ]
-    check_all(engine, {"kept": make_write("kept")})
+    assert_reads_back(engine, {"kept": make_write("kept")})
 
 
 @pytest.mark.parametrize("rounds", [2])
@@ -182,8 +172,8 @@ def test_retention_on_two_engines_at_once_deletes_nothing_live(tmp_path: Path, r
             t.start()
         for t in threads:
             t.join()
-        check_all(b, live)
-        check_all(a, live)
+        assert_reads_back(b, live)
+        assert_reads_back(a, live)
     finally:
         a.close()
         b.close()
