@@ -617,6 +617,29 @@ def sp_oracle(input_ids: torch.Tensor, sequence_parallel: bool) -> list[int]:
     return [int(x) for x in activations.reshape(-1).tolist()]
 
 
+def _found(
+    want: list[tuple[int, int]],
+    got: TokenLayout,
+    parallel: Parallel,
+    sequence_parallel: bool,
+    routes: RouteTensors,
+    mine: torch.Tensor,
+    swapped: torch.Tensor,
+) -> dict[str, Any]:
+    """What a rank reports: the (sequence, position) its routers see of each token by
+    Megatron's helpers (`want`) and by `got`; whether `router_tokens` gives this rank's
+    input `mine` as they do; the token check of `mine` and of an input with sequences
+    swapped."""
+    return {
+        "want": want,
+        "got": _pairs(got),
+        "router_tokens": router_tokens(mine, parallel).tolist()
+        == sp_oracle(mine, sequence_parallel),
+        "checked": checked(routes, got, mine),
+        "swapped": checked(routes, got, swapped),
+    }
+
+
 def sbhd_rank(lengths: list[int], seq: int, sequence_parallel: bool) -> dict[str, Any]:
     """What this rank's routers see of a `[b, s]` batch, by Megatron's helpers (the CP
     split of the batch, the `[s, b]` activations, the SP scatter), and by TokenLayout;
@@ -646,14 +669,7 @@ def sbhd_rank(lengths: list[int], seq: int, sequence_parallel: bool) -> dict[str
     inputs[:, : routes.tokens.shape[1]] = routes.tokens.clamp(min=0)
     mine = get_batch_on_this_cp_rank({"tokens": inputs})["tokens"]
     swapped = get_batch_on_this_cp_rank({"tokens": inputs[[1, 0, 2]]})["tokens"]
-    return {
-        "want": want,
-        "got": _pairs(got),
-        "router_tokens": router_tokens(mine, parallel).tolist()
-        == sp_oracle(mine, sequence_parallel),
-        "checked": checked(routes, got, mine),
-        "swapped": checked(routes, got, swapped),
-    }
+    return _found(want, got, parallel, sequence_parallel, routes, mine, swapped)
 
 
 def thd_rank(lengths: list[int], padded: list[int], sequence_parallel: bool) -> dict[str, Any]:
@@ -686,14 +702,7 @@ def thd_rank(lengths: list[int], padded: list[int], sequence_parallel: bool) -> 
     routes = packed_routes(lengths)
     mine = local(pack(routes, padded, [0, 1, 2]))[None]  # [1, t] on this CP rank
     swapped = local(pack(routes, padded, [2, 1, 0]))[None]  # slots of 8: 0 and 2 swapped
-    return {
-        "want": want,
-        "got": _pairs(got),
-        "router_tokens": router_tokens(mine, parallel).tolist()
-        == sp_oracle(mine, sequence_parallel),
-        "checked": checked(routes, got, mine),
-        "swapped": checked(routes, got, swapped),
-    }
+    return _found(want, got, parallel, sequence_parallel, routes, mine, swapped)
 
 
 def both_layouts(
