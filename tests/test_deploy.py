@@ -47,6 +47,17 @@ def render(path: str) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(out) if d]
 
 
+def validate(docs: list[dict[str, Any]], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """kubernetes-validate, strict and offline, on `docs` written to one file."""
+    rendered = tmp_path / "rendered.yaml"
+    rendered.write_text(yaml.safe_dump_all(docs))
+    return subprocess.run(
+        [sys.executable, "-m", "kubernetes_validate", "--strict", str(rendered)],
+        capture_output=True,
+        text=True,
+    )
+
+
 @pytest.mark.parametrize("path", ["deploy/base", "deploy/overlays/production"])
 def test_kubernetes_manifests_render_and_validate(path: str, tmp_path: Path) -> None:
     docs = render(path)
@@ -59,13 +70,7 @@ def test_kubernetes_manifests_render_and_validate(path: str, tmp_path: Path) -> 
         "HorizontalPodAutoscaler",
         "PodDisruptionBudget",
     }
-    rendered = tmp_path / "rendered.yaml"
-    rendered.write_text(yaml.safe_dump_all(docs))
-    result = subprocess.run(
-        [sys.executable, "-m", "kubernetes_validate", "--strict", str(rendered)],
-        capture_output=True,
-        text=True,
-    )
+    result = validate(docs, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     [deployment] = [d for d in docs if d["kind"] == "Deployment"]
     spec = deployment["spec"]
@@ -84,11 +89,4 @@ def test_broken_manifests_are_caught(tmp_path: Path) -> None:
     docs = render("deploy/base")
     [deployment] = [d for d in docs if d["kind"] == "Deployment"]
     deployment["spec"]["replicas"] = "two"
-    rendered = tmp_path / "broken.yaml"
-    rendered.write_text(yaml.safe_dump(deployment))
-    result = subprocess.run(
-        [sys.executable, "-m", "kubernetes_validate", "--strict", str(rendered)],
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode != 0
+    assert validate([deployment], tmp_path).returncode != 0
