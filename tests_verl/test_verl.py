@@ -65,29 +65,27 @@ def r3_worker_class() -> type[Any]:
 
         async def generate_sequences(self, batch: Any) -> Any:
             out = await super().generate_sequences(batch)
-            step = int(batch.meta_info.get("global_steps", 0))
+            await self.r3_store(out, int(batch.meta_info.get("global_steps", 0)))
+            return out
+
+        async def r3_store(self, out: Any, step: int) -> None:
+            """Store the routes of `out` (from policy version `step`), refs in their place."""
             await asyncio.to_thread(
                 store_routes, out, self.r3_client, self.r3_namespace, policy_version=step
             )
-            return out
 
     return R3AgentLoopWorker
 
 
 def r3_async_worker_class() -> type[Any]:
     """The same with the asyncio client, on the worker's own event loop."""
-    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 
-    class R3AsyncAgentLoopWorker(AgentLoopWorker):  # type: ignore[misc]
+    class R3AsyncAgentLoopWorker(r3_worker_class()):  # type: ignore[misc]
         r3_url: str
-        r3_namespace: str
 
-        async def generate_sequences(self, batch: Any) -> Any:
-            out = await super().generate_sequences(batch)
-            step = int(batch.meta_info.get("global_steps", 0))
+        async def r3_store(self, out: Any, step: int) -> None:
             async with AsyncClient(self.r3_url) as client:
                 await store_routes_async(out, client, self.r3_namespace, policy_version=step)
-            return out
 
     return R3AsyncAgentLoopWorker
 
