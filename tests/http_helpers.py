@@ -28,8 +28,6 @@ KEYS = {
     "other": "other-reader-key-0123456789abcd",  # a reader scoped to namespace "other"
 }
 SPEC_JSON = {"num_layers": 4, "num_experts": 64, "top_k": 4}
-# a server's maintenance passes: one a second, collecting without a grace period
-MAINTAINED_EACH_SECOND = {"R3STORE_MAINTENANCE_INTERVAL": "1", "R3STORE_MAINTENANCE_GRACE": "0"}
 # namespace "ns" whose retention keeps the current policy version only
 KEEP_ONE_VERSION = {
     "name": "ns",
@@ -256,6 +254,12 @@ class ServerProcess:
         )
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout)
+
+
+def server_maintained_each_second(tmp: Path, seaweed: SeaweedFS | None) -> ServerProcess:
+    """A server whose maintenance passes run every second, collecting without grace."""
+    env = {"R3STORE_MAINTENANCE_INTERVAL": "1", "R3STORE_MAINTENANCE_GRACE": "0"}
+    return ServerProcess(tmp, seaweed, env=env)
 
 
 def client_for(server: ServerProcess, role: str = "admin") -> Client:

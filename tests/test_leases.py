@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from helpers import SPEC, eventually, expected_ids, make_write
-from http_helpers import KEYS, MAINTAINED_EACH_SECOND, ServerProcess, client_for
+from http_helpers import KEYS, ServerProcess, client_for, server_maintained_each_second
 from r3store.errors import (
     Conflict,
     Fenced,
@@ -38,9 +38,7 @@ EVICTING = NamespaceSettings(
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, seaweed: SeaweedFS) -> Iterator[ServerProcess]:
-    with ServerProcess(
-        tmp_path_factory.mktemp("leases"), seaweed, env=MAINTAINED_EACH_SECOND
-    ) as process:
+    with server_maintained_each_second(tmp_path_factory.mktemp("leases"), seaweed) as process:
         yield process
 
 

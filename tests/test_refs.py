@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helpers import SPEC, expected_ids, make_write
-from http_helpers import MAINTAINED_EACH_SECOND, ServerProcess
+from http_helpers import ServerProcess, server_maintained_each_second
 from r3store.errors import InvalidInput, RefMismatch
 from r3store.policy import NamespaceSettings, Retention
 from r3store.protocol.wire import ReadFormat
@@ -29,9 +29,7 @@ from r3store_client.tensors import RouteTensors, compact, padded, rank_slice
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, seaweed: SeaweedFS) -> Iterator[ServerProcess]:
-    with ServerProcess(
-        tmp_path_factory.mktemp("refs"), seaweed, env=MAINTAINED_EACH_SECOND
-    ) as process:
+    with server_maintained_each_second(tmp_path_factory.mktemp("refs"), seaweed) as process:
         yield process
 
 
