@@ -65,3 +65,12 @@ def client(server: ServerProcess) -> Iterator[Client]:
 
     with client_for(server) as made:
         yield made
+
+
+@pytest.fixture
+def namespace(client: Client, request: pytest.FixtureRequest) -> str:
+    """A namespace made with `client`, named after the test
+    (`http_helpers.namespace_named_after`)."""
+    from http_helpers import namespace_named_after
+
+    return namespace_named_after(request, client)

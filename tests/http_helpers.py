@@ -5,13 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio.from_thread
 import httpx
 import numpy as np
 from fastapi import FastAPI
 
+from helpers import SPEC
 from r3store.protocol.wire import CONTENT_TYPE, decode_batch, encode_writes
 from r3store.records import TrajectoryWrite
 from r3store.testing.seaweedfs import SeaweedFS
@@ -19,6 +20,11 @@ from r3store.testing.service import free_port, stop_server, wait_ready
 from r3store_client import Client, Retry
 from r3store_server.app import create_app
 from r3store_server.settings import Settings
+
+if TYPE_CHECKING:
+    import pytest
+
+    from r3store.policy import NamespaceSettings
 
 KEYS = {
     "admin": "admin-key-0123456789abcdefghij",
@@ -266,6 +272,16 @@ def client_for(server: ServerProcess, role: str = "admin") -> Client:
     """A client of `server` with `role`'s key that retries quickly (3 attempts, backing
     off from 0.05 s)."""
     return Client(server.url, api_key=KEYS[role], retry=Retry(attempts=3, backoff=0.05))
+
+
+def namespace_named_after(
+    request: pytest.FixtureRequest, client: Client, settings: NamespaceSettings | None = None
+) -> str:
+    """A namespace of `helpers.SPEC` made with `client`, named after the test: the first
+    40 characters of its name, any but letters and digits as "-"."""
+    name = "".join(c if c.isalnum() else "-" for c in request.node.name[:40])
+    client.create_namespace(name, SPEC, settings)
+    return name
 
 
 @contextmanager

@@ -47,14 +47,6 @@ def server(tmp_path_factory: pytest.TempPathFactory, seaweed: SeaweedFS) -> Iter
         yield process
 
 
-@pytest.fixture
-def namespace(client: Client, request: pytest.FixtureRequest) -> str:
-    name = f"ns-{request.node.name[:40]}".replace("[", "-").replace("]", "")
-    name = "".join(c if c.isalnum() or c in "._-" else "-" for c in name)
-    client.create_namespace(name, SPEC)
-    return name
-
-
 def test_sglang_converter_with_its_wire_format() -> None:
     rng = np.random.default_rng(0)
     prompt, output = 7, 5

@@ -14,8 +14,14 @@ import httpx
 import numpy as np
 import pytest
 
-from helpers import SPEC, eventually, expected_ids, make_write
-from http_helpers import KEYS, ServerProcess, client_for, server_maintained_each_second
+from helpers import eventually, expected_ids, make_write
+from http_helpers import (
+    KEYS,
+    ServerProcess,
+    client_for,
+    namespace_named_after,
+    server_maintained_each_second,
+)
 from r3store.errors import (
     Conflict,
     Fenced,
@@ -43,8 +49,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, seaweed: SeaweedFS) -> Iter
 
 
 def _namespace(client: Client, request: pytest.FixtureRequest, settings: NamespaceSettings) -> str:
-    name = "".join(c if c.isalnum() else "-" for c in request.node.name[:40])
-    client.create_namespace(name, SPEC, settings)
+    name = namespace_named_after(request, client, settings)
     for i in range(12):  # one put each: first stored in this order (FIFO's)
         client.put(name, [make_write(f"t{i:02d}")])
     return name

@@ -33,13 +33,6 @@ def server(tmp_path_factory: pytest.TempPathFactory, seaweed: SeaweedFS) -> Iter
         yield process
 
 
-@pytest.fixture
-def namespace(client: Client, request: pytest.FixtureRequest) -> str:
-    name = "".join(c if c.isalnum() else "-" for c in request.node.name[:40])
-    client.create_namespace(name, SPEC)
-    return name
-
-
 def _tokened(trajectory_id: str, tokens: int | None = None, **meta: object) -> TrajectoryWrite:
     write = make_write(trajectory_id, tokens=tokens, **meta)
     ids = np.random.default_rng(len(trajectory_id)).integers(0, 50_000, write.num_tokens)
