@@ -81,7 +81,6 @@ class BackendSettings:
     spec: RouteSpec | None = None
     api_key_env: str = "R3STORE_API_KEY"
     direct_reads: bool = False
-    keep_checkpoints: int | None = None  # r3store step checkpoints kept; None: all
 
     @classmethod
     def of(cls, section: Mapping[str, Any]) -> BackendSettings:
@@ -92,7 +91,6 @@ class BackendSettings:
                 f"transfer_queue.backend.{NAME} needs a url (or R3STORE_URL) and a namespace"
             )
         spec = section.get("spec")
-        keep = section.get("keep_checkpoints")
         return cls(
             url=str(url),
             namespace=str(namespace),
@@ -101,7 +99,6 @@ class BackendSettings:
             spec=None if not spec else RouteSpec(**{**dict(spec), "ordered": True}),
             api_key_env=str(section.get("api_key_env") or cls.api_key_env),
             direct_reads=bool(section.get("direct_reads", False)),
-            keep_checkpoints=None if keep is None else int(keep),
         )
 
 
@@ -302,10 +299,6 @@ class R3StoreManager(StorageManager):  # type: ignore[misc]
         _epoch, kept = await client.checkpoints(ns)
         step = max((c.step for c in kept), default=0) + 1
         await client.checkpoint(ns, step)
-        keep = self.settings.keep_checkpoints
-        if keep is not None:
-            for old in sorted(c.step for c in kept)[: max(0, len(kept) + 1 - keep)]:
-                await client.delete_checkpoint(ns, old)
         record = {"url": self.settings.url, "namespace": ns, "step": step}
         Path(checkpoint_dir, CHECKPOINT_FILE).write_text(json.dumps(record))
 
