@@ -1,0 +1,113 @@
+"""The TransferQueue backend's conversions (no TransferQueue needed): a sample's route
+tensor as a trajectory and back, and the backend meta the controller keeps, refused
+when it is not the backend's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from r3store.errors import InvalidInput, RefMismatch
+from r3store.spec import RouteSpec
+from r3store_client.tensors import CompactRoutes
+from r3store_client.tq_samples import (
+    SampleMeta,
+    describe,
+    new_trajectory_id,
+    per_sample,
+    sample_tensors,
+    sample_write,
+)
+
+SPEC = RouteSpec(2, 8, 2, ordered=True)
+
+
+def routes(tokens: int) -> torch.Tensor:
+    ids = torch.tensor([[[1, 5], [7, 0]]] * tokens, dtype=torch.int16)
+    ids[-1] = 0  # verl's row without a route
+    return ids
+
+
+def test_a_sample_is_written_with_its_tokens_and_zero_rows_as_no_route() -> None:
+    write = sample_write(
+        "tq/train/x", routes(4), SPEC, token_ids=torch.arange(4), prompt_len=2, group_id="g"
+    )
+    assert (write.num_tokens, write.prompt_len, write.group_id) == (4, 2, "g")
+    assert write.token_ids is not None
+    assert write.token_ids.tolist() == [0, 1, 2, 3]
+    ids = np.asarray(write.topk)
+    assert ids[0].tolist() == [[1, 5], [7, 0]]  # a zero among chosen experts stays
+    assert (ids[-1] == -1).all()  # K zeros: no route
+    # token ids of another length are not the sample's: left out; a prompt past the end too
+    other = sample_write("t", routes(4), SPEC, token_ids=torch.arange(5), prompt_len=9)
+    assert other.token_ids is None
+    assert other.prompt_len == 0
+
+
+def test_routes_of_another_shape_or_kind_are_refused() -> None:
+    with pytest.raises(InvalidInput, match="3 layers and top-2 in a namespace of 2 layers"):
+        sample_write("t", torch.zeros(4, 3, 2, dtype=torch.int16), SPEC)
+    with pytest.raises(InvalidInput, match=r"integer tensor \[T, L, K\]"):
+        describe(torch.zeros(4, 2, 2, dtype=torch.float32), "routed_experts")
+    with pytest.raises(InvalidInput, match=r"integer tensor \[T, L, K\]"):
+        describe(torch.zeros(4, 2, dtype=torch.int16), "routed_experts")
+    with pytest.raises(InvalidInput, match="a tensor per sample"):
+        per_sample([1, 2], "routed_experts")
+
+
+def test_samples_of_a_put_dense_or_jagged() -> None:
+    dense = torch.zeros(3, 4, 2, 2, dtype=torch.int16)
+    assert [tuple(t.shape) for t in per_sample(dense, "f")] == [(4, 2, 2)] * 3
+    parts = [routes(3), routes(5)]
+    jagged = torch.nested.as_nested_tensor(parts, layout=torch.jagged)
+    got = per_sample(jagged, "f")
+    assert all(torch.equal(a, b) for a, b in zip(got, parts, strict=True))
+
+
+def test_trajectory_ids_are_new_each_time() -> None:
+    assert new_trajectory_id("train") != new_trajectory_id("train")
+    assert new_trajectory_id("val").startswith("tq/val/")
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [
+        None,
+        "not a dict",
+        {"ref": None, "dtype": "float32", "shape": [1, 2, 2]},
+        {"ref": None, "dtype": "int16", "shape": [1, 2]},
+        {"ref": None, "dtype": "int16", "shape": [1, -2, 2]},
+        {"ref": 7, "dtype": "int16", "shape": [1, 2, 2]},
+        {"key": "another backend's"},
+    ],
+)
+def test_a_meta_that_is_not_the_backends_is_refused(meta: object) -> None:
+    with pytest.raises(RefMismatch, match="is not an r3store ref"):
+        SampleMeta.from_backend(meta, "routed_experts")
+
+
+def test_a_meta_round_trips() -> None:
+    meta = describe(routes(3), "routed_experts")
+    assert meta == SampleMeta(None, "int16", (3, 2, 2))
+    assert SampleMeta.from_backend(meta.to_backend(), "routed_experts") == meta
+
+
+def test_stored_routes_come_back_as_put_or_are_refused() -> None:
+    ids = torch.zeros(2, 5, 2, 2, dtype=torch.uint8)
+    ids[0, :3] = routes(3).to(torch.uint8)
+    ids[1, :5] = routes(5).to(torch.uint8)
+    resolved = CompactRoutes(ids, torch.zeros(2, 5, 2, dtype=torch.uint8), torch.tensor([3, 5]))
+    metas = [
+        SampleMeta("ref-a", "int16", (3, 2, 2)),
+        SampleMeta(None, "int32", (0, 2, 2)),  # no tokens: stored nowhere
+        SampleMeta("ref-b", "int16", (5, 2, 2)),
+    ]
+    got = sample_tensors(metas, resolved, "routed_experts")
+    assert torch.equal(got[0], routes(3))
+    assert got[0].dtype == torch.int16
+    assert got[1].shape == (0, 2, 2)
+    assert got[1].dtype == torch.int32
+    assert torch.equal(got[2], routes(5))
+    with pytest.raises(RefMismatch, match=r"holds routes \[3, 2, 2\], but the sample was put"):
+        sample_tensors([SampleMeta("ref-a", "int16", (4, 2, 2))], resolved, "routed_experts")
