@@ -1,0 +1,126 @@
+"""Routes from vLLM itself, through r3store, into the HF trainer's replay.
+
+A tiny MoE of each family (built here, fp32, seeded random weights) is served by vLLM
+on the CPU; vLLM's own `RoutedExpertsCapturer` records the experts its routers chose
+for every token (`vllm_engine`). The routes go to a real r3store server as vLLM's
+`routed_experts` would (`from_vllm`: the MoE layers only, with the token ids), come back
+exactly, agree with the HF model's own routers on the same tokens, and replay in the HF
+model so that its MoE blocks run vLLM's experts.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from vllm_engine import DEEPSEEK_V3, QWEN3_MOE, VOCAB, Tiny, build, capturing, engine, generate
+
+from r3store.spec import RouteSpec
+from r3store_client import Client
+from r3store_client.convert import from_vllm
+from r3store_client.reader import TrainerReader
+from r3store_client.replay import RouterReplay, same_sets
+from r3store_client.tensors import CompactRoutes
+
+PROMPT_LENGTHS = (7, 12, 5)
+NEW_TOKENS = 8
+_names = itertools.count()
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(3, VOCAB, n)] for n in PROMPT_LENGTHS]
+
+
+def served(tiny: Tiny, path: Path) -> tuple[Any, list[tuple[str, list[int], np.ndarray]]]:
+    """The HF model, and per request `(id, tokens, vLLM's routes [T - 1, layers, K])`."""
+    hf = build(tiny, path)
+    llm = engine(path)
+    with capturing(llm) as capture:
+        outputs = generate(llm, prompts(), NEW_TOKENS)
+    assert capture.steps >= NEW_TOKENS  # a prefill, then a step per decoded token
+    return hf, [(rid, tokens, capture.routes(rid, len(tokens))) for rid, tokens in outputs]
+
+
+def experts_run(hf: Any, replayer: RouterReplay, routes: CompactRoutes, batch: Any) -> Any:
+    """`[T, L, K]`: the experts each router handed its MoE block, replaying `routes`."""
+    used: list[torch.Tensor] = []
+    hooks = [
+        r.register_forward_hook(lambda _m, _i, out: used.append(out[2].clone()))
+        for r in replayer.routers
+    ]
+    try:
+        with torch.no_grad(), replayer.replay(routes):
+            hf(input_ids=batch)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return torch.stack([u.reshape(batch.shape[1], -1) for u in used], dim=1)
+
+
+@pytest.mark.parametrize("tiny", [QWEN3_MOE, DEEPSEEK_V3], ids=lambda t: t.name)
+def test_vllm_routes_through_r3store_into_hf_replay(
+    tiny: Tiny, tmp_path: Path, client: Client, figures: list[str]
+) -> None:
+    hf, requests = served(tiny, tmp_path)
+    dense = [i for i in range(tiny.num_layers) if i not in tiny.moe_layers]
+    for _rid, tokens, routes in requests:
+        assert routes.shape == (len(tokens) - 1, tiny.num_layers, tiny.top_k)
+        assert routes.dtype == np.uint8  # vLLM's dtype for up to 256 experts
+        assert not routes[:, dense].any()  # dense layers: zeros, as vLLM sends them
+        moe = routes[:, tiny.moe_layers].astype(np.int64)
+        assert moe.max() < tiny.num_experts
+        assert all(len(set(row)) == tiny.top_k for row in moe.reshape(-1, tiny.top_k))
+
+    # into r3store as vLLM's `routed_experts`, and back as a trainer reads them
+    namespace = f"vllm{next(_names)}"
+    spec = RouteSpec(len(tiny.moe_layers), tiny.num_experts, tiny.top_k, ordered=True)
+    client.create_namespace(namespace, spec)
+    writes = [
+        from_vllm(
+            f"{namespace}-{rid}",
+            routes,
+            len(tokens),
+            moe_layers=tiny.moe_layers,
+            token_ids=np.asarray(tokens, dtype=np.int32),
+        )
+        for rid, tokens, routes in requests
+    ]
+    client.put(namespace, writes)
+    reader = TrainerReader(client, namespace, compact=False)
+    agree = total = 0
+    replayer = RouterReplay(hf, spec)
+    for write, (_rid, tokens, routes) in zip(writes, requests, strict=True):
+        back = reader.fetch([write.trajectory_id])
+        n = len(tokens)
+        engine_ids = torch.from_numpy(routes[:, tiny.moe_layers].astype(np.int64))
+        assert torch.equal(back.ids[0, : n - 1].long(), engine_ids)  # vLLM's slot order kept
+        assert back.valid[0, : n - 1].all()
+        assert not back.valid[0, n - 1].any()  # the last sampled token: not recorded
+        assert back.tokens is not None
+        assert back.tokens[0, :n].tolist() == tokens
+
+        # the HF model's own routers on the same tokens (fp32 on both sides)
+        batch = torch.tensor([tokens])
+        with torch.no_grad(), replayer.record() as live:
+            hf(input_ids=batch)
+        own = live.ids[0, : n - 1]  # [T - 1, L, K]
+        same = same_sets(own.reshape(-1, tiny.top_k), engine_ids.reshape(-1, tiny.top_k))
+        agree += int(same.sum())
+        total += same.numel()
+
+        # replayed: the HF model's MoE blocks run vLLM's experts
+        compact = TrainerReader(client, namespace).fetch([write.trajectory_id])
+        assert isinstance(compact, CompactRoutes)
+        ran = experts_run(hf, replayer, compact, batch)[: n - 1]
+        assert same_sets(ran.reshape(-1, tiny.top_k), engine_ids.reshape(-1, tiny.top_k)).all()
+
+    figures.append(
+        f"{tiny.name}: HF's own routers (fp32) pick vLLM's (fp32) experts in "
+        f"{agree}/{total} token-layers ({agree / total:.2%}); replayed: all"
+    )
+    assert agree / total >= 0.95
