@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from vllm.utils.serial_utils import numpy2base64
 from vllm_engine import DEEPSEEK_V3, QWEN3_MOE, VOCAB, Tiny, build, capturing, engine, generate
 
 from r3store.spec import RouteSpec
@@ -90,6 +91,14 @@ def test_vllm_routes_through_r3store_into_hf_replay(
         )
         for rid, tokens, routes in requests
     ]
+    # the OpenAI server's answer: base64 of an .npy file, made by vLLM's own serializer
+    # (uint16 is what vLLM sends past 256 experts): the same writes
+    for write, (_rid, tokens, routes) in zip(writes, requests, strict=True):
+        for sent in (routes, routes.astype(np.uint16)):
+            answered = from_vllm(
+                write.trajectory_id, numpy2base64(sent), len(tokens), moe_layers=tiny.moe_layers
+            )
+            assert np.array_equal(np.asarray(answered.topk), np.asarray(write.topk))
     client.put(namespace, writes)
     reader = TrainerReader(client, namespace, compact=False)
     agree = total = 0
