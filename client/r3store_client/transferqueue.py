@@ -360,7 +360,7 @@ def _column(data: TensorDict, name: str) -> list[Any] | None:
         return None
     value = data[name]
     if isinstance(value, torch.Tensor):
-        return list(value.unbind()) if value.is_nested else list(value)
+        return list(per_sample(value, name))
     return list(value)  # a NonTensorStack reads as a list: one object per sample
 
 
