@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -29,6 +30,7 @@ from r3store.errors import InvalidConfig, StoreError
 from r3store.storage.catalog import Catalog
 from r3store.storage.keys import IDENTITY_KEY, SHARD_PREFIX
 from r3store.storage.store import S3Store
+from r3store.storage.store.base import ObjectInfo
 from r3store.testing.postgres import Postgres
 from r3store.testing.seaweedfs import SeaweedFS
 from r3store_client import Client
@@ -420,6 +422,33 @@ def test_replicas_binding_one_new_store_at_once_agree(
         engine.close()
     assert len(set(found)) == 1, found
     assert isinstance(found[0], str)
+
+
+def test_a_replica_that_sees_the_store_bound_while_it_checks_agrees(tmp_path: Path) -> None:
+    """The interleaving the threads above hit now and then, made to happen: this
+    process reads no identity, then another replica of its catalog binds the store
+    before this one looks for objects there."""
+    from r3store.storage import binding
+    from r3store.storage.store import LocalStore
+
+    url = f"sqlite:///{tmp_path / 'catalog.db'}"
+    store = LocalStore(tmp_path / "objects")
+    other = Engine(LocalStore(tmp_path / "objects"), Catalog(url))
+
+    class BoundWhileListed(LocalStore):
+        def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+            if not (tmp_path / "objects" / IDENTITY_KEY).exists():
+                other.upkeep.bind(create=True)
+            return super().list(prefix)
+
+    catalog = Catalog(url)
+    try:
+        found = binding.bind(BoundWhileListed(tmp_path / "objects"), catalog, create=True)
+        assert found == other.upkeep.bind(create=False)
+        assert json.loads(store.get(IDENTITY_KEY))["catalog"] == found
+    finally:
+        catalog.close()
+        other.close()
 
 
 def test_a_start_that_cannot_succeed_once_the_database_is_back_stops_the_server(

@@ -114,6 +114,8 @@ def bind(
         )
     if catalog.ledger.is_empty() and mine is None:
         if any(True for _ in store.list()):
+            if read_identity(store) is not None:  # another process bound it meanwhile
+                return bind(store, catalog, create=create, where=where, clock=clock)
             raise InvalidConfig(
                 f"{store.description} holds objects but no identity, and {where} is empty: "
                 f"point R3STORE_CATALOG_URL at the catalog that wrote them, or {REBUILD_HINT}"
