@@ -5,6 +5,7 @@ keys, replicas on PostgreSQL, hostile commits and the embedded store."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -21,10 +22,11 @@ import pytest
 from helpers import SPEC, eventually, expected_ids, make_write
 from http_helpers import KEYS, ServerProcess, replicas
 from r3store.engine import Engine
+from r3store.engine.direct import WritePlan
 from r3store.engine.rebuild import rebuild_catalog
 from r3store.errors import Conflict, DirectUnavailable
 from r3store.logic.writes import encode_write
-from r3store.protocol.direct import DirectSegment, pack
+from r3store.protocol.direct import MAX_BLOB_BYTES, DirectSegment, pack
 from r3store.protocol.fields import SpanModel
 from r3store.records import PutResult, TrajectoryWrite
 from r3store.storage.catalog import Catalog
@@ -74,8 +76,25 @@ def _plan(http: httpx.Client, ns: str, expires: int | None = None) -> dict[str, 
     return r.json()  # type: ignore[no-any-return]
 
 
-def _put_blob(plan: dict[str, Any], blob: bytes) -> int:
-    return httpx.put(plan["url"], content=blob, headers=plan["headers"], timeout=60).status_code
+def _upload_url(http: httpx.Client, ns: str, plan: dict[str, Any], size: int) -> dict[str, Any]:
+    body = {"plan": plan["plan"], "size": size}
+    r = http.post(f"/v1/namespaces/{ns}/writes/upload", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()  # type: ignore[no-any-return]
+
+
+def _put(upload: dict[str, Any], blob: bytes) -> int:
+    return httpx.put(upload["url"], content=blob, headers=upload["headers"], timeout=60).status_code
+
+
+def _put_blob(http: httpx.Client, ns: str, plan: dict[str, Any], blob: bytes) -> int:
+    """Ask for the plan's URL for the blob's size, and PUT it there: the status."""
+    return _put(_upload_url(http, ns, plan, len(blob)), blob)
+
+
+def _put_planned(engine: Engine, plan: WritePlan, blob: bytes) -> int:
+    made = engine.direct.upload("ns", plan.plan, len(blob), "w", MAX_BLOB_BYTES)
+    return _put(dataclasses.asdict(made), blob)
 
 
 def _body(plan: dict[str, Any], size: int, segments: list[DirectSegment]) -> dict[str, Any]:
@@ -253,9 +272,10 @@ def test_an_upload_never_committed_is_collected_and_its_plan_dies(
     blob, segments = _encoded([make_write("c0"), make_write("c1")])
     with _http(server, KEYS["writer"]) as http:
         plan = _plan(http, ns, expires=10)
-        assert plan["headers"] == {"If-None-Match": "*"}
-        assert _put_blob(plan, blob) in (200, 201)
-        assert _put_blob(plan, b"other bytes") == 412  # create-only
+        upload = _upload_url(http, ns, plan, len(blob))
+        assert upload["headers"] == {"If-None-Match": "*"}
+        assert _put(upload, blob) in (200, 201)
+        assert _put_blob(http, ns, plan, b"other bytes") == 412  # create-only
         key = _key_of(plan)
         assert key in _listed(objects, f"{SHARD_PREFIX}{ns}/")
         # the writer dies here: nothing is cataloged, nothing readable
@@ -271,7 +291,12 @@ def test_an_upload_never_committed_is_collected_and_its_plan_dies(
         assert _listed(objects, f"{INDEX_PREFIX}{ns}/") == set()
         late = _commit(http, ns, _body(plan, len(blob), segments))
         assert late.status_code == 400, late.text  # nothing to read any more
-        assert _put_blob(plan, blob) == 403  # the URL died before the blob was collected
+        assert _put(upload, blob) == 403  # the URL died before the blob was collected
+        gone = http.post(
+            f"/v1/namespaces/{ns}/writes/upload", json={"plan": plan["plan"], "size": len(blob)}
+        )
+        assert gone.status_code == 409, gone.text  # and the plan gives no other
+        assert gone.json()["error"]["code"] == "plan_gone"
         with Client(server.url, api_key=KEYS["reader"]) as reader:
             assert reader.get_batch(ns, ["c0", "c1"]).missing == ["c0", "c1"]
         assert _listed(objects, f"{INDEX_PREFIX}{ns}/") == set()
@@ -288,7 +313,7 @@ def test_a_commit_replayed_by_another_key_is_refused(
     blob, segments = _encoded([make_write("k0")])
     with _http(server, KEYS["writer"]) as owner, _http(server, KEYS["admin"]) as thief:
         plan = _plan(owner, ns)
-        assert _put_blob(plan, blob) in (200, 201)
+        assert _put_blob(owner, ns, plan, blob) in (200, 201)
         body = _body(plan, len(blob), segments)
         stolen = _commit(thief, ns, body)
         assert stolen.status_code == 403, stolen.text
@@ -321,8 +346,9 @@ def test_a_revoked_keys_plan_dies_at_its_expiry(server: ServerProcess, objects: 
             lambda: worker.get(f"/v1/namespaces/{ns}").status_code == 200, "the new key taken"
         )
         uploaded = _plan(worker, ns, expires=10)
-        unused = _plan(worker, ns, expires=10)
-        assert _put_blob(uploaded, blob) in (200, 201)
+        unused_plan = _plan(worker, ns, expires=10)
+        unused = _upload_url(worker, ns, unused_plan, len(blob))
+        assert _put_blob(worker, ns, uploaded, blob) in (200, 201)
         server.cli("keys", "revoke", "rollout")
         eventually(
             lambda: worker.get(f"/v1/namespaces/{ns}").status_code == 401,
@@ -334,8 +360,8 @@ def test_a_revoked_keys_plan_dies_at_its_expiry(server: ServerProcess, objects: 
         # nor can another key commit the revoked key's plan
         assert _commit(admin, ns, _body(uploaded, len(blob), segments)).status_code == 403
         time.sleep(max(0.0, unused["expires_at"] - time.time()) + 1.5)
-        assert _put_blob(unused, blob) == 403  # the store refuses the expired URL
-        assert _key_of(unused) not in _listed(objects, f"{SHARD_PREFIX}{ns}/")
+        assert _put(unused, blob) == 403  # the store refuses the expired URL
+        assert _key_of(unused_plan) not in _listed(objects, f"{SHARD_PREFIX}{ns}/")
         assert _key_of(uploaded) in _listed(objects, f"{SHARD_PREFIX}{ns}/")
         assert int(admin.get(f"/v1/namespaces/{ns}").json()["trajectories"]) == 0
     _collect_orphans(server)
@@ -461,11 +487,11 @@ def test_a_commit_that_loses_a_race_leaves_no_index(tmp_path: Path, seaweed: Sea
         their_write = TrajectoryWrite("x", 25, topk=make_write("z", tokens=25).topk)
         their_blob, their_segments = _encoded([their_write])
         their_plan = theirs.direct.plan("ns", "w", 600)  # planned first: the older blob
-        assert _put_blob(their_plan.__dict__, their_blob) in (200, 201)
+        assert _put_planned(theirs, their_plan, their_blob) in (200, 201)
         time.sleep(0.01)
         blob, segments = _encoded([make_write("x"), make_write("y")])
         plan = mine.direct.plan("ns", "w", 600)
-        assert _put_blob(plan.__dict__, blob) in (200, 201)
+        assert _put_planned(mine, plan, blob) in (200, 201)
         real = mine_store.put_if_absent
         raced: list[list[PutResult]] = []
 
@@ -518,7 +544,7 @@ def test_hostile_commits_are_refused_and_change_nothing(
     blob, segments = _encoded([short, long])
     with _http(server, KEYS["writer"]) as http:
         plan = _plan(http, ns)
-        assert _put_blob(plan, blob) in (200, 201)
+        assert _put_blob(http, ns, plan, blob) in (200, 201)
         good = _body(plan, len(blob), segments)
 
         def refused(body: dict[str, Any], into: str = ns, status: int = 400) -> str:
@@ -534,7 +560,7 @@ def test_hostile_commits_are_refused_and_change_nothing(
             assert "not a write plan" in refused({**good, "plan": forged})
         # a plan of another namespace, sent to this one, and this one's sent there
         other = _plan(http, elsewhere)
-        assert _put_blob(other, blob) in (200, 201)
+        assert _put_blob(http, elsewhere, other, blob) in (200, 201)
         refused(_body(other, len(blob), segments))
         refused(good, into=elsewhere)
         # spans past the end of the blob
@@ -574,7 +600,7 @@ def test_hostile_commits_are_refused_and_change_nothing(
         # frames that are not zstd at all
         junk = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes()
         junk_plan = _plan(http, ns)
-        assert _put_blob(junk_plan, junk) in (200, 201)
+        assert _put_blob(http, ns, junk_plan, junk) in (200, 201)
         junk_segments = [
             segments[0].model_copy(
                 update={
@@ -696,7 +722,7 @@ def test_direct_writes_encode_with_the_namespace_dictionary(
             encoded = [encode_write(w, SPEC) for w in _routed(3, 1, 50)]
             blob, segments = pack(encoded)
             plan = _plan(http, ns)
-            assert _put_blob(plan, blob) in (200, 201)
+            assert _put_blob(http, ns, plan, blob) in (200, 201)
             named = [segments[0].model_copy(update={"route_dictionary": "ab" * 16})]
             refused = _commit(http, ns, _body(plan, len(blob), named))
             assert refused.status_code == 409, refused.text  # the client plans again
@@ -713,7 +739,7 @@ def test_commits_that_cannot_be_held_hold_no_memory(server: ServerProcess) -> No
     blob, segments = _encoded([make_write("m0"), make_write("m1")])
     with _http(server, KEYS["writer"]) as http:
         plan = _plan(http, ns)
-        assert _put_blob(plan, blob) in (200, 201)
+        assert _put_blob(http, ns, plan, blob) in (200, 201)
         huge = 200 << 20
         for _ in range(8):  # each would hold 3x its size were it admitted first
             forged = _commit(http, ns, {**_body(plan, huge, segments), "plan": "x.y"})
@@ -730,10 +756,44 @@ def test_commits_that_cannot_be_held_hold_no_memory(server: ServerProcess) -> No
         assert done.status_code == 200, done.text
         # bytes no segment names: not kept in a committed blob
         padded = _plan(http, ns)
-        assert _put_blob(padded, blob + b"\0" * 4096) in (200, 201)
+        assert _put_blob(http, ns, padded, blob + b"\0" * 4096) in (200, 201)
         junk = _commit(http, ns, _body(padded, len(blob) + 4096, segments))
         assert junk.status_code == 400, junk.text
         assert "every byte of a blob belongs to one stream" in junk.json()["error"]["message"]
+
+
+def test_a_plan_stores_its_blob_and_nothing_larger(server: ServerProcess, objects: S3Store) -> None:
+    """A plan carries no URL; the URL asked for once the blob is encoded writes exactly
+    that many bytes (a larger or a smaller body, or a chunked one, is refused by the
+    store and nothing is kept), no more than a commit may take, for the plan's key
+    only."""
+    ns = _namespace(server)
+    blob, segments = _encoded([make_write("s0")])
+    with _http(server, KEYS["writer"]) as http, _http(server, KEYS["admin"]) as other:
+        plan = _plan(http, ns)
+        assert set(plan) == {"plan", "expires_at", "max_bytes", "dictionary"}
+        upload = _upload_url(http, ns, plan, len(blob))
+        assert upload["expires_at"] == plan["expires_at"]
+        key = _key_of(plan)
+        for body in (blob + bytes(1 << 20), blob[:-1], blob + b"\0"):
+            assert _put(upload, body) == 403
+        chunked = httpx.put(upload["url"], content=iter([blob]), headers=upload["headers"])
+        assert chunked.status_code == 403
+        assert key not in _listed(objects, f"{SHARD_PREFIX}{ns}/")
+
+        def asked(client: httpx.Client, size: int) -> httpx.Response:
+            body = {"plan": plan["plan"], "size": size}
+            return client.post(f"/v1/namespaces/{ns}/writes/upload", json=body)
+
+        too_big = asked(http, plan["max_bytes"] + 1)
+        assert too_big.status_code == 413, too_big.text
+        assert asked(other, len(blob)).status_code == 403  # another key's plan
+        assert asked(http, 0).status_code == 422
+        assert _put(upload, blob) in (200, 201)
+        assert _put_blob(http, ns, plan, blob) == 412  # a second URL: the key is taken
+        done = _commit(http, ns, _body(plan, len(blob), segments))
+        assert done.status_code == 200, done.text
+        assert len(objects.get(key)) == len(blob)
 
 
 def test_one_key_holds_a_bounded_number_of_write_plans(tmp_path: Path, seaweed: SeaweedFS) -> None:
@@ -750,7 +810,7 @@ def test_one_key_holds_a_bounded_number_of_write_plans(tmp_path: Path, seaweed: 
             assert refused.status_code == 429, refused.text
             assert "R3STORE_MAX_PLANS_PER_KEY" in refused.json()["error"]["message"]
             assert _plan(admin, ns)["plan"]  # another key's own share
-            assert _put_blob(plans[0], blob) in (200, 201)
+            assert _put_blob(http, ns, plans[0], blob) in (200, 201)
             done = _commit(http, ns, {**_body(plans[0], len(blob), segments), "next_plans": 8})
             assert done.status_code == 200, done.text
             assert len(done.json()["next"]) == 1  # three still held, one more allowed
@@ -783,7 +843,7 @@ def test_a_commit_is_charged_what_checking_its_segments_decodes(
         assert len(blob) < 64 << 10
         with _http(server, KEYS["writer"]) as http:
             plan = _plan(http, "large")
-            assert _put_blob(plan, blob) in (200, 201)
+            assert _put_blob(http, "large", plan, blob) in (200, 201)
             refused = _commit(http, "large", _body(plan, len(blob), segments))
             assert refused.status_code == 413, refused.text
             assert "to check the largest encoded segment" in refused.json()["error"]["message"]

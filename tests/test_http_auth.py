@@ -395,7 +395,7 @@ def test_every_v1_route_answers_each_role_as_documented(tmp_path: Path) -> None:
     served = {(m, re.sub(r"\{[^}]*\}", "{}", p)) for m, p in routes}
     documented = {r for r in roles if r[1].startswith("/v1/")}
     assert served == documented, (served - documented, documented - served)
-    assert len(routes) == 26  # what the application serves today, each checked below
+    assert len(routes) == 27  # what the application serves today, each checked below
     env = {"R3STORE_AUTH_FAILURE_LIMIT": "100000"}
     server = ServerProcess(tmp_path, None, env=env)
     wrong = []

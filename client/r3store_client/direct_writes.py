@@ -19,7 +19,7 @@ import urllib3
 
 from r3store.errors import DirectUnavailable, PlanGone, R3StoreError, StoreError
 from r3store.logic.codec import Dictionary
-from r3store.protocol.direct import WriteCommitted, WritePlanModel, pack
+from r3store.protocol.direct import BlobUploadModel, WriteCommitted, WritePlanModel, pack
 from r3store.protocol.models import PutItem
 from r3store.records import TrajectoryWrite
 from r3store.spec import RouteSpec
@@ -130,23 +130,21 @@ class DirectWrites(DirectReads):
             if len(blob) > plan.max_bytes:
                 self._keep_plan(namespace, plan)
                 return None  # too large for one blob: through the server, in one upload
+            writes_at = f"/v1/namespaces/{namespace}/writes"
+            body: dict[str, Any] = {"plan": plan.plan, "size": len(blob)}
             try:
-                yield Work(self._store_put, (plan.url, plan.headers, blob))
+                upload = BlobUploadModel.model_validate(
+                    (yield from self._json("POST", f"{writes_at}/upload", json=body))
+                )
+                yield Work(self._store_put, (upload.url, upload.headers, blob))
+                self._chose(True, "writes go straight to the object store (direct writes)")
+                body["segments"] = [s.model_dump(mode="json", exclude_none=True) for s in segments]
+                body["next_plans"] = self._plans_wanted(namespace)
+                committed = yield from self._json("POST", f"{writes_at}/commit", json=body)
             except _Refused:
                 if attempt == 2:
                     raise StoreError("the object store refused three write plans' URLs") from None
                 continue
-            self._chose(True, "writes go straight to the object store (direct writes)")
-            body = {
-                "plan": plan.plan,
-                "size": len(blob),
-                "segments": [s.model_dump(mode="json", exclude_none=True) for s in segments],
-                "next_plans": self._plans_wanted(namespace),
-            }
-            try:
-                committed = yield from self._json(
-                    "POST", f"/v1/namespaces/{namespace}/writes/commit", json=body
-                )
             except PlanGone:
                 # a pooled plan the server forgot (its namespace was deleted and made
                 # again, say), or its dictionary collected: the others are as old; a new

@@ -2,8 +2,11 @@
 object store itself, and the engine checks and commits them.
 
 `plan` records the blob's key as a planned upload (so that an upload never committed
-is an orphan collection deletes) and answers a presigned, create-only URL and a signed
-token naming the namespace, the key and the API key that asked. `commit` takes the
+is an orphan collection deletes) and answers a signed token naming the namespace, the
+key, the API key that asked and when the plan expires. `upload` takes the token back
+once the blob is encoded and answers a presigned, create-only URL for exactly the
+blob's size (no larger than a commit may take), working until the plan expires, so
+that what a plan lets anyone store is bounded. `commit` takes the
 token back, from that API key only, reads the blob the worker uploaded, checks every
 segment's streams exactly as an upload's (`Engine.encode`: the namespace, staleness,
 `streams.accept`), writes the blob's index (`storage/blob.py`) and commits the catalog
@@ -56,11 +59,18 @@ DICTIONARY_SECONDS = 30.0
 @dataclass(frozen=True)
 class WritePlan:
     plan: str
-    url: str
-    headers: dict[str, str]
     expires_at: float
     max_bytes: int
     dictionary: tuple[bytes, str] | None = None  # the namespace's newest: digest, URL
+
+
+@dataclass(frozen=True)
+class BlobUpload:
+    """Where a plan's blob goes: PUT exactly its size to `url` with `headers`."""
+
+    url: str
+    headers: dict[str, str]
+    expires_at: float
 
 
 @dataclass(eq=False)
@@ -144,21 +154,45 @@ class DirectWrites:
             dictionary = (newest, where)
         out = []
         for key in keys:
-            url, headers = self.store.presign_put(key, expires)
-            token = signing.sign(self._key(), {"n": namespace, "k": key, "w": writer})
-            out.append(WritePlan(token, url, headers, now + expires, MAX_BLOB_BYTES, dictionary))
+            fields = {"n": namespace, "k": key, "w": writer, "e": now + expires}
+            token = signing.sign(self._key(), fields)
+            out.append(WritePlan(token, now + expires, MAX_BLOB_BYTES, dictionary))
         return out
+
+    def upload(
+        self, namespace: str, plan: str, size: int, writer: str | None, most: int
+    ) -> BlobUpload:
+        """The presigned, create-only PUT of the blob `plan` names, for exactly `size`
+        bytes (the store refuses any other length), working until the plan expires;
+        `PayloadTooLarge` past `most` bytes, `PlanGone` once the plan expired."""
+        key, expires_at = self._verify(namespace, plan, writer)
+        if size > min(most, MAX_BLOB_BYTES):
+            raise PayloadTooLarge(
+                f"a blob of {size} bytes; a commit takes at most {min(most, MAX_BLOB_BYTES)}: "
+                "upload fewer segments in it"
+            )
+        left = int(expires_at - self.clock())
+        if left < 1:
+            raise PlanGone("the write plan expired: ask for a new one")
+        url, headers = self.store.presign_put(key, left, size)
+        return BlobUpload(url, headers, expires_at)
 
     def check_plan(self, namespace: str, plan: str, writer: str | None) -> str:
         """The blob key of a plan this catalog signed for `namespace` and the API key
         `writer` (`InvalidInput`, `Forbidden` otherwise): checked before anything else."""
+        return self._verify(namespace, plan, writer)[0]
+
+    def _verify(self, namespace: str, plan: str, writer: str | None) -> tuple[str, float]:
+        """A plan's blob key and expiry, checked as `check_plan` says."""
         fields = signing.verify(self._key(), plan, "write plan")
-        key = fields.get("k")
+        key, expires_at = fields.get("k"), fields.get("e")
         if fields.get("n") != namespace or not isinstance(key, str) or not is_blob(key):
             raise InvalidInput(f"the write plan is not one of namespace {namespace!r}")
         if fields.get("w") != writer:
             raise Forbidden("the write plan was made for another API key")
-        return key
+        if not isinstance(expires_at, int | float):
+            raise PlanGone("the write plan names no expiry (made by an older server)")
+        return key, float(expires_at)
 
     def commit(
         self,

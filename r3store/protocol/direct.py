@@ -1,7 +1,7 @@
-"""Direct writes, as they cross the wire: a rollout worker asks for a write plan, puts
-its segments' encoded streams in one object with the plan's create-only URL, and
-commits by naming where each segment's streams lie in it (docs/api.md, "Direct
-writes"). No I/O.
+"""Direct writes, as they cross the wire: a rollout worker asks for a write plan, asks
+for the plan's create-only URL for its blob's size, puts its segments' encoded streams
+in one object with it, and commits by naming where each segment's streams lie in it
+(docs/api.md, "Direct writes"). No I/O.
 
 The object (a blob) is the streams one after another, nothing else: what it holds is
 said by the commit. `pack` makes a blob and its segments from encoded writes (the
@@ -50,17 +50,33 @@ class PlanDictionary(BaseModel):
 
 
 class WritePlanModel(BaseModel):
-    """Where to upload one blob: PUT it to `url` with `headers` (create-only) before
-    `expires_at`, then commit it naming `plan`; encode with `dictionary` when given."""
+    """One blob's plan: encode with `dictionary` when given, ask for the blob's URL
+    (`.../writes/upload`) before `expires_at`, PUT the blob there, then commit it
+    naming `plan`."""
 
     plan: str = Field(description="the plan's signed token: send it back with the commit")
-    url: str = Field(description="a presigned, create-only PUT of the blob")
-    headers: dict[str, str] = Field(description="headers the PUT must carry (signed)")
-    expires_at: float = Field(description="when the URL stops working (Unix seconds)")
+    expires_at: float = Field(description="when the plan expires (Unix seconds)")
     max_bytes: int = Field(description="the largest blob a commit accepts")
     dictionary: PlanDictionary | None = Field(
         None, description="the namespace's dictionary (made by compression at rest), or none"
     )
+
+
+class UploadRequest(BaseModel):
+    """The URL of a plan's blob, once it is encoded: `size` bytes."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    plan: str = Field(min_length=1, max_length=2048)
+    size: int = Field(ge=1, le=MAX_BLOB_BYTES)
+
+
+class BlobUploadModel(BaseModel):
+    """PUT the blob, exactly `size` bytes, to `url` with `headers` before `expires_at`."""
+
+    url: str = Field(description="a presigned, create-only PUT of exactly the blob's size")
+    headers: dict[str, str] = Field(description="headers the PUT must carry (signed)")
+    expires_at: float = Field(description="when the URL stops working (Unix seconds)")
 
 
 class DirectSegment(BaseModel):

@@ -103,8 +103,13 @@ class Ctx:
         plan: dict[str, Any] = r.json()
         return plan
 
-    def put(self, plan: dict[str, Any], blob: bytes) -> int | None:
-        status: int | None = self.fuzz.store_put(plan["url"], plan["headers"], blob)
+    def put(self, namespace: str, plan: dict[str, Any], blob: bytes, who: str = "w1") -> int | None:
+        """The plan's URL for the blob's size asked for, and the blob PUT there."""
+        body = {"plan": plan["plan"], "size": len(blob)}
+        r = self.fuzz.post(who, f"/v1/namespaces/{namespace}/writes/upload", json=body)
+        if r is None or r.status_code != 200:
+            raise Setup("URL", None if r is None else r.status_code, "" if r is None else r.text)
+        status: int | None = self.fuzz.store_put(r.json()["url"], r.json()["headers"], blob)
         return status
 
     def upload(
@@ -120,7 +125,7 @@ class Ctx:
         packed, segments = pack([encode_write(w, spec or SPECS[namespace]) for w in writes])
         plan = self.plan(namespace, who)
         data = packed if blob is None else blob
-        status = self.put(plan, data)
+        status = self.put(namespace, plan, data, who)
         if status not in (200, 201, 204):
             raise Setup("PUT", status)
         return Upload(namespace, plan, data, segments, writes)

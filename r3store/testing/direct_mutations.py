@@ -237,7 +237,7 @@ def overwrite_after_commit(ctx: Ctx) -> None:
     """The plan's URL used again once committed: create-only, so readers keep the bytes."""
     up = ctx.upload(pick_ns(ctx))
     ctx.commit(up.namespace, up.body())
-    status = ctx.put(up.plan, os.urandom(len(up.blob)))
+    status = ctx.put(up.namespace, up.plan, os.urandom(len(up.blob)))
     if status is not None and status < 300:
         ctx.fuzz.bad_put(ctx, status)
     ctx.final(up.namespace, up.body(), "accept", writes=up.writes)

@@ -132,24 +132,27 @@ class StoreTests(ABC):
 
     def test_presigned_urls(self, store: ObjectStore) -> None:
         """Where the store signs URLs (direct writes and reads rely on them): a GET URL
-        reads the object, a `Range` its bytes; a PUT URL writes a new object once, only
-        with its headers (403 without), and a second PUT of the key is refused (412),
-        the first one's bytes kept. A store that signs none refuses to."""
+        reads the object, a `Range` its bytes; a PUT URL writes a new object once, of
+        the length it was signed for and only with its headers (403 otherwise), and a
+        second PUT of the key is refused (412), the first one's bytes kept. A store that
+        signs none refuses to."""
         if not store.signs_urls:
             with pytest.raises(InvalidInput):
-                store.presign_put("p/new.blob", 60)
+                store.presign_put("p/new.blob", 60, 5)
             with pytest.raises(InvalidInput):
                 store.presign_get("p/new.blob", 60)
             return
         import urllib3
 
         http = urllib3.PoolManager()
-        url, headers = store.presign_put("p/new.blob", 60)
-        assert http.request("PUT", url, body=b"bare").status == 403  # without its headers
+        url, headers = store.presign_put("p/new.blob", 60, 5)
+        assert http.request("PUT", url, body=b"bare!").status == 403  # without its headers
+        for other in (b"longer", b"four", b"first" * 1000):  # another length than signed
+            assert http.request("PUT", url, body=other, headers=headers).status == 403
         assert self.raw_get(store, "p/new.blob") is None
         assert http.request("PUT", url, body=b"first", headers=headers).status in (200, 201)
         assert self.raw_get(store, "p/new.blob") == b"first"
-        assert http.request("PUT", url, body=b"second", headers=headers).status == 412
+        assert http.request("PUT", url, body=b"again", headers=headers).status == 412
         assert self.raw_get(store, "p/new.blob") == b"first"
         read = http.request(
             "GET", store.presign_get("p/new.blob", 60), headers={"Range": "bytes=1-3"}

@@ -1,7 +1,8 @@
 """Direct writes (docs/api.md, "Direct writes"): a rollout worker asks for a write plan,
-uploads its encoded streams to the object store with the plan's URL, and commits them
-here; the server checks what was uploaded before it acknowledges. A writer's or an
-admin's; only the API key that asked for a plan may commit it."""
+then for the plan's URL for its blob's size, uploads its encoded streams to the object
+store with it, and commits them here; the server checks what was uploaded before it
+acknowledges. A writer's or an admin's; only the API key that asked for a plan may ask
+for its URL and commit it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from r3store.errors import PayloadTooLarge, StoreError
 from r3store.logic.streams import checking_bytes
 from r3store.protocol.direct import (
     PLAN_SECONDS,
+    BlobUploadModel,
     PlanDictionary,
+    UploadRequest,
     WriteCommit,
     WriteCommitted,
     WritePlanModel,
@@ -54,8 +57,8 @@ async def plan_write(
     budget: BudgetDep,
     namespace: str = NamespacePath,
 ) -> WritePlanModel:
-    """A plan for one blob: a presigned, create-only PUT that works for `expires`
-    seconds, and the token to commit it with (this API key only). 400
+    """A plan for one blob: the token to ask for its URL and to commit it with (this
+    API key only), working for `expires` seconds. 400
     `direct_unavailable` where the object store signs no URLs (the embedded store):
     upload through `POST .../trajectories` instead. 429 when the key holds
     `R3STORE_MAX_PLANS_PER_KEY` plans not committed and not expired."""
@@ -76,12 +79,33 @@ def _model(plan: WritePlan, budget: MemoryBudget) -> WritePlanModel:
         dictionary = PlanDictionary(digest=digest.hex(), url=url)
     return WritePlanModel(
         plan=plan.plan,
-        url=plan.url,
-        headers=plan.headers,
         expires_at=plan.expires_at,
         max_bytes=min(plan.max_bytes, admissible(budget)),
         dictionary=dictionary,
     )
+
+
+@router.post(
+    "/{namespace}/writes/upload",
+    response_model=BlobUploadModel,
+    responses={413: ERROR_RESPONSES[400]},
+    dependencies=[allowed("write")],
+)
+async def upload_url(
+    body: UploadRequest,
+    engine: EngineDep,
+    who: PrincipalDep,
+    deadline: DeadlineDep,
+    budget: BudgetDep,
+    namespace: str = NamespacePath,
+) -> BlobUploadModel:
+    """The presigned, create-only PUT of the blob `plan` names, for exactly `size`
+    bytes (the object store refuses another length, 403), working until the plan
+    expires: ask once the blob is encoded. 413 past the plan's `max_bytes`; 409
+    `plan_gone` once the plan expired (ask for a new one); 403 from another API key."""
+    most = admissible(budget)
+    made = await deadline.run(engine.direct.upload, namespace, body.plan, body.size, who.name, most)
+    return BlobUploadModel(url=made.url, headers=made.headers, expires_at=made.expires_at)
 
 
 @router.post(

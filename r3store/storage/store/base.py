@@ -66,10 +66,11 @@ class ObjectStore(ABC):
         `Range` header selects bytes); only where `signs_urls`."""
         raise InvalidInput(f"{self.description} hands out no URLs to read objects")
 
-    def presign_put(self, key: str, expires: int) -> tuple[str, dict[str, str]]:
+    def presign_put(self, key: str, expires: int, size: int) -> tuple[str, dict[str, str]]:
         """A URL, and the headers to send with it, that writes the object once without
-        credentials for `expires` seconds: create-only (a key that exists is refused
-        with 412), only where `signs_urls`."""
+        credentials for `expires` seconds: exactly `size` bytes (any other length is
+        refused with 403), create-only (a key that exists is refused with 412), only
+        where `signs_urls`."""
         raise InvalidInput(f"{self.description} hands out no URLs to write objects")
 
     def ping(self) -> None:  # noqa: B027 - optional hook

@@ -147,10 +147,17 @@ class S3Store(ObjectStore):
             )
         return url
 
-    def presign_put(self, key: str, expires: int) -> tuple[str, dict[str, str]]:
-        """A presigned create-only PUT: `If-None-Match: *` is signed into the URL, so the
-        store refuses the request without it, and a second write of the key (412)."""
-        params = {"Bucket": self.bucket, "Key": self._key(key), "IfNoneMatch": "*"}
+    def presign_put(self, key: str, expires: int, size: int) -> tuple[str, dict[str, str]]:
+        """A presigned create-only PUT of `size` bytes: `If-None-Match: *` and the
+        `Content-Length` are signed into the URL, so the store refuses the request
+        without the one, with another length (or chunked), and a second write of the
+        key (412)."""
+        params = {
+            "Bucket": self.bucket,
+            "Key": self._key(key),
+            "IfNoneMatch": "*",
+            "ContentLength": size,
+        }
         with _translated(key):
             url: str = self._signer.generate_presigned_url(
                 "put_object", Params=params, ExpiresIn=expires
