@@ -820,6 +820,35 @@ def test_one_key_holds_a_bounded_number_of_write_plans(tmp_path: Path, seaweed: 
         server.stop()
 
 
+def test_replicas_planning_for_one_key_at_once_keep_its_bound(
+    seaweed: SeaweedFS, postgres_server: Postgres
+) -> None:
+    """Plan requests of one API key on two replicas sharing a PostgreSQL catalog, all
+    at once: no more plans are made than the key may hold."""
+    url = postgres_server.database(f"r3_{uuid.uuid4().hex[:12]}")
+    prefix = f"t-{uuid.uuid4().hex[:16]}"
+    replicas = [Engine(seaweed.new_store(prefix), Catalog(url)) for _ in range(2)]
+    replicas[0].namespaces.create("ns", SPEC)
+    start = threading.Barrier(16)
+    made: list[int] = []
+
+    def ask(engine: Engine) -> None:
+        start.wait()
+        made.append(len(engine.direct.plans("ns", "w", 600, 2, most=5)))
+
+    threads = [threading.Thread(target=ask, args=(replicas[i % 2],)) for i in range(16)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sum(made) == 5, made
+        assert len(replicas[1].direct.plans("ns", "other", 600, 2, most=5)) == 2
+    finally:
+        for engine in replicas:
+            engine.close()
+
+
 def test_a_commit_is_charged_what_checking_its_segments_decodes(
     tmp_path: Path, seaweed: SeaweedFS
 ) -> None:

@@ -25,7 +25,7 @@ from r3store.errors import Conflict, StoreError
 from r3store.policy import NamespaceSettings
 from r3store.spans import COLUMNS, RouteSpans
 from r3store.spec import RouteSpec
-from r3store.storage.catalog.tables import namespaces
+from r3store.storage.catalog.tables import namespaces, uploads
 
 BATCH = 500  # ids per IN (...) query
 
@@ -172,6 +172,17 @@ def lock(conn: Connection, name: str) -> bool:
         namespaces.update().where(namespaces.c.name == name).values(consumed=namespaces.c.consumed)
     )
     return bool(done.rowcount)
+
+
+def lock_name(conn: Connection, name: str) -> None:
+    """Hold `name` for the transaction, so that transactions that read then write what
+    `name` owns take turns: PostgreSQL's transaction-scoped advisory lock on it (other
+    names go on), SQLite's write lock (every writer waits), taken by a write that
+    changes nothing. The first statement of its transaction, on SQLite."""
+    if conn.dialect.name == "postgresql":
+        conn.execute(sa.text("SELECT pg_advisory_xact_lock(72553, hashtext(:n))"), {"n": name})
+    else:
+        conn.execute(uploads.update().where(uploads.c.key == "").values(key=uploads.c.key))
 
 
 def namespace_of(row: Any) -> NamespaceInfo:

@@ -36,7 +36,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
-from r3store.storage.catalog.database import Repository
+from r3store.storage.catalog.database import Repository, lock_name
 from r3store.storage.catalog.tables import (
     catalog_meta,
     dictionaries,
@@ -332,6 +332,7 @@ class Ledger(Repository):
         stop working): the keys past it are not planned."""
         with self._db.begin() as conn:
             if most is not None and writer is not None:
+                lock_name(conn, f"writer:{writer}")  # replicas count one key's in turns
                 held = conn.execute(
                     sa.select(sa.func.count())
                     .select_from(uploads)
