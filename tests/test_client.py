@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import SPEC, expected_ids, make_write
+from helpers import SPEC, eventually, expected_ids, make_write
 from http_helpers import KEYS, ServerProcess
 from r3store.errors import Conflict, Forbidden, InvalidRoutes, NotFound, Unauthorized
 from r3store.policy import NamespaceSettings, Retention
@@ -273,7 +273,10 @@ def test_writer_survives_a_server_outage(
     during = [make_write(f"b{i}") for i in range(4)]
     for w in during:
         writer.write(w)  # queued while the server is away
-    time.sleep(1.0)
+    eventually(  # tried and failed twice: nothing of it acknowledged meanwhile
+        lambda: any("upload failed again" in r.getMessage() for r in caplog.records),
+        "the writer retrying while the server is away",
+    )
     assert writer.report.sent == 4
     second = ServerProcess(tmp_path, seaweed, prefix=prefix, port=port)
     try:
