@@ -31,6 +31,7 @@ from r3store.records import TrajectoryWrite
 from r3store.refs import RouteRef
 from r3store.spec import RouteSpec
 from r3store_client.tensors import CompactRoutes
+from r3store_client.turn_routes import TurnsMeta
 
 INTEGER_DTYPES = {
     str(dtype).removeprefix("torch."): dtype
@@ -102,6 +103,52 @@ def new_trajectory_id(partition: str) -> str:
     return f"tq/{partition}/{uuid.uuid4().hex}"
 
 
+def sample_writes(
+    trajectory_id: str,
+    routes: torch.Tensor,
+    spec: RouteSpec,
+    *,
+    token_ids: torch.Tensor | None = None,
+    prompt_len: int = 0,
+    group_id: str | None = None,
+    policy_version: int = 0,
+    turns: TurnsMeta | None = None,
+) -> list[TrajectoryWrite]:
+    """One sample's routes `[T, L, K]` as trajectory writes: one, or with `turns` a
+    segment per turn, appended in order, each with its turn's policy version (else
+    `policy_version`); its token ids with it when they are `T` of them, a prompt
+    length past `T` dropped (the write refuses none); K zeros in a row (K > 1) stored
+    as no route."""
+    whole = sample_write(
+        trajectory_id,
+        routes,
+        spec,
+        token_ids=token_ids,
+        prompt_len=prompt_len,
+        group_id=group_id,
+        policy_version=policy_version,
+    )
+    if turns is None:
+        return [whole]
+    out = []
+    for start, length, version in turns.segments(whole.num_tokens):
+        end = start + length
+        assert whole.topk is not None
+        out.append(
+            TrajectoryWrite(
+                trajectory_id,
+                num_tokens=length,
+                topk=whole.topk[start:end],
+                start=start,
+                prompt_len=whole.prompt_len if start == 0 and whole.prompt_len <= length else 0,
+                group_id=whole.group_id if start == 0 else None,
+                policy_version=policy_version if version is None else version,
+                token_ids=None if whole.token_ids is None else whole.token_ids[start:end],
+            )
+        )
+    return out
+
+
 def sample_write(
     trajectory_id: str,
     routes: torch.Tensor,
@@ -112,9 +159,7 @@ def sample_write(
     group_id: str | None = None,
     policy_version: int = 0,
 ) -> TrajectoryWrite:
-    """One sample's routes `[T, L, K]` as a trajectory write: its token ids with it
-    when they are `T` of them, a prompt length past `T` dropped (the write refuses
-    none); K zeros in a row (K > 1) stored as no route."""
+    """One sample's routes `[T, L, K]` as one trajectory write (`sample_writes`)."""
     tokens, layers, k = (int(n) for n in routes.shape)  # as `describe` checked
     if (layers, k) != (spec.num_layers, spec.top_k):
         raise InvalidInput(

@@ -46,6 +46,8 @@ from transfer_queue.storage.managers.base import StorageManager, StorageManagerF
 from transfer_queue.storage.managers.simple_storage_manager import AsyncSimpleStorageManager
 
 from r3store.errors import InvalidSpec, R3StoreError
+from r3store.records import TrajectoryWrite
+from r3store.refs import RouteRef
 from r3store.spec import RouteSpec
 from r3store_client.aio import AsyncClient
 from r3store_client.tensors import compact
@@ -55,8 +57,9 @@ from r3store_client.tq_samples import (
     new_trajectory_id,
     per_sample,
     sample_tensors,
-    sample_write,
+    sample_writes,
 )
+from r3store_client.turn_routes import TurnsMeta
 
 __all__ = ["NAME", "BackendSettings", "R3StoreManager"]
 
@@ -208,9 +211,11 @@ class R3StoreManager(StorageManager):  # type: ignore[misc]
         spec = await self._namespace_spec(client)
         tokens = _column(data, "input_ids")
         groups = _column(data, "uid")
+        extras = _column(data, "extra_fields")
         tags = list(metadata.custom_meta or [{}] * len(metadata.global_indexes))
         metas: dict[int, dict[str, Any]] = {gi: {} for gi in metadata.global_indexes}
-        writes, owners = [], []
+        writes: list[TrajectoryWrite] = []
+        owners = []
         for field in routes:
             for i, (gi, value) in enumerate(
                 zip(metadata.global_indexes, per_sample(data[field], field), strict=True)
@@ -220,23 +225,24 @@ class R3StoreManager(StorageManager):  # type: ignore[misc]
                 if meta.shape[0] == 0:
                     continue
                 tag = tags[i] or {}
-                writes.append(
-                    sample_write(
-                        new_trajectory_id(metadata.partition_ids[i]),
-                        value,
-                        spec,
-                        token_ids=None if tokens is None else tokens[i],
-                        prompt_len=_int(tag.get("prompt_len")),
-                        group_id=None if groups is None else str(groups[i]),
-                        policy_version=_int(tag.get("global_steps")),
-                    )
+                made = sample_writes(
+                    new_trajectory_id(metadata.partition_ids[i]),
+                    value,
+                    spec,
+                    token_ids=None if tokens is None else tokens[i],
+                    prompt_len=_int(tag.get("prompt_len")),
+                    group_id=None if groups is None else str(groups[i]),
+                    policy_version=_int(tag.get("global_steps")),
+                    turns=None if extras is None else TurnsMeta.of(extras[i]),
                 )
-                owners.append((gi, field, meta))
-        refs = []
+                writes += made
+                owners.append((gi, field, meta, len(made)))
+        refs: list[RouteRef] = []
         for at in range(0, len(writes), PUT_CHUNK):
-            part = writes[at : at + PUT_CHUNK]
+            part = writes[at : at + PUT_CHUNK]  # a sample's turns in order, in one or more
             refs += [result.ref for result in await client.put(self.settings.namespace, part)]
-        for (gi, field, meta), ref in zip(owners, refs, strict=True):
+        for gi, field, meta, count in owners:
+            ref, refs = RouteRef.joined(refs[:count]), refs[count:]
             metas[gi][field] = SampleMeta(ref.to_json(), meta.dtype, meta.shape).to_backend()
         return metas
 
