@@ -223,6 +223,63 @@ def test_the_agent_loops_puts_replay_exactly_in_megatron(queue: str) -> None:
     tq.kv_clear(keys=keys, partition_id="train")
 
 
+def test_every_turn_of_verls_tool_agent_loop_is_kept(queue: str, client: Client) -> None:
+    """verl's own `ToolAgentLoop`, three turns with tool calls, the weights updated
+    between the second and the third: verl's loop keeps the last turn's routes only
+    (zeros where the engine's prefix cache held earlier turns' tokens, a prefill's
+    choice for the others); r3store's, the same loop with its server manager wrapped,
+    keeps each turn's own rows, and through the backend each turn is a segment of its
+    own with its weights' version, read back whole."""
+    from tool_agent import Engine, run, tokenizer, tool_call
+    from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop as VerlLoop
+
+    from r3store_client.turn_routes import TURNS_FIELD
+    from r3store_client.verl_turns import ToolAgentLoop
+
+    def engine() -> Engine:
+        replies = [tool_call(2, 3), tool_call(5, 10), "The answer is 15.<|im_end|>"]
+        return Engine(tokenizer(), replies, [3, 3, 4], LAYERS, EXPERTS, TOP_K)
+
+    theirs, ours = engine(), engine()
+    verl_out = asyncio.run(run(VerlLoop, theirs))
+    out = asyncio.run(run(ToolAgentLoop, ours))
+    assert [c[:2] for c in ours.calls] == [c[:2] for c in theirs.calls]  # the same rollout
+    assert len(ours.calls) == 3
+    truth = np.concatenate(ours.own)  # the rows each token was first computed with
+    total = len(out.prompt_ids) + len(out.response_ids)
+    assert truth.shape == (total - 1, LAYERS, TOP_K)
+    kept = np.asarray(verl_out.routed_experts)
+    assert np.array_equal(kept, theirs.calls[-1][2])  # verl: the last call's answer only
+    assert not np.array_equal(kept, np.concatenate(theirs.own))
+    assert (kept[:16] == 0).all()  # a prefix-cache hit: no routes for the prompt at all
+    assert np.array_equal(np.asarray(out.routed_experts), truth)
+    first, second = ours.calls[0], ours.calls[1]
+    starts = [0, first[0] + first[1] - 1, second[0] + second[1] - 1]
+    assert out.extra_fields[TURNS_FIELD] == {"starts": starts, "policy_versions": [3, 3, 4]}
+
+    worker = agent_loop_worker()
+    before = stored(client, queue)
+    asyncio.run(
+        worker._agent_loop_postprocess(out, validate=False, uid="mt", session_id=0, global_steps=4)
+    )
+    assert stored(client, queue) == before + 1
+    [got] = tq.kv_batch_get(keys=["mt_0_0"], partition_id="train")[ROUTES].unbind()
+    want = torch.zeros((total, LAYERS, TOP_K), dtype=torch.int16)
+    want[: total - 1] = torch.from_numpy(truth.astype(np.int16))
+    assert torch.equal(got, want)
+    meta = tq.get_client().kv_retrieve_meta(keys=["mt_0_0"], partition_id="train")
+    ref = RouteRef.from_json(meta._custom_backend_meta[0][ROUTES]["ref"])
+    ends = [*starts[1:], total]
+    assert ref.segments == tuple((a, b - a) for a, b in zip(starts, ends, strict=True))
+    assert ref.policy_version == 3  # the oldest turn's
+    [item] = client.get_batch(queue, [ref.trajectory_id]).items
+    assert item is not None
+    assert [(s.start, s.num_tokens, s.policy_version) for s in item.segments] == [
+        (a, b - a, v) for a, b, v in zip(starts, ends, [3, 3, 4], strict=True)
+    ]
+    tq.kv_clear(keys=["mt_0_0"], partition_id="train")
+
+
 def test_a_tampered_ref_is_refused(queue: str) -> None:
     rng = np.random.default_rng(2)
     data = TensorDict({ROUTES: routes(4, rng)[None]}, batch_size=[1])
