@@ -139,7 +139,7 @@ class Encoder:
         that they name); `writer`: the key uploading it."""
         if write.encoded is not None:
             where = write.trajectory_id
-            encoded, load = streams.accept_counted(
+            encoded, load = streams.accept(
                 write.encoded,
                 spec,
                 write.num_tokens,

@@ -49,8 +49,8 @@ def decoded_bytes(spec: RouteSpec, num_tokens: int) -> int:
 
 def checking_bytes(spec: RouteSpec, num_tokens: int) -> int:
     """The most memory checking one encoded segment of `num_tokens` tokens holds at
-    once (`accept_counted`: the decompressed ids, a copy to undo deltas or the token-
-    major transpose, counts, order and the load count; measured at 2.4x the ids for
+    once (`accept`: the decompressed ids, a copy to undo deltas or the token-major
+    transpose, counts, order and the load count; measured at 2.4x the ids for
     48 layers, 8 of 128, with `tracemalloc`), so that it is charged before anything is
     decompressed: `CHECK_COST` times `decoded_bytes`, of at most `MAX_ROW_BYTES` (a
     longer segment is refused before anything is decompressed)."""
@@ -207,24 +207,12 @@ def accept(
     token_ids: npt.NDArray[np.int32] | None,
     where: str,
     dictionary: Dictionary | None = None,
-) -> EncodedRoutes:
-    """Check `sent` against `spec` and return what to store: the client's frames, and
-    the digest `codec.encode` would give the same routes. Raises `InvalidRoutes`."""
-    return accept_counted(sent, spec, num_tokens, salt, token_ids, where, dictionary)[0]
-
-
-def accept_counted(
-    sent: SentStreams,
-    spec: RouteSpec,
-    num_tokens: int,
-    salt: bytes,
-    token_ids: npt.NDArray[np.int32] | None,
-    where: str,
-    dictionary: Dictionary | None = None,
 ) -> tuple[EncodedRoutes, Counts]:
-    """`accept`, and the expert load of the routes (`r3store.logic.stats.expert_load`).
-    Sent `tokens` (a frame holding exactly `num_tokens` ids in [0, 2**31)) are stored as
-    sent; `token_ids` must then be None. An ids stream that names a dictionary is
+    """Check `sent` against `spec` and return what to store (the client's frames, and
+    the digest `codec.encode` would give the same routes) and the expert load of the
+    routes (`r3store.logic.stats.expert_load`). Raises `InvalidRoutes`. Sent `tokens`
+    (a frame holding exactly `num_tokens` ids in [0, 2**31)) are stored as sent;
+    `token_ids` must then be None. An ids stream that names a dictionary is
     decompressed with `dictionary`, which must be that one; token-major ids
     (`Transform.TOKEN_MAJOR`) are checked as the layer-major ids they hold."""
     layers, k = spec.num_layers, spec.top_k

@@ -25,7 +25,7 @@ def canonical_routes(write: TrajectoryWrite, spec: RouteSpec) -> Routes:
     streams a client encoded checked by decoding them (`streams.accept`)."""
     if write.encoded is not None:
         where = write.trajectory_id
-        stored = streams.accept(write.encoded, spec, write.num_tokens, b"", None, where)
+        stored, _load = streams.accept(write.encoded, spec, write.num_tokens, b"", None, where)
         return codec.decode(stored, spec, write.num_tokens)
     try:
         if write.topk is not None:

@@ -161,7 +161,7 @@ def oracle(upload: Upload, segments: list[DirectSegment], spec: RouteSpec) -> An
             w.check()
             if w.start or w.encoded is None:
                 return None
-            got = streams.accept(w.encoded, spec, w.num_tokens, b"", None, w.trajectory_id)
+            got, _load = streams.accept(w.encoded, spec, w.num_tokens, b"", None, w.trajectory_id)
             out.append((w.trajectory_id, codec.decode(got, spec, w.num_tokens).to_topk()))
         return out
     except (R3StoreError, ValueError):
