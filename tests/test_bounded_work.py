@@ -488,7 +488,10 @@ def test_settling_appends_costs_the_same_however_many_segments_are_held(
     n = 1000
     known = {("t", ENGINE): [Segment(Start(i), 1, b"%d" % i, None, 0, 0) for i in range(n)]}
     ids = np.arange(4, dtype=np.int8)[None, None, :].repeat(4, axis=1)
-    rows = [engine.prepare(SPEC, TrajectoryWrite("t", 1, topk=ids, start=n + i)) for i in range(n)]
+    rows = [
+        engine.encoder.prepare(SPEC, TrajectoryWrite("t", 1, topk=ids, start=n + i))
+        for i in range(n)
+    ]
     Start.compared[0] = 0
     fresh, results = settle_rows(rows, known)
     assert len(fresh) == n

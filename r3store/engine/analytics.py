@@ -2,7 +2,7 @@
 version, agreement between route sources and drift between versions. (The expert load
 of chosen trajectories is counted from their routes as read: `stats.expert_load`.)
 
-Expert load is counted at ingest (`Engine.prepare`) and committed with the shard.
+Expert load is counted at ingest (`Encoder.prepare`) and committed with the shard.
 Agreement is measured once both sources of a segment are stored: after each commit that
 stores routes of a source other than `engine`, against every other source of the same
 segment (so whichever commit lands last measures it), and again by `Engine.upkeep.rebuild`.

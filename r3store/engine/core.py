@@ -65,11 +65,10 @@ from r3store.records import (
     check_source,
     missing,
 )
-from r3store.route_types import Dictionary, Routes
+from r3store.route_types import Routes
 from r3store.spec import RouteSpec
 from r3store.storage.catalog import Catalog
 from r3store.storage.keys import dictionary_key
-from r3store.storage.shard import ShardRow
 from r3store.storage.store.base import ObjectStore
 
 
@@ -149,17 +148,6 @@ class Engine:
     # writes
 
     prepare_routes = staticmethod(Encoder.prepare_routes)
-
-    def prepare(
-        self,
-        spec: RouteSpec,
-        write: TrajectoryWrite,
-        writer: str | None = None,
-        dictionary: Dictionary | None = None,
-    ) -> ShardRow:
-        """`Encoder.prepare`: one checked segment validated and encoded, or a client's
-        streams checked."""
-        return self.encoder.prepare(spec, write, writer, dictionary)
 
     def encode(
         self,
