@@ -71,7 +71,7 @@ class LeaseCalls(ReadCalls):
             body["epoch"] = epoch
         path = f"/v1/namespaces/{namespace}/leases"
         answer = yield from self._json("POST", path, json=body, idempotent=False)
-        return LeaseModel.model_validate(answer).lease()
+        return LeaseModel.model_validate(answer).root
 
     def _read_lease(
         self,
@@ -106,7 +106,7 @@ class LeaseCalls(ReadCalls):
         one of the run before a resume `Fenced`: nothing is counted then."""
         body = {"token": secrets.token_hex(16)}
         answer = yield from self._json("POST", self._lease_path(lease, "commit"), json=body)
-        return LeaseModel.model_validate(answer).lease()
+        return LeaseModel.model_validate(answer).root
 
     def _release(self, lease: Lease) -> Call[Lease]:
         """Give the lease's trajectories back uncounted (a step abandoned). A lease
@@ -118,24 +118,24 @@ class LeaseCalls(ReadCalls):
             if now.state is not LeaseState.RELEASED:
                 raise
             return now
-        return LeaseModel.model_validate(answer).lease()
+        return LeaseModel.model_validate(answer).root
 
     def _renew(self, lease: Lease, seconds: float = DEFAULT_LEASE_SECONDS) -> Call[Lease]:
         """Hold the lease `seconds` from now (an open one, before it expires)."""
         path = self._lease_path(lease, "renew")
         answer = yield from self._json("POST", path, json={"seconds": seconds})
-        return LeaseModel.model_validate(answer).lease()
+        return LeaseModel.model_validate(answer).root
 
     def _get_lease(self, lease: Lease) -> Call[Lease]:
         """The lease as the server has it now (its state, expiry, consumption number)."""
         answer = yield from self._json("GET", self._lease_path(lease))
-        return LeaseModel.model_validate(answer).lease()
+        return LeaseModel.model_validate(answer).root
 
     def _leases(self, namespace: str) -> Call[tuple[int, list[Lease]]]:
         """The namespace's epoch and its open, unexpired leases, oldest first."""
         answer = yield from self._json("GET", f"/v1/namespaces/{namespace}/leases")
         found = LeaseList.model_validate(answer)
-        return found.epoch, [model.lease() for model in found.leases]
+        return found.epoch, [model.root for model in found.leases]
 
     def _checkpoint(self, namespace: str, step: int, epoch: int | None = None) -> Call[Checkpoint]:
         """Record the namespace's consumption at trainer `step` (after its commit, with
@@ -146,13 +146,13 @@ class LeaseCalls(ReadCalls):
             body["epoch"] = epoch
         path = f"/v1/namespaces/{namespace}/checkpoints"
         answer = yield from self._json("POST", path, json=body)
-        return CheckpointModel.model_validate(answer).checkpoint()
+        return CheckpointModel.model_validate(answer).root
 
     def _checkpoints(self, namespace: str) -> Call[tuple[int, list[Checkpoint]]]:
         """The namespace's epoch and its checkpoints, by step."""
         answer = yield from self._json("GET", f"/v1/namespaces/{namespace}/checkpoints")
         found = CheckpointList.model_validate(answer)
-        return found.epoch, [model.checkpoint() for model in found.checkpoints]
+        return found.epoch, [model.root for model in found.checkpoints]
 
     def _delete_checkpoint(self, namespace: str, step: int) -> Call[None]:
         """Forget the checkpoint at `step`."""
@@ -167,4 +167,4 @@ class LeaseCalls(ReadCalls):
         reached the server (each resume starts an epoch)."""
         path = f"/v1/namespaces/{namespace}/checkpoints/{check_step(step)}/resume"
         answer = yield from self._json("POST", path, idempotent=False)
-        return ResumedModel.model_validate(answer).resumed()
+        return ResumedModel.model_validate(answer).root

@@ -4,7 +4,7 @@ the values themselves (`r3store.leases`), whose fields are their JSON."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, RootModel, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from r3store.leases import (
     DEFAULT_LEASE_SECONDS,
@@ -17,6 +17,7 @@ from r3store.leases import (
     Resumed,
 )
 from r3store.logic.sampling import Strategy
+from r3store.protocol.fields import ValueModel
 
 
 class LeaseRequest(BaseModel):
@@ -61,16 +62,9 @@ class RenewRequest(BaseModel):
     seconds: float = Field(gt=0, le=MAX_LEASE_SECONDS, allow_inf_nan=False, strict=False)
 
 
-class LeaseModel(RootModel[Lease]):
+class LeaseModel(ValueModel[Lease]):
     """A lease on the wire: the value itself (`r3store.leases.Lease`), its JSON given
     by its fields, as a read plan's is (`ReadPlanModel`)."""
-
-    @classmethod
-    def of(cls, lease: Lease) -> LeaseModel:
-        return cls.model_construct(lease)
-
-    def lease(self) -> Lease:
-        return self.root
 
 
 class LeaseList(BaseModel):
@@ -85,15 +79,8 @@ class CheckpointRequest(BaseModel):
     epoch: int | None = Field(None, ge=0, le=2**63 - 1)
 
 
-class CheckpointModel(RootModel[Checkpoint]):
+class CheckpointModel(ValueModel[Checkpoint]):
     """A checkpoint on the wire: the value itself (`r3store.leases.Checkpoint`)."""
-
-    @classmethod
-    def of(cls, point: Checkpoint) -> CheckpointModel:
-        return cls.model_construct(point)
-
-    def checkpoint(self) -> Checkpoint:
-        return self.root
 
 
 class CheckpointList(BaseModel):
@@ -106,12 +93,5 @@ class CheckpointDeleted(BaseModel):
     step: int
 
 
-class ResumedModel(RootModel[Resumed]):
+class ResumedModel(ValueModel[Resumed]):
     """What a resume did, on the wire: the value itself (`r3store.leases.Resumed`)."""
-
-    @classmethod
-    def of(cls, done: Resumed) -> ResumedModel:
-        return cls.model_construct(done)
-
-    def resumed(self) -> Resumed:
-        return self.root

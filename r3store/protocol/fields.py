@@ -4,14 +4,23 @@
 `[start, end)`), `Spec` (a `RouteSpec` as a `RouteSpecModel`), `SpanModel`, and
 `SpansJson`: a segment's `RouteSpans` as the flat fields of `RouteSpans.to_json`. Used as
 `Annotated` field types, they let pydantic read and write the plain dataclasses of
-`plans.py` directly, so the plans are defined once. No I/O.
+`plans.py` directly, so the plans are defined once. `ValueModel`: such a dataclass as a
+whole body, its JSON its fields. No I/O.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Generic, Self, TypeVar, cast
 
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, TypeAdapter
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    RootModel,
+    TypeAdapter,
+)
 
 from r3store.spans import ByteRange, Span
 from r3store.spec import MAX_EXPERTS, MAX_LAYERS, MAX_TOP_K, RouteSpec
@@ -73,6 +82,19 @@ Spec = Annotated[
     PlainValidator(_spec, json_schema_input_type=RouteSpecModel),
     PlainSerializer(RouteSpecModel.of, return_type=RouteSpecModel),
 ]
+
+
+V = TypeVar("V")
+
+
+class ValueModel(RootModel[V], Generic[V]):
+    """A value on the wire as itself: a dataclass whose fields are its JSON (a read
+    plan, a lease); `root` is the value."""
+
+    @classmethod
+    def of(cls, value: V) -> Self:
+        # pydantic's mypy plugin types model_construct as this class, not its subclass
+        return cast(Self, cls.model_construct(value))
 
 
 class SpanModel(BaseModel):

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, RootModel
+from pydantic import BaseModel, ConfigDict, Field
 
 from r3store.catalog_types import NamespaceInfo
 from r3store.errors import InvalidInput
 from r3store.logic.sampling import Strategy
 from r3store.policy import ENGINE, MAX_POLICY_VERSION, NamespaceSettings, Source
-from r3store.protocol.fields import RouteSpecModel, SpanModel
+from r3store.protocol.fields import RouteSpecModel, SpanModel, ValueModel
 from r3store.protocol.plans import ReadPlan
 from r3store.protocol.wire import ReadFormat
 from r3store.records import PutResult
@@ -168,13 +168,9 @@ class PlanRequest(BaseModel):
     source: Source | None = Field(None, description=_SOURCE_DOC)
 
 
-class ReadPlanModel(RootModel[ReadPlan]):
+class ReadPlanModel(ValueModel[ReadPlan]):
     """Where a batch's route streams lie (docs/api.md, "Direct reads"): the plan itself,
     its JSON given by its fields (`plans.py`)."""
-
-    @classmethod
-    def of(cls, plan: ReadPlan) -> ReadPlanModel:
-        return cls.model_construct(plan)
 
     def to_plan(self) -> ReadPlan:
         plan = self.root
