@@ -160,6 +160,16 @@ BAD: list[tuple[str, Callable[[], SentStreams], RouteSpec, str]] = [
         RouteSpec(2, 16, 2, ordered=True, allow_fewer=True),
         "empty slots last",
     ),
+    (
+        "empty slot ranked first, a later row",
+        lambda: _sent(
+            [*GOOD[:4], 2, 0, *GOOD[6:]],
+            [2, 2, 1, 2, 2, 2],
+            order=_frame(np.array([1, 0, 1, 0, 0, 0], np.uint16).tobytes()),
+        ),
+        RouteSpec(2, 16, 2, ordered=True, allow_fewer=True),
+        "token 2, layer 0: an order that does not keep empty slots last",
+    ),
 ]
 
 

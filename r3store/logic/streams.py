@@ -178,21 +178,25 @@ def _check_order(
     num_tokens: int,
     where: str,
 ) -> None:
-    """Ranks `[n]` (K <= 8) or positions `[n, K]`: a permutation, empty slots last."""
+    """Ranks `[n]` (K <= 8) or positions `[n, K]`: a permutation, empty slots last. A
+    rank below K! always names a permutation, so only rows with empty slots need
+    theirs made."""
     k = spec.top_k
     if k <= LEHMER_MAX_K:
         _first(order >= math.factorial(k), offset, num_tokens, where, f"an order rank >= {k}!")
-        perm = lehmer_table(k)[order]
     else:
-        perm = order
-        not_perm = (np.sort(perm, axis=1) != np.arange(k)).any(axis=1)
+        not_perm = (np.sort(order, axis=1) != np.arange(k)).any(axis=1)
         _first(
             not_perm, offset, num_tokens, where, "an order that is not a permutation of the slots"
         )
-    empty = np.arange(k, dtype=np.uint8) >= counts[:, None]
+    partial = np.flatnonzero(counts < k)
+    if not partial.size:
+        return
+    perm = lehmer_table(k)[order[partial]] if k <= LEHMER_MAX_K else order[partial]
+    empty = np.arange(k, dtype=np.uint8) >= counts[partial, None]
     _first(
         empty & (perm != np.arange(k)),
-        offset,
+        partial + offset,
         num_tokens,
         where,
         "an order that does not keep empty slots last",
