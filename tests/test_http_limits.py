@@ -1,7 +1,7 @@
 """What one client may make a real server process do: bodies read only after the key is
 checked and bounded by route, headers bounded in size, count and time, slow bodies
-timed out, connections bounded, one key's share of the upload memory, and sample
-answers no larger than asked."""
+timed out, connections bounded, one key's share of the upload memory, sample answers
+no larger than asked, and answers charged to the memory budget while they are sent."""
 
 from __future__ import annotations
 
@@ -450,7 +450,13 @@ def _big_answers(server: ServerProcess, count: int) -> bytes:
         client.put(
             "large", [TrajectoryWrite(f"big{i}", BIG_TOKENS, topk=topk) for i in range(count)]
         )
-    body = json.dumps({"ids": [f"big{i}" for i in range(count)], "format": "ids"}).encode()
+    return _read_request([f"big{i}" for i in range(count)])
+
+
+def _read_request(ids: list[str]) -> bytes:
+    """The request (line, headers and body) of a read of `ids` from namespace "large"
+    as decoded ids."""
+    body = json.dumps({"ids": ids, "format": "ids"}).encode()
     request = head(
         "POST",
         "/v1/namespaces/large/routes/batch",
@@ -509,6 +515,63 @@ def test_connections_stalled_on_unread_answers_make_room_first(tmp_path: Path) -
         assert time.monotonic() - started < 5
         for sock in stalled:
             sock.close()
+
+
+HELD = "r3store_memory_held_bytes"
+
+
+def test_an_answer_holds_its_memory_from_the_budget_until_it_is_sent(tmp_path: Path) -> None:
+    """While an answer is being sent it holds its stored rows and its pieces from the
+    memory budget uploads share: a further read finds no room (429 with Retry-After,
+    nothing held), and the charge goes back when the client goes away, when the
+    server drops a client that reads nothing, and when an answer has been read."""
+    limits = {  # a read of the two trajectories below holds more than half of it
+        "max_body_bytes": str(8 << 20),
+        "upload_memory_bytes": str(64 << 20),
+        "upload_memory_per_key": str(64 << 20),
+        "send_timeout": "4",
+    }
+    admin = {"Authorization": f"Bearer {KEYS['admin']}"}
+    with (
+        running(tmp_path, **limits) as server,
+        httpx.Client(base_url=server.url, headers=admin, timeout=30) as http,
+    ):
+        request = _big_answers(server, 2)  # two pieces of 10.4 MB of ids and counts
+        idle = gauge(http, HELD)
+        reader = {"Authorization": f"Bearer {KEYS['reader']}"}
+        path = "/v1/namespaces/large/routes/batch"
+        one = BIG_TOKENS * 48 * 9  # the ids and counts of one trajectory
+
+        def read(ids: list[str]) -> httpx.Response:
+            return http.post(path, json={"ids": ids, "format": "ids"}, headers=reader)
+
+        unread = _unread(server, request)
+        held = gauge(http, HELD) - idle
+        # its two pieces twice (each made, and copied to the connection), and the rows
+        # as stored (a few kB: these routes compress well)
+        assert 4 * one <= held < 4 * one + (1 << 20), held
+        refused = read(["big0", "big1"])
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error"]["code"] == "backpressure"
+        assert int(refused.headers["retry-after"]) >= 1
+        assert gauge(http, HELD) - idle == held  # the refused read holds nothing
+        gone = time.monotonic()
+        unread.close()  # the client goes away: its answer's charge goes back
+        eventually(lambda: gauge(http, HELD) == idle, "the charge given back", within=3)
+        assert time.monotonic() - gone < 3  # at the close, not when the server drops it
+
+        unread = _unread(server, _read_request(["big0"]))  # one piece, answered whole
+        assert 2 * one <= gauge(http, HELD) - idle < 2 * one + (1 << 20)
+        eventually(lambda: gauge(http, HELD) == idle, "the dropped answer's charge back")
+        received, closed = until_closed(unread, 5)  # dropped: not read
+        assert closed
+        assert received.startswith(b"HTTP/1.1 200 ")
+        assert len(received) < one  # not sent whole
+
+        whole = read(["big0", "big1"])  # read at once: the charge back once it is sent
+        assert whole.status_code == 200, whole.text
+        assert len(whole.content) > 2 * one
+        eventually(lambda: gauge(http, HELD) == idle, "the sent answer's charge back")
 
 
 def test_a_read_of_some_layers_counts_what_it_decodes(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ one place, the import every caller uses.
 from __future__ import annotations
 
 from r3store.protocol.answers import (
+    CHUNK_BYTES,
     STREAM_END,
     answer_bytes,
     decode_batch,
@@ -35,6 +36,7 @@ from r3store.protocol.uploads import (
 )
 
 __all__ = [
+    "CHUNK_BYTES",
     "CONTENT_TYPE",
     "MAX_ROWS",
     "ROUTE_DTYPES",

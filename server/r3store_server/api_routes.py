@@ -40,6 +40,7 @@ from r3store.protocol.wire import (
 )
 from r3store.records import Batch
 from r3store.spec import RouteSpec
+from r3store_server.answer_memory import AnswerCharge, ChargedAnswer, answer_cost
 from r3store_server.deps import (
     BudgetDep,
     DeadlineDep,
@@ -204,18 +205,26 @@ def charge_rows(
 
 
 def read_limit(
-    spec: RouteSpec, fmt: ReadFormat, limit: int, asked: int, some_layers: bool = False
+    spec: RouteSpec,
+    fmt: ReadFormat,
+    limit: int,
+    asked: int,
+    some_layers: bool = False,
+    charge: AnswerCharge | None = None,
 ) -> Callable[[list[TrajectoryEntry]], None]:
     """The `admit` of a read or a sample: refuses (413) an answer whose routes in `fmt`
     would exceed `limit` bytes (`wire.answer_bytes`, from the catalog before anything is
     read), saying how many of the `asked` ids would fit. A read of `some_layers` decodes
-    every segment whole to cut its layers: what it decodes counts too."""
+    every segment whole to cut its layers: what it decodes counts too. An answer that
+    fits holds its cost from the memory budget (`charge`; 429 without room)."""
 
     def admit(segments: list[TrajectoryEntry]) -> None:
         size = answer_bytes(spec, fmt, segments)
         if some_layers:
             size += sum(decoded_bytes(spec, s.num_tokens) for s in segments)
         if size <= limit:
+            if charge is not None:
+                charge.hold(answer_cost(spec, fmt, segments, some_layers))
             return
         trajectories = len({s.trajectory_id for s in segments}) or 1
         fit = max(1, asked * limit // size) if trajectories > 1 else 0
@@ -246,8 +255,9 @@ def _answer(
     """The answer of a read: whole when it is one piece (`encode_chunks`), else its
     first piece made here, within the request's deadline (so that what fails early is
     answered with its status), and the others streamed, each made only once the one
-    before was handed to the connection: a client that reads slowly holds one piece,
-    and one that reads nothing is dropped (`R3STORE_SEND_TIMEOUT`)."""
+    before was handed to the connection: a client that reads slowly holds a piece or
+    two (`answer_memory`), and one that reads nothing is dropped
+    (`R3STORE_SEND_TIMEOUT`)."""
     streaming = threading.Event()  # from then on, only a client gone stops the pieces
 
     def stop() -> bool:
@@ -277,6 +287,19 @@ def _answer(
     return StreamingResponse(sent(), media_type=CONTENT_TYPE)
 
 
+async def _charged(
+    deadline: Deadline, make: Callable[[], Response], charge: AnswerCharge, what: str
+) -> Response:
+    """The answer `make` makes within the request's deadline, holding `charge` (taken by
+    its `read_limit`) until it has been sent; given back at once if it fails."""
+    try:
+        answer = await deadline.run(make, what=what)
+    except BaseException:
+        charge.release()
+        raise
+    return ChargedAnswer(answer, charge)
+
+
 @router.post(
     "/{namespace}/routes/batch",
     response_class=Response,
@@ -289,6 +312,8 @@ async def read_batch(
     settings: SettingsDep,
     metrics: MetricsDep,
     deadline: DeadlineDep,
+    budget: BudgetDep,
+    who: PrincipalDep,
     namespace: str = NamespacePath,
 ) -> Response:
     """The routes of the trajectories a trainer rank holds, in the order asked.
@@ -297,8 +322,10 @@ async def read_batch(
     Each trajectory comes from one route source (its rows' `source` column): `source`
     if given, else the first of the namespace's `read_sources` it holds. `layers`: only
     those layers' routes (a pipeline stage's), the answer's spec narrowed to them and
-    its metadata naming them. Reader or admin.
+    its metadata naming them. While it is sent the answer holds memory from the budget
+    uploads share (429 with Retry-After when there is no room). Reader or admin.
     """
+    charge = AnswerCharge(budget, who.name)
 
     def fetch() -> Response:
         spec = engine.namespaces.spec(namespace)
@@ -316,12 +343,13 @@ async def read_batch(
                 settings.max_read_bytes,
                 len(body.ids),
                 some_layers=body.layers is not None,
+                charge=charge,
             ),
             as_stored=True,  # each row decoded once, by encode_batch
         )
         return _answer(batch, spec, body.format, metrics, deadline, body.layers)
 
-    return await deadline.run(fetch, what="the read")
+    return await _charged(deadline, fetch, charge, "the read")
 
 
 @router.post("/{namespace}/routes/plan", dependencies=[allowed("read")])
@@ -360,13 +388,16 @@ async def sample(
     settings: SettingsDep,
     metrics: MetricsDep,
     deadline: DeadlineDep,
+    budget: BudgetDep,
     namespace: str = NamespacePath,
 ) -> Response:
     """Take up to `n` trajectories within the staleness window (FIFO or uniform,
     optionally whole prompt groups) and held by no open lease; each counts toward
     `max_times_sampled` at once (a lease committed as taken: take a lease instead to
     count only after the step). Not idempotent: a failed sample may have counted (the
-    client does not retry it). Reader or admin."""
+    client does not retry it; a sample answered 429, its answer's memory not free, counted
+    nothing). Reader or admin."""
+    charge = AnswerCharge(budget, who.name)
 
     def take() -> Response:
         spec = engine.namespaces.spec(namespace)
@@ -377,10 +408,10 @@ async def sample(
             body.whole_groups,
             decode=False,
             seed=body.seed,
-            admit=read_limit(spec, body.format, settings.max_read_bytes, body.n),
+            admit=read_limit(spec, body.format, settings.max_read_bytes, body.n, charge=charge),
             as_stored=True,
             holder=who.name,
         )
         return _answer(batch, spec, body.format, metrics, deadline)
 
-    return await deadline.run(take, what="the sample")
+    return await _charged(deadline, take, charge, "the sample")

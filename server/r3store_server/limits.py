@@ -7,7 +7,8 @@ client's sending pauses); then the answer is 429 `backpressure` with Retry-After
 reservation lasts until the work on the upload ends, even when the client was answered
 earlier; releasing a large one trims the heap, so the memory goes back to the system.
 One API key's uploads hold at most `per_key` bytes of it at once, so a writer that
-declares large bodies and sends them slowly (or never) cannot starve the others.
+declares large bodies and sends them slowly (or never) cannot starve the others. Read
+answers are charged to the same budget while they are sent (`answer_memory`).
 
 `BodyGuard` checks the key of a request with a body before any of it is read (401,
 connection closed), then bounds every body by route: the upload route (matched
@@ -142,14 +143,15 @@ class MemoryBudget:
             held = self._held.get(key, 0)
             if held + nbytes > self.per_key:
                 raise Backpressure(
-                    f"uploads of key {key!r} in flight hold {held} of the {self.per_key} "
-                    f"bytes one key may hold; this one needs {nbytes} more: retry later",
+                    f"uploads and answers of key {key!r} in flight hold {held} of the "
+                    f"{self.per_key} bytes one key may hold; this one needs {nbytes} more: "
+                    "retry later",
                     retry_after=self.retry_after,
                 )
             if self._used + nbytes > self.limit:
                 raise Backpressure(
-                    f"uploads in flight hold {self._used} of {self.limit} bytes; this one "
-                    f"needs {nbytes} more: retry later",
+                    f"uploads and answers in flight hold {self._used} of {self.limit} bytes; "
+                    f"this one needs {nbytes} more: retry later",
                     retry_after=self.retry_after,
                 )
             self._used += nbytes
