@@ -1,7 +1,8 @@
 """What one client may make a real server process do: bodies read only after the key is
 checked and bounded by route, headers bounded in size, count and time, slow bodies
 timed out, connections bounded, one key's share of the upload memory, sample answers
-no larger than asked, and answers charged to the memory budget while they are sent."""
+no larger than asked, and answers charged to the memory budget while they are sent and
+read at a minimum rate."""
 
 from __future__ import annotations
 
@@ -482,8 +483,9 @@ def _unread(server: ServerProcess, request: bytes) -> socket.socket:
 def test_an_answer_nobody_reads_holds_one_piece_then_its_connection_goes(tmp_path: Path) -> None:
     """Four clients each ask for 83 MB of decoded routes and read none of them: the
     server holds a piece of each (not the whole answer, twice: built, then queued to
-    the socket), drops each connection once it has waited `R3STORE_SEND_TIMEOUT`
-    seconds on its client, and answers a bystander meanwhile."""
+    the socket), drops each connection once it has waited on its client longer than
+    `R3STORE_SEND_TIMEOUT` (plus a second for each `R3STORE_SEND_MIN_RATE` bytes its
+    socket took), and answers a bystander meanwhile."""
     with running(tmp_path, send_timeout="2") as server:
         request = _big_answers(server, 8)
         idle = _peak_rss(server)
@@ -563,7 +565,7 @@ def test_an_answer_holds_its_memory_from_the_budget_until_it_is_sent(tmp_path: P
         unread = _unread(server, _read_request(["big0"]))  # one piece, answered whole
         assert 2 * one <= gauge(http, HELD) - idle < 2 * one + (1 << 20)
         eventually(lambda: gauge(http, HELD) == idle, "the dropped answer's charge back")
-        received, closed = until_closed(unread, 5)  # dropped: not read
+        received, closed = until_closed(unread, 5)  # dropped: read too slowly
         assert closed
         assert received.startswith(b"HTTP/1.1 200 ")
         assert len(received) < one  # not sent whole
@@ -572,6 +574,65 @@ def test_an_answer_holds_its_memory_from_the_budget_until_it_is_sent(tmp_path: P
         assert whole.status_code == 200, whole.text
         assert len(whole.content) > 2 * one
         eventually(lambda: gauge(http, HELD) == idle, "the sent answer's charge back")
+
+
+def _read_at(server: ServerProcess, request: bytes, rate: float | None) -> tuple[bytes, bool]:
+    """The answer to `request` as a client reading `rate` bytes per second receives it
+    (None: as fast as it can), and whether it came whole: the chunked stream's end."""
+    sock = connect(server, request)
+    sock.settimeout(60)
+    received = bytearray()
+    started = time.monotonic()
+    with contextlib.suppress(ConnectionResetError):
+        while not received.endswith(b"\r\n0\r\n\r\n"):
+            chunk = sock.recv(64 << 10)
+            if not chunk:
+                break
+            received += chunk
+            if rate is not None:  # the pace: time that must pass
+                time.sleep(max(0.0, started + len(received) / rate - time.monotonic()))
+    sock.close()
+    return bytes(received), received.endswith(b"\r\n0\r\n\r\n")
+
+
+def test_a_client_that_reads_below_the_minimum_rate_is_dropped(tmp_path: Path) -> None:
+    """R3STORE_SEND_MIN_RATE (32 MiB/s here, to be quick): a client that reads at 8 MiB/s
+    is dropped once the answer has waited on it longer than R3STORE_SEND_TIMEOUT (2 s)
+    plus a second for every 32 MiB it took, although it takes each 10 MB piece within
+    the send timeout; one that reads at once gets the whole answer, and the dropped
+    answer's charge goes back."""
+    limits = {"send_timeout": "2", "send_min_rate": str(32 << 20)}
+    admin = {"Authorization": f"Bearer {KEYS['admin']}"}
+    with (
+        running(tmp_path, **limits) as server,
+        httpx.Client(base_url=server.url, headers=admin, timeout=30) as http,
+    ):
+        request = _big_answers(server, 8)
+        full = 8 * BIG_TOKENS * 48 * 9
+        idle = gauge(http, HELD)
+        started = time.monotonic()
+        received, whole = _read_at(server, request, 8 << 20)
+        took = time.monotonic() - started
+        assert received.startswith(b"HTTP/1.1 200 ")
+        assert not whole, len(received)
+        assert 2 <= took < 9, took  # after the grace, before 83 MB at 8 MiB/s (10 s)
+        eventually(lambda: gauge(http, HELD) == idle, "the dropped answer's charge back")
+
+        received, whole = _read_at(server, request, None)
+        assert whole
+        assert len(received) > full
+
+
+def test_a_client_that_reads_above_the_minimum_rate_gets_its_answer(tmp_path: Path) -> None:
+    """A client that reads at 4 MiB/s, above the minimum rate (1 MiB/s), takes more
+    than R3STORE_SEND_TIMEOUT (1 s here) to read one 10 MB piece of its answer: it
+    still gets the whole answer."""
+    with running(tmp_path, send_timeout="1") as server:
+        request = _big_answers(server, 2)
+        received, whole = _read_at(server, request, 4 << 20)
+        assert received.startswith(b"HTTP/1.1 200 ")
+        assert whole, len(received)
+        assert len(received) > 2 * BIG_TOKENS * 48 * 9
 
 
 def test_a_read_of_some_layers_counts_what_it_decodes(tmp_path: Path) -> None:

@@ -18,8 +18,8 @@ Retry-After before anything is read (a sample before anything is counted). One a
 is charged at most what one key may hold of the budget, so that every answer
 `R3STORE_MAX_READ_BYTES` allows can be served once the budget is free. `ChargedAnswer`
 gives the charge back when the answer has been sent, when its client went away, or when
-its connection was dropped (`connections`: a client that reads none of it for
-`R3STORE_SEND_TIMEOUT`).
+its connection was dropped (`connections`: a client reading slower than
+`R3STORE_SEND_MIN_RATE`).
 """
 
 from __future__ import annotations

@@ -256,8 +256,8 @@ def _answer(
     first piece made here, within the request's deadline (so that what fails early is
     answered with its status), and the others streamed, each made only once the one
     before was handed to the connection: a client that reads slowly holds a piece or
-    two (`answer_memory`), and one that reads nothing is dropped
-    (`R3STORE_SEND_TIMEOUT`)."""
+    two (`answer_memory`), and one that reads slower than `R3STORE_SEND_MIN_RATE` is
+    dropped."""
     streaming = threading.Event()  # from then on, only a client gone stops the pieces
 
     def stop() -> bool:

@@ -16,11 +16,13 @@ are in, counting the connections that send nothing among those that are busy).
 - at most `max_connections` connections are open: one more closes the connection that
   has waited longest for a request (idle, or still sending its headers), or, when every
   connection is busy with a request, is itself answered 429 `backpressure` and closed;
-- an answer the client does not read: once the connection's send buffer is full
-  (asyncio's high-water mark) and is not drained to its low-water mark within
-  `send_timeout` seconds, the connection is dropped with what it still had to send, so
-  an unread answer holds its memory that long at most; a connection so stalled is
-  closed when a new one needs room and none is idle;
+- an answer the client reads too slowly: the time the answer waits on its client (its
+  send buffer full, past asyncio's high-water mark, until drained to the low-water
+  mark) may be at most `send_timeout` seconds plus one second for every
+  `send_min_rate` bytes of the answer the client took so far; past that the
+  connection is dropped with what it still had to send, so an answer read slowly, or
+  not at all, holds its memory that long at most. A connection whose send buffer is
+  full is closed when a new one needs room and none is idle;
 - a connection closed after an answer sent before its request's body was read (a 401,
   413 or 429 from `limits.BodyGuard`) lingers: the answer and the end of the stream go
   out, and what the client still sends is read and dropped, for up to `LINGER_SECONDS`
@@ -62,6 +64,10 @@ class _Lingering:
         self._transport = transport
         self._protocol = protocol
 
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self._protocol._written += len(data)
+        self._transport.write(data)
+
     def close(self) -> None:
         if self._protocol._body_pending and not self._protocol._lingering:
             self._protocol._linger()
@@ -87,14 +93,15 @@ class GuardedHttpTools(HttpToolsProtocol):
     max_connections = 1024
     max_lingering = 256
     send_timeout = 10.0
+    send_min_rate = 1 << 20
     # the server's connections waiting for a request, longest waiting first (one order
     # per class `protocol` makes): the next to close when a new one needs room
     waiting_order: ClassVar[OrderedDict[GuardedHttpTools, None]] = OrderedDict()
     # the server's connections closing (lingering, or sending their last answer) but
     # still open, longest first: out of uvicorn's `connections`, counted all the same
     closing_order: ClassVar[OrderedDict[GuardedHttpTools, None]] = OrderedDict()
-    # the server's connections whose send buffer is full (the client reads nothing),
-    # longest first: dropped after `send_timeout`, or first when room is needed
+    # the server's connections whose send buffer is full (the client reads nothing now),
+    # longest first: the first closed when room is needed
     stalled_order: ClassVar[OrderedDict[GuardedHttpTools, None]] = OrderedDict()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -112,6 +119,10 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._raw: Transport | None = None
         self._linger_timer: TimerHandle | None = None
         self._send_timer: TimerHandle | None = None
+        self._written = 0  # bytes handed to the transport, all answers
+        self._answer_from = 0  # of them, sent before this answer
+        self._waited = 0.0  # seconds this answer waited on its client, before this wait
+        self._paused_at = 0.0  # when this wait began
 
     # connections
 
@@ -134,15 +145,23 @@ class GuardedHttpTools(HttpToolsProtocol):
             self._linger_timer.cancel()
         super().connection_lost(exc)
 
-    # answers the client does not read
+    # answers read too slowly
+
+    def _sent(self) -> int:
+        """Bytes of this answer the client has taken (the kernel's buffers count)."""
+        buffered = self._raw.get_write_buffer_size() if self._raw is not None else 0
+        return self._written - buffered - self._answer_from
 
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._send_timer is None:
-            self._send_timer = self.loop.call_later(self.send_timeout, self._stalled)
+            self._paused_at = self.loop.time()
             self.stalled_order[self] = None
+            self._check_send()
 
     def resume_writing(self) -> None:
+        if self._send_timer is not None:
+            self._waited += self.loop.time() - self._paused_at
         self._unstalled()
         super().resume_writing()
 
@@ -152,14 +171,31 @@ class GuardedHttpTools(HttpToolsProtocol):
             self._send_timer.cancel()
             self._send_timer = None
 
-    def _stalled(self) -> None:
+    def _check_send(self) -> None:
+        """While the answer waits on its client: drop the connection once it has waited
+        longer than its sending may take, else look again when it would have."""
         self._send_timer = None
+        waited = self._waited + self.loop.time() - self._paused_at
+        sent = self._sent()
+        allowed = self.send_timeout + sent / self.send_min_rate
+        if waited < allowed:
+            self._send_timer = self.loop.call_later(max(0.1, allowed - waited), self._check_send)
+            return
         log.info(
-            "dropped a connection whose client read none of its answer for %g s "
-            "(R3STORE_SEND_TIMEOUT)",
+            "dropped a connection whose client read its answer too slowly: %d bytes in "
+            "%.1f s waiting on it (R3STORE_SEND_TIMEOUT %g s, R3STORE_SEND_MIN_RATE %d bytes/s)",
+            sent,
+            waited,
             self.send_timeout,
+            self.send_min_rate,
         )
         self._abort()
+
+    def _next_answer(self) -> None:
+        """The next answer's time starts now (the bytes still buffered count as its)."""
+        self._answer_from += self._sent()
+        self._waited = 0.0
+        self._paused_at = self.loop.time()
 
     def _linger(self) -> None:
         """Send the end of the stream after the answer, and drop what still comes for a
@@ -353,6 +389,7 @@ class GuardedHttpTools(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self._next_answer()
         if self._idle():  # kept alive, waiting for the next request
             self.waiting_order[self] = None
 
@@ -364,6 +401,7 @@ def protocol(settings: Settings, connections: int) -> type[GuardedHttpTools]:
         "max_headers": settings.max_headers,
         "header_timeout": settings.header_timeout,
         "send_timeout": settings.send_timeout,
+        "send_min_rate": settings.send_min_rate,
         "max_connections": connections,
         "max_lingering": max(1, connections // 4),
     }

@@ -221,8 +221,15 @@ class Settings(BaseSettings):
     send_timeout: float = Field(
         10.0,
         gt=0,
-        description="seconds an answer may wait on a client that reads none of it (the "
-        "connection's send buffer full, not drained); then the connection is dropped",
+        description="seconds an answer may wait on its client (the connection's send "
+        "buffer full) beyond what R3STORE_SEND_MIN_RATE allows; then the connection is "
+        "dropped",
+    )
+    send_min_rate: int = Field(
+        1 << 20,
+        ge=1,
+        description="bytes per second a client must keep reading an answer at, counted "
+        "while the answer waits on it",
     )
     keep_alive_timeout: int = Field(
         5, ge=1, description="seconds an idle connection stays open between requests"
