@@ -12,14 +12,16 @@ TORCH ?= torch==2.13.0+cpu
 
 # verl's integration (`r3store_client.verl`) is tested in an environment of its own:
 # verl pins versions the main one does not use (transformers<5.11). verl goes in without
-# its declared dependencies (wandb, tensorboard, peft, accelerate, ...): only those of the
-# modules the tests import (the agent loop, the protocol, the Megatron router replay).
+# its declared dependencies (wandb, tensorboard, ...): only those of the modules the tests
+# import (the agent loop, the protocol, the Megatron worker and engine).
 VERL_VENV ?= .venv-verl
 VERL_PY := $(VERL_VENV)/bin/python
 VERL_STAMP := $(VERL_VENV)/.installed
+# peft: `verl.workers.engine`, the Megatron engine's package, loads the FSDP engines, which import it
+VERL_PEFT := 'peft==0.21.2' 'accelerate==1.16.0'
 VERL_DEPS := 'transformers==5.9.0' 'tensordict==0.10.0' 'megatron-core==0.16.1' 'ray>=2.41' \
 	'numpy>=2' hydra-core omegaconf pillow datasets cachetools codetiming pytest pytest-timeout \
-	pyzmq msgspec psutil
+	pyzmq msgspec psutil $(VERL_PEFT)
 # TransferQueue (verl 0.9's transport) without ray[default]'s dashboard extras, which it
 # does not import: its other dependencies are in VERL_DEPS
 TRANSFERQUEUE := 'transferqueue==0.1.11'
