@@ -1,8 +1,9 @@
 """r3store as TransferQueue's storage backend, chosen by configuration, with the real
 TransferQueue 0.1.11 on a local Ray cluster and verl 0.9.1's own code: the agent loop's
-puts (`AgentLoopWorkerTQ._agent_loop_postprocess`), the workers' reads (`tqbridge`) and
-the Megatron router replay. The routes reach r3store and not SimpleStorage, and read
-back exactly as SimpleStorage gives the same tensors."""
+puts (`AgentLoopWorkerTQ._agent_loop_postprocess`) and the Megatron actor's read and
+router replay (`ActorRolloutRefWorker.compute_log_prob`, `megatron_actor.py`). The
+routes reach r3store and not SimpleStorage, and read back exactly as SimpleStorage gives
+the same tensors."""
 
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ import torch
 import transfer_queue as tq
 import verl
 from tensordict import TensorDict
-from test_verl import _replay_in_megatron
 from transfer_queue.storage.managers.base import StorageManagerFactory
 from verl_rollout import EXPERTS, LAYERS, TOP_K
 
@@ -162,16 +162,19 @@ def agent_loop_worker() -> Any:
 
 def test_the_agent_loops_puts_replay_exactly_in_megatron(queue: str) -> None:
     """verl's agent loop puts each trajectory (int16 routes over prompt and response,
-    zero rows past what the engine recorded); a worker's `tqbridge` read hands them to
-    verl's R3 replay into Megatron-Core's routers, which route every replayed token to
-    the experts the engine chose."""
+    zero rows past what the engine recorded); the trainer's `compute_log_prob` on verl's
+    Megatron actor reads them (`tqbridge`), micro-batches them, and its engine's
+    `forward_step` replays them (R3) into Megatron-Core's routers, which route every
+    replayed token to the experts the engine chose; the log probs go back to
+    TransferQueue."""
+    from megatron_actor import MAX_TOKENS, megatron_actor
     from transfer_queue.metadata import KVBatchMeta
     from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
-    from verl.utils.transferqueue_utils import tqbridge
 
     rng = np.random.default_rng(1)
     worker = agent_loop_worker()
     engine_routes = {}
+    token_ids = {}
 
     def output(prompt: int, response: int, recorded: int) -> AgentLoopOutput:
         ids = routes(recorded, rng)
@@ -188,7 +191,9 @@ def test_the_agent_loops_puts_replay_exactly_in_megatron(queue: str) -> None:
     async def rollouts() -> None:
         for session, (p, r) in enumerate([(5, 4), (3, 6), (6, 2)]):
             out = output(p, r, p + r - 1)  # no route for the last sampled token
-            engine_routes[f"g{session}_0_0"] = out.routed_experts
+            key = f"g{session}_0_0"
+            engine_routes[key] = out.routed_experts
+            token_ids[key] = out.prompt_ids + out.response_ids
             await worker._agent_loop_postprocess(
                 out, validate=False, uid=f"g{session}", session_id=0, global_steps=3
             )
@@ -203,23 +208,39 @@ def test_the_agent_loops_puts_replay_exactly_in_megatron(queue: str) -> None:
         assert part.dtype == torch.int16
         assert torch.equal(part, want)
 
-    seen: dict[str, Any] = {}
+    # the trainer's old-log-prob step (`_compute_old_log_prob`): the worker gets the meta
+    extra = {"calculate_entropy": True, "compute_loss": False, "temperature": 1.0}
+    meta = KVBatchMeta(keys=keys, tags=[{}] * len(keys), partition_id="train", extra_info=extra)
+    with megatron_actor() as (actor, forwards):
+        done = actor.compute_log_prob(meta)
+    assert isinstance(done, KVBatchMeta)
+    assert done.keys == keys
 
-    @tqbridge()
-    def compute(batch: TensorDict) -> None:  # a worker method's read, as verl's
-        seen["batch"] = batch
+    # verl's dynamic batching: micro-batches of up to MAX_TOKENS, several sequences packed
+    by_tokens = {tuple(ids): key for key, ids in token_ids.items()}
+    assert len(forwards) == 2
+    assert max(len(f.bounds) - 1 for f in forwards) == 2
+    replayed = 0
+    for forward in forwards:
+        assert forward.bounds[-1] <= MAX_TOKENS
+        assert len(forward.maps) == LAYERS
+        for ids, maps in forward.sequences():
+            key = by_tokens.pop(tuple(ids))
+            recorded = np.asarray(engine_routes[key])  # [rows - 1, L, K]: the last is native
+            for layer, used in enumerate(maps):
+                want = torch.zeros(len(recorded), EXPERTS, dtype=torch.bool)
+                want.scatter_(1, torch.from_numpy(recorded[:, layer]).long(), True)
+                assert torch.equal(used[: len(recorded)], want)
+                assert (used.sum(-1) == TOP_K).all()
+            replayed += len(recorded)
+    assert not by_tokens  # every trajectory went through the model once
+    assert replayed == sum(len(r) for r in engine_routes.values())
 
-    compute(KVBatchMeta(keys=keys, tags=[{}] * len(keys), partition_id="train"))
-    batch = seen["batch"]
-    targets, used, _native, mask = _replay_in_megatron(batch)
-    values = batch[ROUTES].values()
-    replayed = mask.bool()
-    assert int(replayed.sum()) > 0
-    for layer in range(LAYERS):
-        assert torch.equal(targets[layer], values[:, layer].long())
-        want = torch.zeros(values.shape[0], EXPERTS, dtype=torch.bool)
-        want.scatter_(1, values[:, layer].long(), True)
-        assert torch.equal(used[layer][replayed], want[replayed])
+    # the worker's log probs, written back to TransferQueue, one per token
+    back = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["log_probs"])
+    for part, key in zip(back["log_probs"].unbind(), keys, strict=True):
+        assert part.shape == (len(token_ids[key]),)
+        assert torch.isfinite(part).all()
     tq.kv_clear(keys=keys, partition_id="train")
 
 
