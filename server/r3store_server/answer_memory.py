@@ -28,7 +28,7 @@ import threading
 from collections.abc import Sequence
 
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from r3store.catalog_types import TrajectoryEntry
 from r3store.errors import StoreError
@@ -102,7 +102,17 @@ class ChargedAnswer(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.answer.background is None:
             self.answer.background = self.background
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                # the last bytes, then an empty end: the server takes a message only once
+                # the connection's buffer is below its high-water mark, so the end is
+                # taken once (all but that much of) the answer has left the process
+                await send({**message, "more_body": True})
+                message = {"type": "http.response.body", "body": b"", "more_body": False}
+            await send(message)
+
         try:
-            await self.answer(scope, receive, send)
+            await self.answer(scope, receive, sending)
         finally:
             self.charge.release()
