@@ -36,7 +36,7 @@ from r3store_server.auth import KeyRing
 from r3store_server.backends import open_engine, server_lock
 from r3store_server.limits import JSON_BODY_BYTES, BodyGuard, MemoryBudget
 from r3store_server.metrics import Metrics
-from r3store_server.observe import observe
+from r3store_server.observe import Observe
 from r3store_server.settings import Settings
 
 log = logging.getLogger("r3store.server")
@@ -245,7 +245,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         grace=settings.body_timeout,
         rate=settings.body_min_rate,
     )
-    app.middleware("http")(observe)
+    app.add_middleware(Observe)
     routers = (operations, api_namespaces, api_routes, api_writes, api_leases, api_stats, ui)
     for router in (module.router for module in routers):
         app.include_router(router)
