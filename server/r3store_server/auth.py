@@ -162,11 +162,16 @@ class KeyRing:
         if self.enabled and not (self._keys or self._cached):
             raise ValueError("auth is on but no API keys are configured")
 
-    def _catalog_keys(self, force: bool = False) -> list[_Stored]:
+    @property
+    def fresh(self) -> bool:
+        """Whether judging a key now reads nothing (the catalog's keys are recent)."""
+        return self._catalog is None or time.monotonic() - self._cached_at <= self.refresh
+
+    def _catalog_keys(self, force: bool = False, refresh: bool = True) -> list[_Stored]:
         if self._catalog is None:
             return []
         with self._lock:
-            if force or time.monotonic() - self._cached_at > self.refresh:
+            if force or (refresh and time.monotonic() - self._cached_at > self.refresh):
                 try:
                     records = self._catalog()
                 except R3StoreError as exc:  # a catalog outage: keep the keys known so far
@@ -197,30 +202,35 @@ class KeyRing:
             keys, enabled, auto=settings.auth == "auto", failures=settings.auth_failure_limit
         )
 
-    def _turned_on(self) -> bool:
+    def _turned_on(self, refresh: bool = True) -> bool:
         """In `auto` with auth off: whether a key has since been created in the catalog."""
-        if self.auto and not self.enabled and self._catalog_keys():
+        if self.auto and not self.enabled and self._catalog_keys(refresh=refresh):
             self.enabled = True
             log.warning("authentication is ON: an API key was created in the catalog")
         return self.enabled
 
-    def authenticate(self, presented: str | None, client: str | None = None) -> Principal:
+    def authenticate(
+        self, presented: str | None, client: str | None = None, refresh: bool = True
+    ) -> Principal:
         """The principal of the key `presented` (from the address `client`): 401 without
         one or for an unknown one, 429 for an unknown one while `client` sent too many
         unknown keys. A known key is always let in, whatever its address sent before
-        (behind a proxy or NAT many clients share one)."""
-        if not self.enabled and not self._turned_on():
+        (behind a proxy or NAT many clients share one). `refresh=False`: with the keys
+        known now, reading nothing (a caller on the event loop, while `fresh`)."""
+        if not self.enabled and not self._turned_on(refresh):
             return ANONYMOUS
         if not presented:
             raise Unauthorized("an API key is required (Authorization: Bearer <key>)")
-        return self.authenticate_digest(digest(presented), client)
+        return self.authenticate_digest(digest(presented), client, refresh)
 
-    def authenticate_digest(self, wanted: bytes, client: str | None = None) -> Principal:
+    def authenticate_digest(
+        self, wanted: bytes, client: str | None = None, refresh: bool = True
+    ) -> Principal:
         """As `authenticate`, for a key known by its SHA-256 (the status page's session)."""
-        if not self.enabled and not self._turned_on():
+        if not self.enabled and not self._turned_on(refresh):
             return ANONYMOUS
         found = None
-        for stored in [*self._keys, *self._catalog_keys()]:  # every key: no early exit
+        for stored in [*self._keys, *self._catalog_keys(refresh=refresh)]:  # no early exit
             if hmac.compare_digest(stored.digest, wanted):
                 found = stored.principal
         if found is None:

@@ -1,14 +1,19 @@
 """Dependencies named as types: routes read `engine: EngineDep, who: PrincipalDep`; a
 route's right is declared with `dependencies=[allowed("write")]` (checked against the
-`namespace` path parameter, when the route has one, declared as `NamespacePath`)."""
+`namespace` path parameter, when the route has one, declared as `NamespacePath`).
+
+Each is `async`: FastAPI runs a plain function dependency in a worker thread, a hop
+that cost more than everything a small request does besides. None of them blocks; the
+key ring's read of the catalog's keys, when one is due, goes to a worker thread."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Path, Request, Security
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
+from starlette.concurrency import run_in_threadpool
 
 from r3store.engine import Engine
 from r3store.errors import StoreError
@@ -21,7 +26,7 @@ from r3store_server.settings import Settings
 T = TypeVar("T")
 
 
-def get_engine(request: Request) -> Engine:
+async def get_engine(request: Request) -> Engine:
     """The engine; 503 (`StoreError`, saying why) while it is still opening."""
     engine: Engine | None = request.app.state.engine
     if engine is None:
@@ -29,10 +34,10 @@ def get_engine(request: Request) -> Engine:
     return engine
 
 
-def _from_state(name: str, kind: type[T]) -> Callable[[Request], T]:
+def _from_state(name: str, kind: type[T]) -> Callable[[Request], Awaitable[T]]:
     """The dependency that reads the application's `name`, a `kind` (`create_app` sets it)."""
 
-    def get(request: Request) -> T:
+    async def get(request: Request) -> T:
         value: T = getattr(request.app.state, name)
         return value
 
@@ -47,7 +52,8 @@ get_budget = _from_state("budget", MemoryBudget)
 
 async def get_deadline(request: Request) -> Deadline:
     """The request's deadline, counted from when its handler starts."""
-    return Deadline(get_settings(request).request_timeout)
+    settings: Settings = request.app.state.settings
+    return Deadline(settings.request_timeout)
 
 
 # The two ways to send a key, declared so that the OpenAPI schema states them (and
@@ -56,13 +62,16 @@ API_KEY = APIKeyHeader(name="X-API-Key", auto_error=False, description="an r3sto
 BEARER = HTTPBearer(auto_error=False, description="an r3store API key as a bearer token")
 
 
-def get_principal(
+async def get_principal(
     request: Request,
     key: Annotated[str | None, Security(API_KEY)],
     bearer: Annotated[HTTPAuthorizationCredentials | None, Security(BEARER)],
 ) -> Principal:
     presented = key if key is not None else bearer.credentials if bearer else None
-    return get_keyring(request).authenticate(presented, client_address(request))
+    keys: KeyRing = request.app.state.keyring
+    if keys.fresh:  # judged with the keys known now: nothing to read
+        return keys.authenticate(presented, client_address(request), refresh=False)
+    return await run_in_threadpool(keys.authenticate, presented, client_address(request))
 
 
 def client_address(request: Request) -> str | None:
@@ -85,7 +94,7 @@ def allowed(action: str) -> Any:
     """The dependency that lets a request through only if its key may `action` (on the
     route's `namespace`, if any): 401 without a key, 403 without the right."""
 
-    def check(request: Request, keys: KeyRingDep, who: PrincipalDep) -> None:
+    async def check(request: Request, keys: KeyRingDep, who: PrincipalDep) -> None:
         keys.authorize(who, action, request.path_params.get("namespace"))
 
     return Depends(check)

@@ -49,7 +49,7 @@ async def readyz(
     """The object store and the catalog answer, within `R3STORE_READINESS_TIMEOUT`.
     Open to all; why not, in full, only with a valid key."""
     try:
-        engine = get_engine(request)
+        engine = await get_engine(request)
         await Deadline(settings.readiness_timeout).run(engine.ping, what="the readiness probe")
     except R3StoreError as exc:
         # off the event loop: the key ring may refresh its keys from a catalog in trouble
