@@ -6,7 +6,7 @@ import re
 import unicodedata
 from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -26,6 +26,13 @@ _RANGES = (
     ("policy_version", 0, MAX_POLICY_VERSION),
     ("start", 0, MAX_START),
 )
+
+
+SlotOrder = Literal["rank", "verbatim", "set"]
+SLOT_ORDERS: tuple[SlotOrder, ...] = ("rank", "verbatim", "set")
+RANK: SlotOrder = "rank"  # best first, as the producer ranked its experts
+VERBATIM: SlotOrder = "verbatim"  # the engine's slots as given: no rank order, kept on purpose
+SET: SlotOrder = "set"  # no order promised: the slots are a set
 
 
 def check_namespace(name: str) -> str:
@@ -77,6 +84,15 @@ class TrajectoryWrite:
     `source` says whose routes these are (`policy.Source`). `engine` routes make the
     trajectory; another source annotates a stored engine segment of the same start and
     length, whose group, prompt length and policy version it takes.
+
+    `slot_order` says what the order of each token-layer's K slots is: `"rank"` (the
+    default: best first, as the producer ranked them; for plain ids it is the caller's
+    word), `"verbatim"` (the engine's slots as its kernel left them, no rank order, to be
+    kept as given: a tensor given back bit for bit) or `"set"` (no order promised, as
+    vLLM's and SGLang's captured routes). An `ordered` namespace refuses `"set"`
+    (`logic.writes.check_slot_order`), naming `producer`, what made the routes (the
+    converters set both). Neither is sent or stored: the check is made where the
+    write is made (docs/replay.md, "Slot order").
     """
 
     trajectory_id: str
@@ -90,6 +106,8 @@ class TrajectoryWrite:
     token_ids: Any = None
     encoded: SentStreams | None = None
     source: Source = ENGINE
+    slot_order: SlotOrder = RANK
+    producer: str = ""
 
     def tokens(self) -> npt.NDArray[np.int32] | None:
         """The token ids as `[num_tokens]` int32, checked; None when not given."""
@@ -108,6 +126,11 @@ class TrajectoryWrite:
     def check(self) -> None:
         check_id(self.trajectory_id)
         check_source(self.source)
+        if self.slot_order not in SLOT_ORDERS or not isinstance(self.producer, str):
+            raise InvalidInput(
+                f"{self.trajectory_id}: slot_order must be one of {', '.join(SLOT_ORDERS)} "
+                f"and producer a string, got {self.slot_order!r}, {self.producer!r}"
+            )
         if self.group_id is not None:
             check_id(self.group_id, "group id")
         for name, low, high in _RANGES:

@@ -21,8 +21,10 @@ class RouteSpec:
     """What a namespace's routes look like.
 
     `RouteSpec(num_layers=48, num_experts=128, top_k=8)` describes Qwen3-30B-A3B.
-    `ordered=True` keeps the top-k order as the engine emitted it (slime relies on it);
-    otherwise routes are sets and come back sorted by expert id. `allow_fewer=True`
+    `ordered=True` keeps each token-layer's top-k slots in the order written: the
+    producer's rank order, or slots a write keeps verbatim; a write whose producer
+    promises no order (vLLM's, SGLang's: `TrajectoryWrite.slot_order`) is refused.
+    Otherwise routes are sets and come back sorted by expert id. `allow_fewer=True`
     accepts token-layers with fewer than `top_k` experts (capacity drops).
     """
 

@@ -6,6 +6,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from r3store.engine import Engine, EngineConfig
 from r3store.engine.writer import WriterConfig
 from r3store.errors import Backpressure, Conflict, InvalidInput, InvalidRoutes, NotFound, StoreError
 from r3store.logic.routes import to_mask
+from r3store.logic.writes import encode_write
 from r3store.records import TrajectoryWrite
 from r3store.spec import RouteSpec
 from r3store.storage.catalog import Catalog
@@ -207,6 +209,18 @@ def test_masks_and_ordered_namespaces(tmp_path: Path, make_engine: MakeEngine) -
     assert np.array_equal(engine.get("ordered", "m").to_topk(), expected_ids(write, ordered))
     with pytest.raises(InvalidRoutes, match="keeps the top-k order"):
         engine.put("ordered", [TrajectoryWrite("m2", write.num_tokens, mask=routes_mask)])
+    # routes whose producer promises no slot order: an ordered namespace refuses them,
+    # as ids or encoded; an unordered one stores their sets; "verbatim" keeps them
+    unranked = replace(write, trajectory_id="u", slot_order="set", producer="vLLM")
+    encoded = replace(encode_write(replace(unranked, slot_order="rank"), ordered), slot_order="set")
+    for refused in (unranked, encoded):
+        with pytest.raises(InvalidRoutes, match=r"^u: vLLM promises no order .* ordered=False"):
+            engine.put("ordered", [refused])
+    assert engine.get_batch("ordered", ["u"]).missing == ["u"]
+    engine.put("ns", [unranked])
+    assert np.array_equal(engine.get("ns", "u").to_topk(), expected_ids(write))
+    engine.put("ordered", [replace(unranked, slot_order="verbatim")])
+    assert np.array_equal(engine.get("ordered", "u").to_topk(), expected_ids(write, ordered))
     with pytest.raises(InvalidInput):
         engine.put("Bad Name!", [write])
     with pytest.raises(NotFound):

@@ -1,7 +1,8 @@
-"""The client's uploads (`WriteCalls`, mixed into `Calls`): each array's shape is
-checked against the namespace's spec and the routes are validated and encoded here, as
-the engine would, before anything is sent; then they go straight to the object store
-where the server allows it (`direct_writes`), else through the server.
+"""The client's uploads (`WriteCalls`, mixed into `Calls`): each write's slot order and
+array shape are checked against the namespace's spec (`check_write`) and the routes are
+validated and encoded here, as the engine would, before anything is sent; then they go
+straight to the object store where the server allows it (`direct_writes`), else through
+the server.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 from r3store.errors import InvalidRoutes
 from r3store.logic.codec import Dictionary
 from r3store.logic.streams import fits
-from r3store.logic.writes import encode_write
+from r3store.logic.writes import check_slot_order, encode_write
 from r3store.protocol.models import PutItem
 from r3store.protocol.wire import CONTENT_TYPE, encode_writes
 from r3store.records import PutResult, TrajectoryWrite
@@ -51,25 +52,34 @@ def check_shape(write: TrajectoryWrite, spec: RouteSpec) -> None:
     )
 
 
+def check_write(write: TrajectoryWrite, spec: RouteSpec) -> None:
+    """What a write states checked against the namespace's spec before it is sent, in
+    every upload: its slot order (`check_slot_order`: routes whose producer promises no
+    order refused by an ordered namespace; the statement is not sent, so the server
+    cannot make this check) and its array's shape (`check_shape`)."""
+    check_slot_order(write, spec)
+    check_shape(write, spec)
+
+
 def encoded_writes(
     writes: Sequence[TrajectoryWrite], spec: RouteSpec, dictionary: Dictionary | None = None
 ) -> list[TrajectoryWrite]:
-    """The writes with each array's shape checked against the spec and the routes
-    validated and encoded as the engine would (bad ones raise `InvalidRoutes` before
+    """The writes checked against the spec (`check_write`) and their routes validated
+    and encoded as the engine would (bad ones raise `InvalidRoutes` before
     anything is sent; with the namespace's `dictionary` for a direct write); a segment
     too long to be checked by decoding stays as ids."""
     for w in writes:
-        check_shape(w, spec)
+        check_write(w, spec)
     return [encode_write(w, spec, dictionary) if fits(spec, w.num_tokens) else w for w in writes]
 
 
 def upload_body(writes: Sequence[TrajectoryWrite], spec: RouteSpec, encode: bool) -> bytes:
-    """An upload's body: each array's shape checked against the spec, and (`encode`)
-    the routes encoded (`encoded_writes`)."""
+    """An upload's body: each write checked against the spec (`check_write`), and
+    (`encode`) the routes encoded (`encoded_writes`)."""
     if encode:
         return encode_writes(encoded_writes(writes, spec))
     for w in writes:
-        check_shape(w, spec)
+        check_write(w, spec)
     return encode_writes(writes)
 
 
@@ -78,8 +88,9 @@ class WriteCalls(NamespaceCalls, DirectWrites):
 
     def _put(self, namespace: str, writes: Sequence[TrajectoryWrite]) -> Call[list[PutResult]]:
         """Upload trajectories (or appended segments); returns after the durable commit,
-        a result per write with its route ref (`PutResult.ref`). Each array's shape is
-        checked against the namespace's spec, and routes are validated and encoded here
+        a result per write with its route ref (`PutResult.ref`). Each write's slot order
+        and array shape are checked against the namespace's spec (`check_write`), and
+        routes are validated and encoded here
         (unless `encode=False`): bad ones raise `InvalidRoutes` before anything is
         sent. Encoded puts go straight to the object store where the server allows it
         (`direct_writes`; `r3store_client.direct_writes`)."""
@@ -91,7 +102,7 @@ class WriteCalls(NamespaceCalls, DirectWrites):
             and all(isinstance(w.num_tokens, int) and fits(spec, w.num_tokens) for w in writes)
         ):
             for w in writes:
-                check_shape(w, spec)
+                check_write(w, spec)
             items = yield from self._put_direct(namespace, spec, writes, encoded_writes)
         if items is None:
             body = yield Work(upload_body, (list(writes), spec, self.encode))

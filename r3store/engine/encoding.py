@@ -28,7 +28,7 @@ from r3store.errors import (
 )
 from r3store.logic import codec, stats, streams
 from r3store.logic.sources import engine_segments, inherit
-from r3store.logic.writes import canonical_routes
+from r3store.logic.writes import canonical_routes, check_slot_order
 from r3store.policy import ENGINE, Source, is_stale, newest_accepted
 from r3store.records import PutResult, Segment, TrajectoryWrite
 from r3store.route_types import Dictionaries, Dictionary, Routes
@@ -137,6 +137,7 @@ class Encoder:
         """Validate and encode one checked segment, or check the streams a client
         encoded (pure CPU work, in the caller's thread; `dictionary`: the namespace's
         that they name); `writer`: the key uploading it."""
+        check_slot_order(write, spec)
         if write.encoded is not None:
             where = write.trajectory_id
             encoded, load = streams.accept(
