@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import logging
@@ -19,13 +20,13 @@ import torch
 
 from helpers import SPEC, eventually, expected_ids, make_write
 from http_helpers import KEYS, ServerProcess
-from r3store.errors import Conflict, Forbidden, InvalidRoutes, NotFound, Unauthorized
+from r3store.errors import Conflict, Forbidden, InvalidInput, InvalidRoutes, NotFound, Unauthorized
 from r3store.policy import NamespaceSettings, Retention
 from r3store.records import TrajectoryWrite
 from r3store.spec import RouteSpec
 from r3store.testing.seaweedfs import SeaweedFS
 from r3store.testing.synthetic import uniform_topk
-from r3store_client import Client, Retry, RolloutWriter
+from r3store_client import AsyncClient, Client, Retry, RolloutWriter
 from r3store_client.convert import from_hf_router, from_mask, from_sglang, from_topk, from_vllm
 from r3store_client.reader import TrainerReader
 from r3store_client.tensors import (
@@ -116,6 +117,175 @@ def test_other_converters() -> None:
         from_vllm("v", np.zeros((3, L, K), np.float32), 4)
     with pytest.raises(InvalidRoutes, match=r"\.npy"):
         from_vllm("v", base64.b64encode(b"not npy").decode(), 4)
+
+
+def test_what_each_converter_says_of_its_slot_order() -> None:
+    """Only a producer that sorts its top-k promises rank order: vLLM and SGLang capture
+    their routers' ids unsorted, HF's DeepSeek-V3 family takes `sorted=False`."""
+    rng = np.random.default_rng(3)
+    ids = uniform_topk(rng, 9, L, E, K)
+    meta = {"routed_experts": base64.b64encode(ids.astype("<i4").tobytes()).decode()}
+    for engine, write in (
+        ("vLLM", from_vllm("v", ids, 10)),
+        ("SGLang", from_sglang("s", meta, 10, L, K)),
+    ):
+        assert (write.slot_order, write.producer) == ("set", engine)
+    with pytest.raises(InvalidInput, match="vLLM promises no rank order"):
+        from_vllm("v", ids, 10, slot_order="rank")
+    with pytest.raises(InvalidInput, match="SGLang promises no rank order"):
+        from_sglang("s", meta, 10, L, K, slot_order="rank")
+    assert from_vllm("v", ids, 10, slot_order="verbatim").slot_order == "verbatim"
+    assert from_sglang("s", meta, 10, L, K, slot_order="verbatim").slot_order == "verbatim"
+    layers = [ids[:, i] for i in range(L)]
+    ranked = type("Qwen3MoeTopKRouter", (), {})
+    assert from_hf_router("h", layers, router=ranked).slot_order == "rank"  # a class
+    assert from_hf_router("h", layers, router=ranked()).slot_order == "rank"  # a module
+    unranked = from_hf_router("h", layers, router="DeepseekV3TopkRouter")
+    assert (unranked.slot_order, unranked.producer) == ("set", "DeepseekV3TopkRouter")
+    assert from_hf_router("h", layers, router="SomeOtherRouter").slot_order == "set"
+    assert from_hf_router("h", layers).slot_order == "set"  # whose? not said
+    assert from_topk("t", ids, 10).slot_order == "rank"  # plain ids: the caller's word
+    with pytest.raises(InvalidInput, match="slot_order must be one of"):
+        TrajectoryWrite("t", 10, topk=ids, slot_order="sorted").check()  # type: ignore[arg-type]
+
+
+def _npy_base64(ids: np.ndarray) -> str:
+    """vLLM's OpenAI server's `routed_experts`: base64 of an `.npy` file."""
+    buffer = io.BytesIO()
+    np.save(buffer, ids, allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def _sets(ids: np.ndarray) -> np.ndarray:
+    """Each token-layer's experts, sorted: what an unordered namespace gives back."""
+    return np.sort(np.asarray(ids).astype(np.int64), axis=-1)
+
+
+def _with_dense_layer(moe: np.ndarray) -> np.ndarray:
+    """vLLM's `[rows, layers, K]`: a dense layer 0 of zeros before the MoE layers."""
+    return np.concatenate([np.zeros_like(moe[:, :1]), moe], axis=1)
+
+
+@pytest.mark.parametrize("encode", [True, False])
+def test_vllm_routes_go_to_an_unordered_namespace(
+    client: Client, server: ServerProcess, encode: bool
+) -> None:
+    """vLLM's slots promise no order: an ordered namespace refuses its routes before
+    anything is sent (naming the trajectory and the engine), on both upload paths; an
+    unordered one stores the engine's sets; `slot_order="verbatim"` keeps them as given."""
+    rng = np.random.default_rng(11)
+    moe = uniform_topk(rng, 9, L, E, K, np.uint8)  # in the engine's (random) slot order
+    engine = _with_dense_layer(moe)
+    tid = f"vllm-{encode}"
+    write = from_vllm(tid, engine, 10, moe_layers=range(1, L + 1))
+    ordered, sets = f"vllm-ordered-{encode}", f"vllm-sets-{encode}"
+    client.create_namespace(ordered, RouteSpec(L, E, K, ordered=True))
+    client.create_namespace(sets, SPEC)
+    with Client(server.url, api_key=KEYS["writer"], encode=encode) as worker:
+        with pytest.raises(InvalidRoutes, match="ordered=False") as caught:
+            worker.put(ordered, [write])
+        assert str(caught.value).startswith(f"{tid}: vLLM promises no order of the top-4")
+        assert "ordered=False" in str(caught.value)
+        assert client.get_batch(ordered, [tid]).missing == [tid]
+        worker.put(sets, [write])
+        worker.put(
+            ordered, [from_vllm(tid, engine, 10, moe_layers=[1, 2, 3, 4], slot_order="verbatim")]
+        )
+    stored = client.get_batch(sets, [tid]).items[0]
+    assert stored is not None
+    assert stored.routes is not None
+    assert np.array_equal(stored.routes.to_topk()[:9], _sets(moe))  # the engine's sets
+    kept = client.get_batch(ordered, [tid]).items[0]
+    assert kept is not None
+    assert kept.routes is not None
+    assert np.array_equal(kept.routes.to_topk()[:9], moe)  # the engine's slots, as given
+
+
+def test_the_async_client_refuses_them_too(client: Client, server: ServerProcess) -> None:
+    rng = np.random.default_rng(12)
+    write = from_vllm("vllm-async", uniform_topk(rng, 5, L, E, K, np.uint8), 6)
+    client.create_namespace("vllm-async-ordered", RouteSpec(L, E, K, ordered=True))
+
+    async def put() -> None:
+        async with AsyncClient(server.url, api_key=KEYS["writer"]) as worker:
+            await worker.put("vllm-async-ordered", [write])
+
+    with pytest.raises(InvalidRoutes, match=r"^vllm-async: vLLM promises no order"):
+        asyncio.run(put())
+    assert client.get_batch("vllm-async-ordered", ["vllm-async"]).missing == ["vllm-async"]
+
+
+def test_vllm_uint16_ids_past_256_experts_round_trip(client: Client) -> None:
+    """Kimi K2's 384 experts: vLLM sends uint16 ids, as an array or as the OpenAI
+    server's `.npy`; both store and read back the engine's sets."""
+    experts, k = 384, 8
+    spec = RouteSpec(L, experts, k)
+    client.create_namespace("vllm-k2", spec)
+    rng = np.random.default_rng(13)
+    moe = uniform_topk(rng, 11, L, experts, k, np.uint16)
+    assert moe.max() > 255
+    engine = _with_dense_layer(moe)
+    tokens = np.arange(100, 112, dtype=np.int32)
+    writes = [
+        from_vllm(f"k2-{name}", form, 12, moe_layers=range(1, L + 1), token_ids=tokens)
+        for name, form in (("array", engine), ("npy", _npy_base64(engine)))
+    ]
+    assert all(np.asarray(w.topk).dtype == np.uint16 for w in writes)
+    client.put("vllm-k2", writes)
+    batch = client.get_batch("vllm-k2", [w.trajectory_id for w in writes])
+    for item in batch.items:
+        assert item is not None
+        assert item.routes is not None
+        back = item.routes.to_topk()
+        assert np.array_equal(back[:11], _sets(moe))
+        assert (back[11] == -1).all()  # the last sampled token: not recorded
+        assert item.token_ids is not None
+        assert item.token_ids.tolist() == tokens.tolist()
+
+
+def test_a_vllm_turn_from_prompt_start_is_an_appended_segment(
+    client: Client, namespace: str
+) -> None:
+    """Turn 1: 6 prompt + 4 sampled tokens, rows [0, 9). Turn 2 asked with
+    `routed_experts_prompt_start=10` over the whole 17-token sequence (3 new prompt
+    tokens, 4 sampled): rows [10, 16), sent by the OpenAI server as an `.npy`. Token 9,
+    turn 1's last sampled token, ran only in turn 2's prefill, before its prompt start:
+    it has no recorded route."""
+    rng = np.random.default_rng(14)
+    first_moe = uniform_topk(rng, 9, L, E, K, np.uint8)
+    second_moe = uniform_topk(rng, 6, L, E, K, np.uint8)
+    tokens = np.arange(1, 18, dtype=np.int32)
+    first = from_vllm(
+        "turns",
+        _with_dense_layer(first_moe),
+        10,
+        moe_layers=range(1, L + 1),
+        token_ids=tokens[:10],
+        group_id="g",
+    )
+    second = from_vllm(
+        "turns",
+        _npy_base64(_with_dense_layer(second_moe)),
+        17,
+        prompt_start=10,
+        moe_layers=range(1, L + 1),
+        token_ids=tokens[10:],
+        policy_version=1,
+    )
+    assert (second.start, second.num_tokens) == (10, 7)
+    client.put(namespace, [first])
+    client.put(namespace, [second])
+    item = client.get_batch(namespace, ["turns"]).items[0]
+    assert item is not None
+    assert item.routes is not None
+    assert (item.num_tokens, len(item.segments), item.group_id) == (17, 2, "g")
+    back = item.routes.to_topk()
+    assert np.array_equal(back[:9], _sets(first_moe))
+    assert (back[9] == -1).all()
+    assert np.array_equal(back[10:16], _sets(second_moe))
+    assert (back[16] == -1).all()
+    assert item.token_ids is not None
+    assert item.token_ids.tolist() == tokens.tolist()
 
 
 def test_writer_to_server_to_reader(client: Client, namespace: str) -> None:

@@ -7,6 +7,7 @@ r3store server); the spec's shape and model's gate are checked at attach."""
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,7 @@ from r3store.errors import InvalidRoutes
 from r3store.records import TrajectoryWrite
 from r3store.spec import RouteSpec
 from r3store_client import Client
+from r3store_client.convert import from_hf_router
 from r3store_client.hf_routers import FAMILIES
 from r3store_client.reader import TrainerReader
 from r3store_client.replay import RouterReplay
@@ -203,6 +205,25 @@ def test_unknown_routers_are_refused(name: str) -> None:
     with pytest.raises(ValueError, match="is not one replay knows the gate of") as caught:
         RouterReplay(model)
     assert "Qwen3MoeTopKRouter" in str(caught.value)  # the list of the known ones
+
+
+@pytest.mark.parametrize("name", KNOWN)
+def test_a_familys_slot_order_is_what_its_top_k_promises(name: str) -> None:
+    """`Family.ranked`, and so `from_hf_router`'s slot order, held against the router's
+    own code in the installed transformers: rank order exactly when its top-k is sorted
+    (`torch.topk`'s default), none where it takes `sorted=False`."""
+    model = tiny(name)
+    router = next(m for m in model.modules() if type(m).__name__ == TINY[name][2])
+    source = inspect.getsource(type(router))
+    assert "topk(" in source  # the router's own top-k, not a helper's elsewhere
+    ranked = "sorted=False" not in source
+    assert FAMILIES[type(router).__name__].ranked == ranked
+    replayer = RouterReplay(model)
+    with torch.no_grad(), replayer.record() as recorded:
+        run(model, TOKENS)
+    layers = [recorded.ids[0, :, i] for i in range(replayer.num_layers)]
+    write = from_hf_router("h", layers, router=router)
+    assert (write.slot_order, write.producer) == ("rank" if ranked else "set", TINY[name][2])
 
 
 # ---- the token check, through a real server

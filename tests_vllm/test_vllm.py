@@ -4,13 +4,16 @@ A tiny MoE of each family (built here, fp32, seeded random weights) is served by
 on the CPU; vLLM's own `RoutedExpertsCapturer` records the experts its routers chose
 for every token (`vllm_engine`). The routes go to a real r3store server as vLLM's
 `routed_experts` would (`from_vllm`: the MoE layers only, with the token ids), come back
-exactly, agree with the HF model's own routers on the same tokens, and replay in the HF
-model so that its MoE blocks run vLLM's experts.
+as the same expert sets, agree with the HF model's own routers on the same tokens, and
+replay in the HF model so that its MoE blocks run vLLM's experts. vLLM promises no slot
+order (its CPU router takes `torch.topk(..., sorted=False)`): a namespace that keeps the
+order refuses its routes, and they are stored as sets.
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +23,11 @@ import torch
 from vllm.utils.serial_utils import numpy2base64
 from vllm_engine import DEEPSEEK_V3, QWEN3_MOE, VOCAB, Tiny, build, capturing, engine, generate
 
+from r3store.errors import InvalidRoutes
 from r3store.spec import RouteSpec
 from r3store_client import Client
 from r3store_client.convert import from_vllm
+from r3store_client.hf_routers import FAMILIES
 from r3store_client.reader import TrainerReader
 from r3store_client.replay import RouterReplay, same_sets
 from r3store_client.tensors import CompactRoutes
@@ -79,7 +84,7 @@ def test_vllm_routes_through_r3store_into_hf_replay(
 
     # into r3store as vLLM's `routed_experts`, and back as a trainer reads them
     namespace = f"vllm{next(_names)}"
-    spec = RouteSpec(len(tiny.moe_layers), tiny.num_experts, tiny.top_k, ordered=True)
+    spec = RouteSpec(len(tiny.moe_layers), tiny.num_experts, tiny.top_k)
     client.create_namespace(namespace, spec)
     writes = [
         from_vllm(
@@ -99,15 +104,23 @@ def test_vllm_routes_through_r3store_into_hf_replay(
                 write.trajectory_id, numpy2base64(sent), len(tokens), moe_layers=tiny.moe_layers
             )
             assert np.array_equal(np.asarray(answered.topk), np.asarray(write.topk))
+    # vLLM promises no slot order: a namespace that keeps the order refuses its routes,
+    # naming the trajectory and the engine
+    client.create_namespace(f"{namespace}-ordered", replace(spec, ordered=True))
+    with pytest.raises(InvalidRoutes, match="vLLM promises no order") as caught:
+        client.put(f"{namespace}-ordered", writes)
+    assert str(caught.value).startswith(f"{writes[0].trajectory_id}: ")
     client.put(namespace, writes)
     reader = TrainerReader(client, namespace, compact=False)
-    agree = total = 0
+    agree = total = in_rank = 0
     replayer = RouterReplay(hf, spec)
+    ranked = FAMILIES[type(replayer.routers[0]).__name__].ranked  # HF's order: rank order
     for write, (_rid, tokens, routes) in zip(writes, requests, strict=True):
         back = reader.fetch([write.trajectory_id])
         n = len(tokens)
         engine_ids = torch.from_numpy(routes[:, tiny.moe_layers].astype(np.int64))
-        assert torch.equal(back.ids[0, : n - 1].long(), engine_ids)  # vLLM's slot order kept
+        engine_sets = torch.sort(engine_ids, dim=-1).values
+        assert torch.equal(back.ids[0, : n - 1].long(), engine_sets)  # vLLM's sets, sorted
         assert back.valid[0, : n - 1].all()
         assert not back.valid[0, n - 1].any()  # the last sampled token: not recorded
         assert back.tokens is not None
@@ -121,6 +134,8 @@ def test_vllm_routes_through_r3store_into_hf_replay(
         same = same_sets(own.reshape(-1, tiny.top_k), engine_ids.reshape(-1, tiny.top_k))
         agree += int(same.sum())
         total += same.numel()
+        rows = own.reshape(-1, tiny.top_k).long() == engine_ids.reshape(-1, tiny.top_k)
+        in_rank += int(rows.all(dim=-1).sum())  # vLLM's slots in HF's order
 
         # replayed: the HF model's MoE blocks run vLLM's experts
         compact = TrainerReader(client, namespace).fetch([write.trajectory_id])
@@ -133,3 +148,9 @@ def test_vllm_routes_through_r3store_into_hf_replay(
         f"{agree}/{total} token-layers ({agree / total:.2%}); replayed: all"
     )
     assert agree / total >= 0.95
+    if ranked:  # the CPU router's unsorted top-k: its slots are not the rank order
+        figures.append(
+            f"{tiny.name}: vLLM's slots in rank order (HF's, sorted) in {in_rank}/{total} "
+            f"token-layers ({in_rank / total:.2%})"
+        )
+        assert in_rank < agree

@@ -20,6 +20,17 @@ Checked against the engines' sources (SGLang 0.5.23; vLLM 0.33.0, commit 4ba787e
   left in is refused, never stored as expert 0.
 - HF transformers routers: per MoE layer, top-k ids `[T, K]` (a list of arrays or tensors).
 - Plain top-k id arrays (numpy, or torch via `.numpy()`) and bit-packed masks.
+
+Slot order (`TrajectoryWrite.slot_order`; docs/replay.md, "Slot order"): neither engine
+promises one. Their captured ids are whatever top-k the router ran left them in: a
+kernel that picks the best expert K times (rank order) on some GPU paths, `torch.topk(...,
+sorted=False)` on others and on the CPU (vLLM 0.32 `router/cpu_router.py`,
+`grouped_topk_router.py`; SGLang `layers/moe/topk.py`), captured before any sort. So
+`from_vllm` and `from_sglang` state `"set"` (an ordered namespace refuses them) unless
+given `slot_order="verbatim"`: the slots kept as the engine left them, knowing they are no
+rank order. `from_hf_router` states `"rank"` for a router family whose final top-k is
+sorted (`hf_routers.Family.ranked`), else `"set"`; plain ids and masks `"rank"`, the
+caller's word.
 """
 
 from __future__ import annotations
@@ -32,8 +43,9 @@ from typing import Any
 
 import numpy as np
 
-from r3store.errors import InvalidRoutes
-from r3store.records import TrajectoryWrite
+from r3store.errors import InvalidInput, InvalidRoutes
+from r3store.records import RANK, SET, VERBATIM, SlotOrder, TrajectoryWrite
+from r3store_client.hf_routers import FAMILIES
 
 
 def _numpy(x: Any) -> np.ndarray:
@@ -67,14 +79,28 @@ def moe_only(ids: np.ndarray, moe_layers: Sequence[int] | None) -> np.ndarray:
     return ids
 
 
+def _engine_order(engine: str, slot_order: SlotOrder) -> SlotOrder:
+    """An engine's captured routes promise no order: `"set"`, or `"verbatim"` when the
+    caller keeps the slots as given; `"rank"` is refused."""
+    if slot_order not in (SET, VERBATIM):
+        raise InvalidInput(
+            f"{engine} promises no rank order of the top-k slots (its router's top-k is not "
+            "always sorted by score, and it captures the ids unsorted): slot_order must be "
+            f"'set' or 'verbatim', not {slot_order!r}"
+        )
+    return slot_order
+
+
 def _segment(
     trajectory_id: str,
     ids: np.ndarray,
     total_tokens: int,
     start: int,
     engine: str,
+    slot_order: SlotOrder,
     **meta: Any,
 ) -> TrajectoryWrite:
+    order = _engine_order(engine, slot_order)
     num_tokens = total_tokens - start
     if start < 0 or num_tokens < 1:
         raise InvalidRoutes(f"start {start} is not inside the {total_tokens} tokens")
@@ -83,7 +109,15 @@ def _segment(
             f"{engine} sent {ids.shape[0]} rows for tokens [{start}, {total_tokens}); "
             f"expected {num_tokens - 1} (was the start given?)"
         )
-    return TrajectoryWrite(trajectory_id, num_tokens, topk=ids, start=start, **meta)
+    return TrajectoryWrite(
+        trajectory_id,
+        num_tokens,
+        topk=ids,
+        start=start,
+        slot_order=order,
+        producer=engine,
+        **meta,
+    )
 
 
 def sglang_routes(
@@ -120,13 +154,16 @@ def from_sglang(
     *,
     start: int | None = None,
     moe_layers: Sequence[int] | None = None,
+    slot_order: SlotOrder = SET,
     **meta: Any,
 ) -> TrajectoryWrite:
     """A write (or, from `start > 0`, an appended segment) from an SGLang response.
 
     `total_tokens` is the sequence length, prompt and output together; `num_layers`
     the model's `num_hidden_layers`; `start` the `routed_experts_start_len` the request
-    asked for (SGLang does not echo it); `moe_layers` the MoE layers to keep.
+    asked for (SGLang does not echo it); `moe_layers` the MoE layers to keep;
+    `slot_order` `"set"` (SGLang promises no order: an ordered namespace refuses it) or
+    `"verbatim"` (keep SGLang's slots as given).
     """
     ids, echoed = sglang_routes(meta_info, num_layers, top_k)
     return _segment(
@@ -135,6 +172,7 @@ def from_sglang(
         total_tokens,
         echoed if start is None else start,
         "SGLang",
+        slot_order,
         **meta,
     )
 
@@ -166,28 +204,63 @@ def from_vllm(
     *,
     prompt_start: int = 0,
     moe_layers: Sequence[int] | None = None,
+    slot_order: SlotOrder = SET,
     **meta: Any,
 ) -> TrajectoryWrite:
     """A write (or, from `prompt_start > 0`, an appended segment) from vLLM.
 
     `num_tokens` is the sequence length, prompt and output together; `prompt_start` the
-    request's `routed_experts_prompt_start`; `moe_layers` the MoE layers to keep.
+    request's `routed_experts_prompt_start`; `moe_layers` the MoE layers to keep;
+    `slot_order` `"set"` (vLLM promises no order: an ordered namespace refuses it) or
+    `"verbatim"` (keep vLLM's slots as given).
     """
     ids = moe_only(vllm_routes(routed_experts), moe_layers)
-    return _segment(trajectory_id, ids, num_tokens, prompt_start, "vLLM", **meta)
+    return _segment(trajectory_id, ids, num_tokens, prompt_start, "vLLM", slot_order, **meta)
+
+
+def hf_router_name(router: Any) -> str:
+    """The class name of an HF router given as a module, a class or a name."""
+    if isinstance(router, str):
+        return router
+    return router.__name__ if isinstance(router, type) else type(router).__name__
 
 
 def from_hf_router(
-    trajectory_id: str, layer_topk: Sequence[Any], num_tokens: int | None = None, **meta: Any
+    trajectory_id: str,
+    layer_topk: Sequence[Any],
+    num_tokens: int | None = None,
+    *,
+    router: Any = None,
+    **meta: Any,
 ) -> TrajectoryWrite:
-    """A write from per-layer top-k ids `[T, K]` as HF transformers' routers return them."""
+    """A write from per-layer top-k ids `[T, K]` as HF transformers' routers return them.
+
+    `router` (a router module, its class or class name) says whose ids they are: a
+    family whose final top-k is sorted by score (`hf_routers.Family.ranked`: Qwen,
+    Mixtral, OLMoE, ...) gives them in rank order (`slot_order="rank"`); any other
+    (DeepSeek-V3 and its siblings take `sorted=False`), or none named, promises no order
+    (`"set"`: an ordered namespace refuses it).
+    """
     if not layer_topk:
         raise InvalidRoutes("no layers given")
     layers = [_numpy(x) for x in layer_topk]
     if len({x.shape for x in layers}) != 1 or layers[0].ndim != 2:
         raise InvalidRoutes("every layer's top-k ids must have the same [T, K] shape")
     ids = np.stack(layers, axis=1)  # [T, L, K]
-    return TrajectoryWrite(trajectory_id, num_tokens or ids.shape[0], topk=ids, **meta)
+    if router is None:
+        name, ranked = "an HF router not named (pass router= to from_hf_router)", False
+    else:
+        name = hf_router_name(router)
+        family = FAMILIES.get(name)
+        ranked = family is not None and family.ranked
+    return TrajectoryWrite(
+        trajectory_id,
+        num_tokens or ids.shape[0],
+        topk=ids,
+        slot_order=RANK if ranked else SET,
+        producer=name,
+        **meta,
+    )
 
 
 def from_topk(trajectory_id: str, ids: Any, num_tokens: int, **meta: Any) -> TrajectoryWrite:

@@ -7,6 +7,11 @@ model's own code at the replayed experts (dtype casts, renormalisation, epsilons
 scaling factors and all). Checked against transformers 5.24; each family replays
 itself to identical logits in the tests. Any other router class is refused, because
 a replay that applies the wrong gate changes the model's output without an error.
+
+`ranked`: the router's final top-k is `torch.topk`'s default, sorted by the score it
+chooses by, so its top-k ids come best first (rank order). The families with group-limited
+or biased choice (DeepSeek-V2/V3, GLM-4.5, dots.llm1, Kimi-Linear, MiniMax-M2) take
+`sorted=False`: their slots promise no order (`convert.from_hf_router`).
 """
 
 from __future__ import annotations
@@ -16,10 +21,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Family:
-    """One router family: its gate in words, and where its `[E, H]` weight lives."""
+    """One router family: its gate in words, whether its top-k ids come in rank order,
+    and where its `[E, H]` weight lives."""
 
     gate: str
     weight: str = "weight"
+    ranked: bool = True
 
 
 SOFTMAX_RENORM = "softmax over all experts, gathered at the top-k, renormalised if norm_topk_prob"
@@ -42,18 +49,20 @@ FAMILIES: dict[str, Family] = {
     "MixtralTopKRouter": Family(SOFTMAX_ALWAYS + ", kept in float32"),
     "MiniMaxTopKRouter": Family(SOFTMAX_ALWAYS + ", kept in float32"),
     # DeepSeek-V3 and its siblings (GLM-4.5, GLM-4.5V, dots.llm1, Kimi-Linear)
-    "DeepseekV3TopkRouter": Family(SIGMOID_BIAS_GROUPS),
-    "Glm4MoeTopkRouter": Family(SIGMOID_BIAS_GROUPS),
-    "Glm4vMoeTextTopkRouter": Family(SIGMOID_BIAS_GROUPS),
-    "Dots1TopkRouter": Family(SIGMOID_BIAS_GROUPS),
-    "KimiLinearTopkRouter": Family(SIGMOID_BIAS_GROUPS),
+    "DeepseekV3TopkRouter": Family(SIGMOID_BIAS_GROUPS, ranked=False),
+    "Glm4MoeTopkRouter": Family(SIGMOID_BIAS_GROUPS, ranked=False),
+    "Glm4vMoeTextTopkRouter": Family(SIGMOID_BIAS_GROUPS, ranked=False),
+    "Dots1TopkRouter": Family(SIGMOID_BIAS_GROUPS, ranked=False),
+    "KimiLinearTopkRouter": Family(SIGMOID_BIAS_GROUPS, ranked=False),
     "DeepseekV2TopkRouter": Family(
         "softmax over all experts (group-limited: scores outside the chosen groups are 0), "
-        "gathered at the top-k, never renormalised, times routed_scaling_factor"
+        "gathered at the top-k, never renormalised, times routed_scaling_factor",
+        ranked=False,
     ),
     "MiniMaxM2TopKRouter": Family(
         "sigmoid of float logits; the block's e_score_correction_bias chooses, the unbiased "
-        "scores are the weights, always renormalised (no epsilon), kept in float32"
+        "scores are the weights, always renormalised (no epsilon), kept in float32",
+        ranked=False,
     ),
     "Lfm2MoeTopKRouter": Family(
         "sigmoid in the model's dtype; the block's expert_bias chooses (use_expert_bias), "
