@@ -4,11 +4,14 @@ when it is not the backend's."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 
-from r3store.errors import InvalidInput, RefMismatch
+from r3store.errors import InvalidInput, InvalidRoutes, RefMismatch
+from r3store.logic.writes import check_slot_order
 from r3store.spec import RouteSpec
 from r3store_client.tensors import CompactRoutes
 from r3store_client.tq_samples import (
@@ -18,7 +21,9 @@ from r3store_client.tq_samples import (
     per_sample,
     sample_tensors,
     sample_write,
+    sample_writes,
 )
+from r3store_client.turn_routes import TurnsMeta
 
 SPEC = RouteSpec(2, 8, 2, ordered=True)
 
@@ -43,6 +48,15 @@ def test_a_sample_is_written_with_its_tokens_and_zero_rows_as_no_route() -> None
     other = sample_write("t", routes(4), SPEC, token_ids=torch.arange(5), prompt_len=9)
     assert other.token_ids is None
     assert other.prompt_len == 0
+
+    # the engine's slots as put, no rank order: kept verbatim, which the backend's
+    # ordered namespace takes (a write whose slots are a set it would refuse)
+    assert (write.slot_order, write.producer) == ("verbatim", "TransferQueue")
+    check_slot_order(write, SPEC)
+    turns = sample_writes("t", routes(6), SPEC, turns=TurnsMeta((0, 3), (None, 1)))
+    assert [w.slot_order for w in turns] == ["verbatim", "verbatim"]
+    with pytest.raises(InvalidRoutes, match="TransferQueue promises no order"):
+        check_slot_order(replace(write, slot_order="set"), SPEC)
 
 
 def test_routes_of_another_shape_or_kind_are_refused() -> None:

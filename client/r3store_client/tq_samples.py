@@ -7,7 +7,9 @@ zero rows where the engine recorded no route). Each sample becomes one trajector
 `T` tokens; a row of K zeros (K > 1) is stored as no route, as `r3store_client.verl`
 stores it. What the controller keeps for the sample (its backend meta, `SampleMeta`) is
 the trajectory's ref, the tensor's dtype and shape: enough to give back exactly the
-tensor that was put, or to refuse.
+tensor that was put, or to refuse. The writes keep each token-layer's slots as put
+(`slot_order="verbatim"`): the engine's slot order, which for vLLM and SGLang is no rank
+order, kept only so that the tensor comes back bit for bit.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ except ImportError as exc:
     raise missing("torch", __name__, "torch") from exc
 
 from r3store.errors import InvalidInput, RefMismatch
-from r3store.records import TrajectoryWrite
+from r3store.records import VERBATIM, TrajectoryWrite
 from r3store.refs import RouteRef
 from r3store.spec import RouteSpec
 from r3store_client.tensors import CompactRoutes
@@ -144,6 +146,8 @@ def sample_writes(
                 group_id=whole.group_id if start == 0 else None,
                 policy_version=policy_version if version is None else version,
                 token_ids=None if whole.token_ids is None else whole.token_ids[start:end],
+                slot_order=whole.slot_order,
+                producer=whole.producer,
             )
         )
     return out
@@ -180,6 +184,8 @@ def sample_write(
         group_id=group_id,
         policy_version=policy_version,
         token_ids=tokens_np,
+        slot_order=VERBATIM,  # the engine's slots as put: a tensor given back bit for bit
+        producer="TransferQueue",
     )
 
 

@@ -33,7 +33,9 @@ token ids, so resolution checks that the batch holds the tokens the routes were
 recorded for (`TokenMismatch` names the trajectory and token otherwise). In a namespace
 whose spec keeps the engine's top-k order (`RouteSpec(..., ordered=True)`) the resolved
 tensor equals verl's own bit for bit; an unordered one gives each token-layer's experts
-sorted (the same routing: verl's replay gathers and scatters by expert). A token-layer
+sorted (the same routing: verl's replay gathers and scatters by expert). The writes keep
+the slots as verl holds them (`slot_order="verbatim"`): the engine's slot order, which
+for vLLM and SGLang is no rank order. A token-layer
 whose K slots are all zero is verl's "no route" padding (K > 1): it is stored as no
 route and resolves to zeros again.
 """
@@ -56,7 +58,7 @@ except ImportError as exc:
 
 from r3store.errors import InvalidInput
 from r3store.policy import ENGINE, Source
-from r3store.records import PutResult, TrajectoryWrite
+from r3store.records import VERBATIM, PutResult, TrajectoryWrite
 from r3store.refs import RouteRef
 from r3store.spec import RouteSpec
 from r3store_client.tensors import CompactRoutes, TokenMismatch, compact
@@ -201,6 +203,8 @@ def route_writes(
                 policy_version=policy_version,
                 token_ids=tokens_np[p.index, inside].astype(np.int32),
                 source=source,
+                slot_order=VERBATIM,  # the engine's slots as verl holds them
+                producer="verl",
             )
         )
     return writes
