@@ -24,6 +24,8 @@ The cases (docs/api.md, "Errors", says what bounds each):
 - decode bombs: 32 uploads at once of four encoded segments of about 10 kB that decode
   to 64 MiB each, sent again on 429;
 - unread answers: eight clients ask for 216 MiB of decoded ids each and read nothing;
+- layer reads: 32 readers at once ask for one layer of 12 trajectories that decode to
+  9 MiB each (under the read limit), sent again on 429;
 - wide schema: an upload with 20,000 extra columns;
 - planted group: a prompt group of 30,000 trajectories, sampled with `n=1` whole groups.
 """
@@ -459,6 +461,38 @@ def unread_answers(server: Server) -> dict[str, Any]:
     return {"answer MiB": round(count * tokens * 48 * 9 / MiB), "connections dropped": dropped}
 
 
+def layer_reads(server: Server) -> dict[str, Any]:
+    """32 readers at once, each asking for one layer of 12 trajectories that decode to
+    9 MiB each (a few kB on the wire, and under the read limit as decoded: a stage's
+    read decodes every segment whole to cut its layer); sent again on 429, for 60 s at
+    most."""
+    tokens = 24_000
+    topk = np.broadcast_to(np.arange(8, dtype=np.uint8), (tokens - 1, 48, 8))
+    with Client(server.url, KEYS["writer"]) as client:
+        for begin in range(0, 12, 4):
+            writes = [TrajectoryWrite(f"l{i}", tokens, topk=topk) for i in range(begin, begin + 4)]
+            client.put("large", writes)
+    body = {"ids": [f"l{i}" for i in range(12)], "format": "ids", "layers": [0]}
+
+    def read(_: int) -> list[int]:
+        tries: list[int] = []
+        deadline = time.monotonic() + 60
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            while not tries or (tries[-1] == 429 and time.monotonic() < deadline):
+                path = "/v1/namespaces/large/routes/batch"
+                r = http.post(path, json=body, headers=_auth("reader"))
+                tries.append(r.status_code)
+                time.sleep(0.05 * (r.status_code == 429))
+        return tries
+
+    tries = _in_threads(32, read)
+    finals = [t[-1] for t in tries]
+    return {
+        "answers": {str(s): finals.count(s) for s in sorted(set(finals))},
+        "429 answers": sum(t.count(429) for t in tries),
+    }
+
+
 def wide_schema(server: Server) -> dict[str, Any]:
     topk = np.zeros((1, 4, 4), np.uint8) + np.arange(4, dtype=np.uint8)
     table = pa.ipc.open_stream(encode_writes([TrajectoryWrite("w", 2, topk=topk)])).read_all()
@@ -515,6 +549,7 @@ CASES: list[tuple[str, Callable[[Server], dict[str, Any]]]] = [
     ("amplified reads: 4 x 64 MiB masks", amplified_reads),
     ("decode bombs: 32 uploads of 4 x 64 MiB encoded", decode_bombs),
     ("unread answers: 8 x 216 MiB ids", unread_answers),
+    ("layer reads: 32 readers of one layer of 12 x 9 MiB", layer_reads),
     ("wide schema: 20k columns", wide_schema),
     ("planted group of 30k, n=1", planted_group),
 ]
