@@ -302,28 +302,51 @@ def _split_order(
     layers: npt.NDArray[Any], counts: npt.NDArray[np.uint8] | None, spec: RouteSpec
 ) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
     """Ordered routes `[L, T, K]` as sorted sets and the producer's slot order (Lehmer
-    ranks `[L, T]` uint16 for K <= 8, else `[L, T, K]` uint8 positions)."""
+    ranks `[L, T]` uint16 for K <= 8, else `[L, T, K]` uint8 positions). Every
+    token-layer is first taken as holding K experts, in the ids' own width; those with
+    fewer (the last token, which engines do not route) are then done again alone, their
+    empty slots kept last."""
     k = spec.top_k
     ordered = np.empty_like(layers)
     order = np.empty(layers.shape[:2] if k <= LEHMER_MAX_K else layers.shape, _order_dtype(k))
     step = max(1, CHUNK_VALUES // (layers.shape[0] * k))
     for begin in range(0, layers.shape[1], step):
-        part = layers[:, begin : begin + step]
-        planes = [part[..., i].astype(np.uint16) for i in range(k)]
-        if counts is not None:
-            for i, plane in enumerate(planes):
-                plane[counts[:, begin : begin + step] <= i] = SENTINEL
-        ranked = sort_planes(planes)
-        if k <= LEHMER_MAX_K:
-            order[:, begin : begin + step] = _lehmer_rank(planes)
-        else:
-            work = np.stack(planes, axis=-1)
-            order[:, begin : begin + step] = np.argsort(
-                np.argsort(work, axis=-1, kind="stable"), axis=-1
-            )
-        for i, plane in enumerate(ranked):
-            ordered[:, begin : begin + step, i] = np.where(plane == SENTINEL, 0, plane)
+        window = slice(begin, begin + step)
+        part = layers[:, window]
+        planes = [np.ascontiguousarray(part[..., i]) for i in range(k)]
+        ordered[:, window] = np.stack(sort_planes(planes), axis=-1)
+        order[:, window] = _slot_order(planes)
+        if counts is None:
+            continue
+        held = counts[:, window]
+        partial = np.nonzero(held < k)
+        if partial[0].size:
+            sets, ranks = _split_partial(part[partial], held[partial], k)
+            ordered[:, window][partial] = sets
+            order[:, window][partial] = ranks
     return ordered, order
+
+
+def _split_partial(
+    rows: npt.NDArray[Any], held: npt.NDArray[np.uint8], k: int
+) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+    """`_split_order` of token-layers `[m, K]` holding `held` experts each: their empty
+    slots sort last (a sentinel above every id), then hold 0."""
+    planes = [rows[:, i].astype(np.uint16) for i in range(k)]
+    for i, plane in enumerate(planes):
+        plane[held <= i] = SENTINEL
+    ranked = np.stack(sort_planes(planes), axis=-1)
+    sets = np.where(ranked == SENTINEL, 0, ranked).astype(rows.dtype)
+    return sets, _slot_order(planes)
+
+
+def _slot_order(planes: list[npt.NDArray[Any]]) -> npt.NDArray[Any]:
+    """The slot order of K planes: Lehmer ranks (K <= 8), else each slot's position."""
+    if len(planes) <= LEHMER_MAX_K:
+        return _lehmer_rank(planes)
+    work = np.stack(planes, axis=-1)
+    positions: npt.NDArray[Any] = np.argsort(np.argsort(work, axis=-1, kind="stable"), axis=-1)
+    return positions
 
 
 def _order_dtype(k: int) -> type[np.unsignedinteger[Any]]:
