@@ -50,9 +50,10 @@ QWEN3_MOE = Tiny("qwen3_moe", 4, [0, 1, 2, 3], 32, 4)
 DEEPSEEK_V3 = Tiny("deepseek_v3", 3, [1, 2], 16, 4)
 
 
-def build(tiny: Tiny, path: Path, seed: int = 0) -> Any:
-    """The tiny model in fp32 with seeded random weights, saved to `path` for vLLM; the
-    HF model is returned (the trainer's side)."""
+def build(tiny: Tiny, path: Path, seed: int = 0, init_std: float = 0.02) -> Any:
+    """The tiny model in fp32 with seeded random weights (normal, `init_std`: HF's
+    `initializer_range`), saved to `path` for vLLM; the HF model is returned (the
+    trainer's side)."""
     torch.manual_seed(seed)
     common: dict[str, Any] = {
         "vocab_size": VOCAB,
@@ -65,6 +66,7 @@ def build(tiny: Tiny, path: Path, seed: int = 0) -> Any:
         "bos_token_id": 1,
         "eos_token_id": 2,
         "pad_token_id": 0,
+        "initializer_range": init_std,
     }
     if tiny.name == "qwen3_moe":
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -184,10 +186,11 @@ def capturing(llm: Any) -> Iterator[Capture]:
                 module.set_capture_fn(None)
 
 
-def engine(path: Path, dtype: str = "float32", max_num_seqs: int = 4) -> Any:
-    """vLLM's `LLM` on the CPU for a tiny model: token-id prompts, eager, in-process.
-    MLA models get vLLM's reference CPU backend (`CPU_MLA`): the AMX one, chosen by
-    default where the CPU has AMX, takes bf16 weights only."""
+def engine(path: Path, dtype: str = "float32", max_num_seqs: int = 4, **options: Any) -> Any:
+    """vLLM's `LLM` on the CPU for a tiny model: token-id prompts, eager, in-process
+    (`options`: more of `LLM`'s arguments). MLA models get vLLM's reference CPU backend
+    (`CPU_MLA`): the AMX one, chosen by default where the CPU has AMX, takes bf16
+    weights only."""
     from vllm import LLM
 
     return LLM(
@@ -200,6 +203,7 @@ def engine(path: Path, dtype: str = "float32", max_num_seqs: int = 4) -> Any:
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=MAX_LEN * max_num_seqs,
         seed=0,
+        **options,
     )
 
 
@@ -219,3 +223,40 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[tuple[
     return [
         (o.request_id, list(o.prompt_token_ids) + list(o.outputs[0].token_ids)) for o in outputs
     ]
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One sampled request: its id, prompt + output token ids, the prompt's length, and
+    vLLM's log-probabilities of the whole vocabulary `[new tokens, vocab]` at each
+    sampled token (the distribution it was drawn from: vLLM's raw logprobs)."""
+
+    request_id: str
+    tokens: list[int]
+    prompt_len: int
+    logprobs: np.ndarray
+
+
+def sample(llm: Any, prompts: list[list[int]], max_tokens: int, seed: int = 0) -> list[Sampled]:
+    """Sampled at temperature 1 with the whole vocabulary's logprobs per token (the
+    engine needs `max_logprobs=VOCAB`)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(
+        temperature=1.0, seed=seed, max_tokens=max_tokens, ignore_eos=True, logprobs=VOCAB
+    )
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+    out = []
+    for o in outputs:
+        done = o.outputs[0]
+        assert done.logprobs is not None
+        assert len(done.logprobs) == len(done.token_ids)
+        rows = np.full((len(done.token_ids), VOCAB), -np.inf, dtype=np.float32)
+        for row, position in zip(rows, done.logprobs, strict=True):
+            for token, logprob in position.items():
+                row[token] = logprob.logprob
+        assert np.isfinite(rows).all(), "vLLM left tokens out of the distribution"
+        tokens = list(o.prompt_token_ids) + list(done.token_ids)
+        out.append(Sampled(o.request_id, tokens, len(o.prompt_token_ids), rows))
+    return out
