@@ -362,8 +362,13 @@ def run(
         for trainer in trainers
     ]
     if megatron:
+        import torch.distributed as dist
+        from vllm.distributed import cleanup_dist_env_and_memory
+
         from megatron_world import cpu_shims, world
 
+        if dist.is_initialized():  # vLLM's group of one, left by an engine still alive
+            cleanup_dist_env_and_memory()
         with cpu_shims(), world():
             out += [
                 megatron_trainer(hf, trainer, requests, dtype)

@@ -17,6 +17,6 @@ def figures() -> list[str]:
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if FIGURES:
-        terminalreporter.section("routes: vLLM against the HF model")
+        terminalreporter.section("routes: vLLM against the trainers")
         for line in FIGURES:
             terminalreporter.write_line(line)
