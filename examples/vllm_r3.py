@@ -20,7 +20,12 @@ exactly vLLM's experts (checked, layer by layer, token by token), and the mean
 KL(vLLM || trainer) of the next-token distribution over the whole vocabulary at every
 sampled token, without and with replay.
 
-    python examples/vllm_r3.py [--prompts 8] [--new-tokens 24]  # vLLM's environment
+    python examples/vllm_r3.py [--prompts 8] [--new-tokens 24] [--init-std 0.3]
+
+in vLLM's environment (`make test-vllm` builds it, megatron-core included; about 20 s on
+2 cores; `--no-megatron` leaves Megatron out). The weights are drawn at std 0.3 so that
+the outputs depend on the experts; at HF's default (0.02) the next-token distributions
+are nearly uniform. docs/integrations.md ("vLLM") has the figures.
 """
 
 from __future__ import annotations
