@@ -211,6 +211,8 @@ def megatron_gpt(hf: Any, dtype: str) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
     from torch.nn.functional import silu
 
+    from megatron_world import REPLAY_ON_CPU
+
     c = hf.config
     assert c.norm_topk_prob  # Megatron's softmax over the top-k logits is the same
     config = TransformerConfig(
@@ -229,15 +231,8 @@ def megatron_gpt(hf: Any, dtype: str) -> Any:
         qk_layernorm=True,
         gated_linear_unit=True,
         activation_func=silu,
-        add_bias_linear=False,
         add_qkv_bias=False,
-        moe_enable_routing_replay=True,
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        moe_token_dispatcher_type="allgather",
-        use_cpu_initialization=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        **REPLAY_ON_CPU,
         params_dtype=DTYPES[dtype],
         bf16=dtype == "bf16",
     )

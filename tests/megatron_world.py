@@ -129,6 +129,20 @@ def world(
         dist.destroy_process_group()
 
 
+# what every MoE here is built with: routing replay on, no load balancing, the
+# allgather dispatcher, weights made on the CPU, no dropout, no biases
+REPLAY_ON_CPU: dict[str, Any] = dict(
+    moe_enable_routing_replay=True,
+    moe_router_load_balancing_type="none",
+    moe_aux_loss_coeff=0.0,
+    moe_token_dispatcher_type="allgather",
+    use_cpu_initialization=True,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    add_bias_linear=False,
+)
+
+
 def tiny_config(**overrides: Any) -> Any:
     """A tiny MoE transformer: 3 layers, the first dense, 8 experts, top-2."""
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -142,14 +156,7 @@ def tiny_config(**overrides: Any) -> Any:
         num_moe_experts=8,
         moe_router_topk=2,
         moe_layer_freq=[0, 1, 1],
-        moe_enable_routing_replay=True,
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        moe_token_dispatcher_type="allgather",
-        use_cpu_initialization=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        add_bias_linear=False,
+        **REPLAY_ON_CPU,
     )
     options.update(overrides)
     return TransformerConfig(**options)

@@ -21,7 +21,7 @@ from r3store_client.tq_samples import (
     per_sample,
     sample_tensors,
     sample_write,
-    sample_writes,
+    turn_writes,
 )
 from r3store_client.turn_routes import TurnsMeta
 
@@ -53,7 +53,7 @@ def test_a_sample_is_written_with_its_tokens_and_zero_rows_as_no_route() -> None
     # ordered namespace takes (a write whose slots are a set it would refuse)
     assert (write.slot_order, write.producer) == ("verbatim", "TransferQueue")
     check_slot_order(write, SPEC)
-    turns = sample_writes("t", routes(6), SPEC, turns=TurnsMeta((0, 3), (None, 1)))
+    turns = turn_writes(sample_write("t", routes(6), SPEC), TurnsMeta((0, 3), (None, 1)))
     assert [w.slot_order for w in turns] == ["verbatim", "verbatim"]
     with pytest.raises(InvalidRoutes, match="TransferQueue promises no order"):
         check_slot_order(replace(write, slot_order="set"), SPEC)

@@ -16,7 +16,7 @@ from r3store.refs import RouteRef
 from r3store.spec import RouteSpec
 from r3store_client import Client
 from r3store_client.tensors import compact
-from r3store_client.tq_samples import sample_writes
+from r3store_client.tq_samples import sample_write, turn_writes
 from r3store_client.turn_routes import TURNS_FIELD, Turns, TurnsMeta
 
 L, K = 2, 2
@@ -98,7 +98,7 @@ def test_a_sample_with_turns_is_stored_a_segment_each(tmp_path: Path) -> None:
     routes = torch.from_numpy(engine_answer(rng, 14).astype(np.int16))
     routes[-1] = 0  # the last token's row: no route
     turns = TurnsMeta((0, 7, 11), (None, 3, 4))
-    writes = sample_writes(
+    whole = sample_write(
         "tq/train/mt",
         routes,
         spec,
@@ -106,8 +106,9 @@ def test_a_sample_with_turns_is_stored_a_segment_each(tmp_path: Path) -> None:
         prompt_len=5,
         group_id="g",
         policy_version=2,
-        turns=turns,
     )
+    writes = turn_writes(whole, turns)
+    assert turn_writes(whole, None) == [whole]
     assert [(w.start, w.num_tokens, w.policy_version) for w in writes] == [
         (0, 7, 2),
         (7, 4, 3),

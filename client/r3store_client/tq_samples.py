@@ -14,6 +14,7 @@ order, kept only so that the tensor comes back bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -105,49 +106,26 @@ def new_trajectory_id(partition: str) -> str:
     return f"tq/{partition}/{uuid.uuid4().hex}"
 
 
-def sample_writes(
-    trajectory_id: str,
-    routes: torch.Tensor,
-    spec: RouteSpec,
-    *,
-    token_ids: torch.Tensor | None = None,
-    prompt_len: int = 0,
-    group_id: str | None = None,
-    policy_version: int = 0,
-    turns: TurnsMeta | None = None,
-) -> list[TrajectoryWrite]:
-    """One sample's routes `[T, L, K]` as trajectory writes: one, or with `turns` a
-    segment per turn, appended in order, each with its turn's policy version (else
-    `policy_version`); its token ids with it when they are `T` of them, a prompt
-    length past `T` dropped (the write refuses none); K zeros in a row (K > 1) stored
-    as no route."""
-    whole = sample_write(
-        trajectory_id,
-        routes,
-        spec,
-        token_ids=token_ids,
-        prompt_len=prompt_len,
-        group_id=group_id,
-        policy_version=policy_version,
-    )
+def turn_writes(whole: TrajectoryWrite, turns: TurnsMeta | None) -> list[TrajectoryWrite]:
+    """A sample's write (`sample_write`) as it is stored: whole, or with `turns` a
+    segment per turn, appended in order, each with its turn's policy version (else the
+    sample's); the prompt length and group go with the first."""
     if turns is None:
         return [whole]
+    assert whole.topk is not None
     out = []
     for start, length, version in turns.segments(whole.num_tokens):
         end = start + length
-        assert whole.topk is not None
         out.append(
-            TrajectoryWrite(
-                trajectory_id,
+            dataclasses.replace(
+                whole,
                 num_tokens=length,
                 topk=whole.topk[start:end],
                 start=start,
                 prompt_len=whole.prompt_len if start == 0 and whole.prompt_len <= length else 0,
                 group_id=whole.group_id if start == 0 else None,
-                policy_version=policy_version if version is None else version,
+                policy_version=whole.policy_version if version is None else version,
                 token_ids=None if whole.token_ids is None else whole.token_ids[start:end],
-                slot_order=whole.slot_order,
-                producer=whole.producer,
             )
         )
     return out
@@ -163,7 +141,9 @@ def sample_write(
     group_id: str | None = None,
     policy_version: int = 0,
 ) -> TrajectoryWrite:
-    """One sample's routes `[T, L, K]` as one trajectory write (`sample_writes`)."""
+    """One sample's routes `[T, L, K]` as a trajectory write: its token ids with it
+    when they are `T` of them, a prompt length past `T` dropped (the write refuses
+    none); K zeros in a row (K > 1) stored as no route."""
     tokens, layers, k = (int(n) for n in routes.shape)  # as `describe` checked
     if (layers, k) != (spec.num_layers, spec.top_k):
         raise InvalidInput(

@@ -57,7 +57,8 @@ from r3store_client.tq_samples import (
     new_trajectory_id,
     per_sample,
     sample_tensors,
-    sample_writes,
+    sample_write,
+    turn_writes,
 )
 from r3store_client.turn_routes import TurnsMeta
 
@@ -225,7 +226,7 @@ class R3StoreManager(StorageManager):  # type: ignore[misc]
                 if meta.shape[0] == 0:
                     continue
                 tag = tags[i] or {}
-                made = sample_writes(
+                whole = sample_write(
                     new_trajectory_id(metadata.partition_ids[i]),
                     value,
                     spec,
@@ -233,8 +234,8 @@ class R3StoreManager(StorageManager):  # type: ignore[misc]
                     prompt_len=_int(tag.get("prompt_len")),
                     group_id=None if groups is None else str(groups[i]),
                     policy_version=_int(tag.get("global_steps")),
-                    turns=None if extras is None else TurnsMeta.of(extras[i]),
                 )
+                made = turn_writes(whole, None if extras is None else TurnsMeta.of(extras[i]))
                 writes += made
                 owners.append((gi, field, meta, len(made)))
         refs: list[RouteRef] = []
