@@ -144,6 +144,8 @@ def test_what_each_converter_says_of_its_slot_order() -> None:
     assert (unranked.slot_order, unranked.producer) == ("set", "DeepseekV3TopkRouter")
     assert from_hf_router("h", layers, router="SomeOtherRouter").slot_order == "set"
     assert from_hf_router("h", layers).slot_order == "set"  # whose? not said
+    kept = from_hf_router("h", layers, router="DeepseekV3TopkRouter", slot_order="verbatim")
+    assert kept.slot_order == "verbatim"  # the caller keeps the slots as they came
     assert from_topk("t", ids, 10).slot_order == "rank"  # plain ids: the caller's word
     with pytest.raises(InvalidInput, match="slot_order must be one of"):
         TrajectoryWrite("t", 10, topk=ids, slot_order="sorted").check()  # type: ignore[arg-type]

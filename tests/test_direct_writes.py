@@ -794,6 +794,16 @@ def test_a_plan_stores_its_blob_and_nothing_larger(server: ServerProcess, object
         done = _commit(http, ns, _body(plan, len(blob), segments))
         assert done.status_code == 200, done.text
         assert len(objects.get(key)) == len(blob)
+        # a plan no longer planned gives no URL: committed, or its namespace deleted
+        again = asked(http, len(blob))
+        assert again.status_code == 409, again.text
+        assert again.json()["error"]["code"] == "plan_gone"
+        unused = _plan(http, ns)
+        assert other.delete(f"/v1/namespaces/{ns}").status_code in (200, 204)
+        body = {"plan": unused["plan"], "size": len(blob)}
+        gone = http.post(f"/v1/namespaces/{ns}/writes/upload", json=body)
+        assert gone.status_code == 409, gone.text
+        assert _key_of(unused) not in _listed(objects, f"{SHARD_PREFIX}{ns}/")
 
 
 def test_one_key_holds_a_bounded_number_of_write_plans(tmp_path: Path, seaweed: SeaweedFS) -> None:

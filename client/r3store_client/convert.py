@@ -239,7 +239,8 @@ def from_hf_router(
     family whose final top-k is sorted by score (`hf_routers.Family.ranked`: Qwen,
     Mixtral, OLMoE, ...) gives them in rank order (`slot_order="rank"`); any other
     (DeepSeek-V3 and its siblings take `sorted=False`), or none named, promises no order
-    (`"set"`: an ordered namespace refuses it).
+    (`"set"`: an ordered namespace refuses it). `slot_order="verbatim"` keeps the slots
+    as they came, whatever the router.
     """
     if not layer_topk:
         raise InvalidRoutes("no layers given")
@@ -253,14 +254,9 @@ def from_hf_router(
         name = hf_router_name(router)
         family = FAMILIES.get(name)
         ranked = family is not None and family.ranked
-    return TrajectoryWrite(
-        trajectory_id,
-        num_tokens or ids.shape[0],
-        topk=ids,
-        slot_order=RANK if ranked else SET,
-        producer=name,
-        **meta,
-    )
+    meta.setdefault("slot_order", RANK if ranked else SET)
+    meta.setdefault("producer", name)
+    return TrajectoryWrite(trajectory_id, num_tokens or ids.shape[0], topk=ids, **meta)
 
 
 def from_topk(trajectory_id: str, ids: Any, num_tokens: int, **meta: Any) -> TrajectoryWrite:

@@ -68,7 +68,7 @@ log = logging.getLogger(__name__)
 
 NAME = "R3Store"
 CHECKPOINT_FILE = "r3store.json"  # in TransferQueue's checkpoint directory
-PUT_CHUNK = 64  # trajectories per upload
+PUT_CHUNK = 64  # writes per upload (a sample's turns are never split)
 CONSUME_SECONDS = 60.0  # the lease a clear takes and commits at once
 TIMEOUT = 60.0  # seconds, of each request to r3store
 
@@ -215,7 +215,7 @@ class R3StoreManager(StorageManager):  # type: ignore[misc]
         extras = _column(data, "extra_fields")
         tags = list(metadata.custom_meta or [{}] * len(metadata.global_indexes))
         metas: dict[int, dict[str, Any]] = {gi: {} for gi in metadata.global_indexes}
-        writes: list[TrajectoryWrite] = []
+        samples: list[list[TrajectoryWrite]] = []  # each sample's writes (one, or its turns)
         owners = []
         for field in routes:
             for i, (gi, value) in enumerate(
@@ -236,11 +236,10 @@ class R3StoreManager(StorageManager):  # type: ignore[misc]
                     policy_version=_int(tag.get("global_steps")),
                 )
                 made = turn_writes(whole, None if extras is None else TurnsMeta.of(extras[i]))
-                writes += made
+                samples.append(made)
                 owners.append((gi, field, meta, len(made)))
         refs: list[RouteRef] = []
-        for at in range(0, len(writes), PUT_CHUNK):
-            part = writes[at : at + PUT_CHUNK]  # a sample's turns in order, in one or more
+        for part in _chunks(samples):
             refs += [result.ref for result in await client.put(self.settings.namespace, part)]
         for gi, field, meta, count in owners:
             ref, refs = RouteRef.joined(refs[:count]), refs[count:]
@@ -359,6 +358,17 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
+
+
+def _chunks(samples: list[list[TrajectoryWrite]]) -> list[list[TrajectoryWrite]]:
+    """The samples' writes in puts of about `PUT_CHUNK` writes, a sample's turns always
+    in one put: all of a sample stored, or none of it."""
+    out: list[list[TrajectoryWrite]] = []
+    for writes in samples:
+        if not out or (out[-1] and len(out[-1]) + len(writes) > PUT_CHUNK):
+            out.append([])
+        out[-1].extend(writes)
+    return out
 
 
 def _column(data: TensorDict, name: str) -> list[Any] | None:

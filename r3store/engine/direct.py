@@ -164,7 +164,8 @@ class DirectWrites:
     ) -> BlobUpload:
         """The presigned, create-only PUT of the blob `plan` names, for exactly `size`
         bytes (the store refuses any other length), working until the plan expires;
-        `PayloadTooLarge` past `most` bytes, `PlanGone` once the plan expired."""
+        `PayloadTooLarge` past `most` bytes, `PlanGone` once the plan expired or is no
+        longer planned (an object put then would be one no collection knows)."""
         key, expires_at = self._verify(namespace, plan, writer)
         if size > min(most, MAX_BLOB_BYTES):
             raise PayloadTooLarge(
@@ -174,6 +175,11 @@ class DirectWrites:
         left = int(expires_at - self.clock())
         if left < 1:
             raise PlanGone("the write plan expired: ask for a new one")
+        if not self.catalog.ledger.is_planned(key, DIRECT):  # nothing would collect it
+            raise PlanGone(
+                "the write plan is no longer planned (committed, collected, or its namespace "
+                "deleted): ask for a new one"
+            )
         url, headers = self.store.presign_put(key, left, size)
         return BlobUpload(url, headers, expires_at)
 

@@ -234,7 +234,8 @@ def recommit_other(ctx: Ctx) -> None:
 
 
 def overwrite_after_commit(ctx: Ctx) -> None:
-    """The plan's URL used again once committed: create-only, so readers keep the bytes."""
+    """The plan used again once committed: no new URL is given for it, and the one
+    given before is create-only, so readers keep the bytes."""
     up = ctx.upload(pick_ns(ctx))
     ctx.commit(up.namespace, up.body())
     status = ctx.put(up.namespace, up.plan, os.urandom(len(up.blob)))

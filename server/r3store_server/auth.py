@@ -170,8 +170,10 @@ class KeyRing:
     def _catalog_keys(self, force: bool = False, refresh: bool = True) -> list[_Stored]:
         if self._catalog is None:
             return []
+        if not (force or refresh):  # on the event loop: never wait for a refresh
+            return self._cached
         with self._lock:
-            if force or (refresh and time.monotonic() - self._cached_at > self.refresh):
+            if force or time.monotonic() - self._cached_at > self.refresh:
                 try:
                     records = self._catalog()
                 except R3StoreError as exc:  # a catalog outage: keep the keys known so far
