@@ -20,6 +20,7 @@ from bench import (
     lease_bench,
     memory_bench,
     replay_bench,
+    request_bench,
     rest_bench,
     verl_env,
 )
@@ -34,8 +35,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     parser.add_argument(
         "--only",
-        default="codec,rest,engine,http,datapath,direct,catalog,memory,hardening,abuse,leases,replay"
-        ",ray,async,grpo,transferqueue",
+        default="codec,rest,engine,http,datapath,requests,direct,catalog,memory,hardening,abuse"
+        ",leases,replay,ray,async,grpo,transferqueue",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -68,6 +69,9 @@ def main() -> None:
     if chosen("datapath", "datapath (starting SeaweedFS)"):
         with seaweedfs.running() as server:
             figures += datapath_bench.run(server, count=32 if args.quick else 256)
+    if chosen("requests", "requests (a request's server CPU, starting SeaweedFS)"):
+        with seaweedfs.running() as server:
+            figures += request_bench.run(server, requests=100 if args.quick else 400)
     if chosen("direct", "direct (fuzzing direct commits, starting SeaweedFS)"):
         with seaweedfs.running() as server:
             more, detail = direct_fuzz_bench.run(server, cases=300 if args.quick else 2000)
