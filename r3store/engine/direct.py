@@ -167,9 +167,10 @@ class DirectWrites:
         `PayloadTooLarge` past `most` bytes, `PlanGone` once the plan expired or is no
         longer planned (an object put then would be one no collection knows)."""
         key, expires_at = self._verify(namespace, plan, writer)
-        if size > min(most, MAX_BLOB_BYTES):
+        most = min(most, MAX_BLOB_BYTES)
+        if size > most:
             raise PayloadTooLarge(
-                f"a blob of {size} bytes; a commit takes at most {min(most, MAX_BLOB_BYTES)}: "
+                f"a blob of {size} bytes; a commit takes at most {most}: "
                 "upload fewer segments in it"
             )
         left = int(expires_at - self.clock())

@@ -52,8 +52,7 @@ get_budget = _from_state("budget", MemoryBudget)
 
 async def get_deadline(request: Request) -> Deadline:
     """The request's deadline, counted from when its handler starts."""
-    settings: Settings = request.app.state.settings
-    return Deadline(settings.request_timeout)
+    return Deadline((await get_settings(request)).request_timeout)
 
 
 # The two ways to send a key, declared so that the OpenAPI schema states them (and
@@ -68,7 +67,7 @@ async def get_principal(
     bearer: Annotated[HTTPAuthorizationCredentials | None, Security(BEARER)],
 ) -> Principal:
     presented = key if key is not None else bearer.credentials if bearer else None
-    keys: KeyRing = request.app.state.keyring
+    keys = await get_keyring(request)
     if keys.fresh:  # judged with the keys known now: nothing to read
         return keys.authenticate(presented, client_address(request), refresh=False)
     return await run_in_threadpool(keys.authenticate, presented, client_address(request))
