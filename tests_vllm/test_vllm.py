@@ -21,7 +21,19 @@ import numpy as np
 import pytest
 import torch
 from vllm.utils.serial_utils import numpy2base64
-from vllm_engine import DEEPSEEK_V3, QWEN3_MOE, VOCAB, Tiny, build, capturing, engine, generate
+from vllm_engine import (
+    DEEPSEEK_V3,
+    QWEN3_MOE,
+    VOCAB,
+    Tiny,
+    build,
+    capturing,
+    checkpoint,
+    engine,
+    generate,
+    load_weights,
+    sample,
+)
 
 from r3store.errors import InvalidRoutes
 from r3store.spec import RouteSpec
@@ -154,3 +166,30 @@ def test_vllm_routes_through_r3store_into_hf_replay(
             f"token-layers ({in_rank / total:.2%})"
         )
         assert in_rank < agree
+
+
+def max_logprob_error(llm: Any, hf: Any) -> float:
+    """The largest difference between vLLM's logprobs (the whole vocabulary, at every
+    sampled token) and the HF model's on the same tokens."""
+    worst = 0.0
+    for done in sample(llm, prompts(1), NEW_TOKENS):
+        with torch.no_grad():
+            logits = hf(input_ids=torch.tensor([done.tokens])).logits[0].float()
+        mine = torch.log_softmax(logits, -1)[done.prompt_len - 1 : -1]
+        worst = max(worst, float((mine - torch.from_numpy(done.logprobs)).abs().max()))
+    return worst
+
+
+def test_weights_loaded_into_a_running_engine_are_the_ones_it_runs(tmp_path: Path) -> None:
+    """An RL loop's weight update: the trainer's new weights into the running engine
+    (`load_weights`); vLLM's logprobs are then the new model's, not the old one's."""
+    hf = build(QWEN3_MOE, tmp_path / "model", init_std=0.3)
+    llm = engine(tmp_path / "model", max_logprobs=VOCAB)
+    assert max_logprob_error(llm, hf) < 1e-4
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    moved = max_logprob_error(llm, hf)
+    assert moved > 1e-2  # the old weights, against the new model
+    load_weights(llm, checkpoint(hf, tmp_path / "step1"))
+    assert max_logprob_error(llm, hf) < 1e-4

@@ -260,3 +260,31 @@ def sample(llm: Any, prompts: list[list[int]], max_tokens: int, seed: int = 0) -
         tokens = list(o.prompt_token_ids) + list(done.token_ids)
         out.append(Sampled(o.request_id, tokens, len(o.prompt_token_ids), rows))
     return out
+
+
+def load_weights(llm: Any, weights: dict[str, torch.Tensor]) -> None:
+    """New weights (checkpoint names, as `save_pretrained` writes them) into the running
+    engine, in place, as RL stacks update their engines between steps: vLLM's
+    `reload_weights`, then the CPU experts' prepack again. vLLM 0.32's weight-update path
+    skips that prepack (`UnquantizedFusedMoEMethod._setup_kernel` runs the experts'
+    `process_weights_after_loading` on the first load only), which leaves the MoE
+    weights in the layout the CPU kernel does not read: every logprob after a reload
+    would be off without an error (`test_vllm.py` checks them against the weights)."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
+    for module in runner(llm).get_model().modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if kernel is not None:
+            kernel.fused_experts.process_weights_after_loading(module)
+    llm.reset_prefix_cache()
+
+
+def checkpoint(net: Any, path: Path) -> dict[str, torch.Tensor]:
+    """`net`'s weights as its checkpoint names them (written to `path` and read back:
+    transformers converts its in-memory layout to the checkpoint's on save)."""
+    from safetensors.torch import load_file
+
+    net.save_pretrained(path)
+    out: dict[str, torch.Tensor] = {}
+    for shard in sorted(path.glob("*.safetensors")):
+        out.update(load_file(str(shard)))
+    return out
