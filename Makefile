@@ -101,7 +101,7 @@ $(VLLM_STAMP): pyproject.toml
 test-vllm: $(VLLM_STAMP)
 	cd tests_vllm && $(abspath $(VLLM_PY)) -m pytest
 
-bench: setup $(VERL_STAMP)
+bench: setup $(VERL_STAMP) $(VLLM_STAMP)
 	$(PY) -m bench
 
 clean:

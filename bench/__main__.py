@@ -22,7 +22,7 @@ from bench import (
     replay_bench,
     request_bench,
     rest_bench,
-    verl_env,
+    venvs,
 )
 from bench.figures import Figure, print_table, write_json
 from r3store.testing import seaweedfs
@@ -100,7 +100,7 @@ def main() -> None:
     if chosen(
         "transferqueue", "transferqueue (SimpleStorage beside r3store's backend, verl's env)"
     ):
-        add(verl_env.run("bench.tq_bench", quick=args.quick))
+        add(venvs.run("bench.tq_bench", "verl", quick=args.quick))
     print()
     print_table(figures)
     write_json(figures, args.out, time.perf_counter() - started, details)

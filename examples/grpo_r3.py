@@ -34,8 +34,17 @@ the experts the trainer actually ran: 1.000).
     python examples/grpo_r3.py                      # a few minutes on 2 cores
     python examples/grpo_r3.py --own-server --steps 100 --plot grpo.png --cache /tmp/lm
 
-`python -m bench --only grpo` runs it 100 steps per arm, with a bf16 and an fp8 engine
-(`bench/grpo_bench.py`; the figures and the plot in `bench/results/`).
+`--engine vllm` runs the rollout on vLLM instead (`grpo_vllm.py`, in vLLM's environment:
+`make test-vllm` builds `.venv-vllm`): vLLM serves the policy in bf16 or fp32 with its own
+CPU kernels, vLLM's own capture records its routes, they reach r3store as vLLM delivers
+them (`from_vllm`, stored as sets), and the trainer's weights are loaded into the running
+engine after each step (vLLM's `reload_weights`):
+
+    .venv-vllm/bin/python examples/grpo_r3.py --own-server --engine vllm --steps 100
+
+`python -m bench --only grpo` runs it 100 steps per arm, with the vLLM engine (bf16) and
+the emulated bf16 and fp8 engines (`bench/grpo_bench.py`; figures and plots in
+`bench/results/`).
 
 `--ahead 1` makes the engine run one step ahead of the trainer (trained data one policy
 version old, the namespace's staleness window one version wide).
@@ -73,7 +82,6 @@ from r3store_client import AsyncClient, AsyncRolloutWriter, Client
 from r3store_client.replay import RouterReplay
 from r3store_client.tensors import padded
 
-SPEC = RouteSpec(LAYERS, EXPERTS, TOP_K, ordered=True)
 VOWELS = torch.zeros(256, dtype=torch.bool)
 VOWELS[list(b"aeiou")] = True
 ARMS = ("R3", "no replay")
@@ -103,6 +111,7 @@ class Config:
     clip: float = 0.2
     ahead: int = 0  # the engine runs this many steps ahead of the trainer
     engine_dtype: str = "bf16"
+    engine: str = "emulated"  # or "vllm": the rollout on vLLM (`grpo_vllm.py`)
 
 
 @dataclass
@@ -176,6 +185,47 @@ def round_weights(net: torch.nn.Module, half: torch.dtype) -> None:
         p.copy_(p.to(half).to(p.dtype))
 
 
+class Emulated:
+    """The engine as the trainer's own model, computing in `precision` (`PRECISIONS`)."""
+
+    ordered = True  # the model's routers give their experts in rank order
+
+    def __init__(self, policy: torch.nn.Module, precision: str) -> None:
+        self.net = engine_copy(policy, precision)
+
+    def load(self, net: torch.nn.Module) -> None:
+        """`net`'s weights into the engine (in the engine's format)."""
+        with torch.no_grad():
+            for mine, theirs in zip(self.net.parameters(), net.parameters(), strict=True):
+                mine.copy_(theirs)
+        half = getattr(self.net, "half_precision", None)
+        if half is not None:
+            round_weights(self.net, half)
+
+    def generate(
+        self, prompts: torch.Tensor, length: int, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        gen = torch.Generator().manual_seed(seed)
+        seqs, logps, routes = generate(self.net, prompts, length, gen)
+        return seqs, logps, routes.numpy()
+
+    @staticmethod
+    def write(trajectory_id: str, routes: np.ndarray, **meta: Any) -> TrajectoryWrite:
+        return TrajectoryWrite(trajectory_id, routes.shape[0], topk=routes, **meta)
+
+    def close(self) -> None:
+        pass
+
+
+def engine_for(cfg: Config, policy: torch.nn.Module) -> Any:
+    """The rollout engine `cfg.engine` names, serving `policy`."""
+    if cfg.engine == "vllm":
+        from grpo_vllm import VllmEngine
+
+        return VllmEngine(policy, cfg.engine_dtype, max_seqs=cfg.prompts * cfg.group)
+    return Emulated(policy, cfg.engine_dtype)
+
+
 @contextmanager
 def routes_of(net: torch.nn.Module) -> Iterator[list[list[torch.Tensor]]]:
     """Per router (layer), the experts it handed its MoE block in each forward inside:
@@ -241,13 +291,16 @@ class Loop:
         namespace: str,
         policy: torch.nn.Module,
         data: np.ndarray,
+        engine: Any,
         log: Callable[[str], None] = print,
     ) -> None:
         self.cfg, self.arm, self.client, self.ns, self.data = cfg, arm, client, namespace, data
         self.log = log
         self.trainer = copy.deepcopy(policy).float().eval()
-        self.engine = engine_copy(policy, cfg.engine_dtype)
-        self.replayer = RouterReplay(self.trainer, SPEC)
+        self.engine = engine
+        engine.load(policy)
+        self.spec = RouteSpec(LAYERS, EXPERTS, TOP_K, ordered=engine.ordered)
+        self.replayer = RouterReplay(self.trainer, self.spec)
         self.opt = torch.optim.AdamW(self.trainer.parameters(), lr=cfg.lr, weight_decay=0.0)
         self.rollouts: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.engine_routes: dict[str, torch.Tensor] = {}
@@ -256,7 +309,7 @@ class Loop:
         self.aio = asyncio.new_event_loop()  # the engine's rollout loop (`run` closes it)
         lag = cfg.ahead
         client.create_namespace(
-            namespace, SPEC, NamespaceSettings(max_policy_lag=lag, max_times_sampled=1)
+            namespace, self.spec, NamespaceSettings(max_policy_lag=lag, max_times_sampled=1)
         )
 
     # the engine
@@ -268,19 +321,17 @@ class Loop:
         prompts = torch.from_numpy(
             np.stack([self.data[s : s + cfg.prompt_len] for s in starts]).astype(np.int64)
         ).repeat_interleave(cfg.group, 0)
-        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + batch)
-        seqs, logps, routes = generate(self.engine, prompts, cfg.response_len, gen)
-        n = seqs.shape[1] - 1
+        seed = cfg.seed * 1_000_003 + batch
+        seqs, logps, routes = self.engine.generate(prompts, cfg.response_len, seed)
         writes = []
         for i in range(seqs.shape[0]):
             tid = f"b{batch}/p{i // cfg.group}/s{i % cfg.group}"
             self.rollouts[tid] = (seqs[i], logps[i], self.version)
-            self.engine_routes[tid] = routes[i]
-            writes.append(
-                TrajectoryWrite(
+            self.engine_routes[tid] = torch.from_numpy(routes[i].astype(np.int64))
+            writes.append(  # the tokens fed to the engine: all but the last sample
+                self.engine.write(
                     tid,
-                    n,
-                    topk=routes[i].numpy(),
+                    routes[i],
                     token_ids=seqs[i, :-1].numpy().astype(np.int32),
                     prompt_len=cfg.prompt_len,
                     group_id=f"b{batch}/p{i // cfg.group}",
@@ -294,17 +345,6 @@ class Loop:
                 raise RuntimeError(f"the writer did not deliver batch {batch}: {writer.report}")
 
         self.aio.run_until_complete(put_all())
-
-    def refresh_engine(self) -> None:
-        """The trainer's weights into the engine (in the engine's format)."""
-        with torch.no_grad():
-            for mine, theirs in zip(
-                self.engine.parameters(), self.trainer.parameters(), strict=True
-            ):
-                mine.copy_(theirs)
-        half = getattr(self.engine, "half_precision", None)
-        if half is not None:
-            round_weights(self.engine, half)
 
     # the trainer
 
@@ -321,7 +361,7 @@ class Loop:
         floor = self.version - cfg.ahead
         if oldest < floor:
             raise RuntimeError(f"step {step}: trained version {oldest} below the window {floor}")
-        routes = padded(batch, SPEC)
+        routes = padded(batch, self.spec)
         stored = [item.token_ids for item in items]
         if any(tokens is None for tokens in stored):
             raise RuntimeError(f"step {step}: a trajectory came without its token ids")
@@ -392,7 +432,7 @@ class Loop:
         self.version = self.client.set_policy_version(self.ns, self.version + 1).policy_version
         if self.version != trained + 1:
             raise RuntimeError(f"the policy version moved to {self.version}, not {trained + 1}")
-        self.refresh_engine()
+        self.engine.load(self.trainer)
         return Step(
             step,
             trained,
@@ -482,11 +522,15 @@ def run_arms(
     net = pretrained(cfg, data, log, cache)
     tag = uuid.uuid4().hex[:6]
     results = {}
-    with Client(url) as client:
-        for arm in arms:
-            ns = f"grpo-{'r3' if arm == 'R3' else 'live'}-{tag}"
-            torch.manual_seed(cfg.seed)
-            results[arm] = Loop(cfg, arm, client, ns, net, data, log).run()
+    engine = engine_for(cfg, net)  # one per run: each arm loads the policy into it
+    try:
+        with Client(url) as client:
+            for arm in arms:
+                ns = f"grpo-{'r3' if arm == 'R3' else 'live'}-{tag}"
+                torch.manual_seed(cfg.seed)
+                results[arm] = Loop(cfg, arm, client, ns, net, data, engine, log).run()
+    finally:
+        engine.close()
     return results
 
 
@@ -572,6 +616,12 @@ def main(argv: list[str] | None = None) -> dict[str, Arm]:
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--ahead", type=int, default=defaults.ahead)
     parser.add_argument("--engine-dtype", choices=PRECISIONS, default=defaults.engine_dtype)
+    parser.add_argument(
+        "--engine",
+        choices=["emulated", "vllm"],
+        default=defaults.engine,
+        help="the rollout on the policy's own copy, or on vLLM (bf16 or fp32; vLLM's env)",
+    )
     parser.add_argument("--arms", choices=["both", "r3", "live"], default="both")
     parser.add_argument("--url", default=os.environ.get("R3STORE_URL", "http://127.0.0.1:8330"))
     parser.add_argument("--own-server", action="store_true", help="start a server of its own")
@@ -589,6 +639,7 @@ def main(argv: list[str] | None = None) -> dict[str, Arm]:
         lr=args.lr,
         ahead=args.ahead,
         engine_dtype=args.engine_dtype,
+        engine=args.engine,
     )
     arms = {"both": ARMS, "r3": ("R3",), "live": ("no replay",)}[args.arms]
     # one thread per core, no more: oversubscribing a busy machine makes it far slower
@@ -609,7 +660,8 @@ def main(argv: list[str] | None = None) -> dict[str, Arm]:
     for key, value in figures.items():
         print(f"  {key:24}{value:.4g}")
     if args.plot:
-        plot(results, args.plot, f"GRPO on a tiny Qwen3-MoE, {cfg.engine_dtype} engine")
+        engine = f"{cfg.engine_dtype} {'vLLM' if cfg.engine == 'vllm' else 'emulated'} engine"
+        plot(results, args.plot, f"GRPO on a tiny Qwen3-MoE, {engine}")
         print(f"plot: {args.plot}")
     return results
 
