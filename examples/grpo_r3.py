@@ -112,6 +112,9 @@ class Config:
     ahead: int = 0  # the engine runs this many steps ahead of the trainer
     engine_dtype: str = "bf16"
     engine: str = "emulated"  # or "vllm": the rollout on vLLM (`grpo_vllm.py`)
+    layers: int = LAYERS  # the model's shape
+    experts: int = EXPERTS
+    top_k: int = TOP_K
 
 
 @dataclass
@@ -275,7 +278,7 @@ def generate(
             if i + 1 < length:
                 out = engine(input_ids=nxt, cache=out.cache, use_cache=True)
     routes = torch.cat(
-        [torch.stack([x.reshape(b, -1, TOP_K) for x in layers], 2) for layers in calls], 1
+        [torch.stack([x.reshape(b, -1, x.shape[-1]) for x in layers], 2) for layers in calls], 1
     )
     return tokens, torch.stack(logps, 1), routes.to(torch.int32)
 
@@ -299,7 +302,7 @@ class Loop:
         self.trainer = copy.deepcopy(policy).float().eval()
         self.engine = engine
         engine.load(policy)
-        self.spec = RouteSpec(LAYERS, EXPERTS, TOP_K, ordered=engine.ordered)
+        self.spec = RouteSpec(cfg.layers, cfg.experts, cfg.top_k, ordered=engine.ordered)
         self.replayer = RouterReplay(self.trainer, self.spec)
         self.opt = torch.optim.AdamW(self.trainer.parameters(), lr=cfg.lr, weight_decay=0.0)
         self.rollouts: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
@@ -387,7 +390,7 @@ class Loop:
             else:
                 logits = self.trainer(input_ids=inputs).logits
         self.trainer.eval()
-        used = torch.stack([x.reshape(len(items), -1, TOP_K) for x in calls[0]], 2)
+        used = torch.stack([x.reshape(len(items), -1, cfg.top_k) for x in calls[0]], 2)
         match = same_sets(used, engine_routes)
         if self.arm != "R3":
             own = float(match.float().mean())
@@ -492,14 +495,21 @@ def pretrained(
 ) -> Any:
     """The policy before RL: trained `cfg.pretrain` steps as a language model (kept in
     `cache`, a directory, when given: the same seed and steps load it again)."""
-    net = model(cfg.seed)
-    saved = None if cache is None else cache / f"lm-seed{cfg.seed}-steps{cfg.pretrain}.pt"
+    net = model(cfg.seed, cfg.layers, cfg.experts, cfg.top_k)
+    shape = (
+        ""
+        if (cfg.layers, cfg.experts, cfg.top_k) == (LAYERS, EXPERTS, TOP_K)
+        else (f"-{cfg.layers}x{cfg.experts}top{cfg.top_k}")
+    )
+    name = f"lm-seed{cfg.seed}-steps{cfg.pretrain}{shape}.pt"
+    saved = None if cache is None else cache / name
     if saved is not None and saved.exists():
         log(f"pretrained weights from {saved}")
         net.load_state_dict(torch.load(saved))
         return torch.nn.Module.eval(net)
     log(
-        f"pretraining a tiny Qwen3-MoE ({LAYERS} layers, {EXPERTS} experts, top-{TOP_K}) "
+        f"pretraining a tiny Qwen3-MoE ({cfg.layers} layers, {cfg.experts} experts, "
+        f"top-{cfg.top_k}) "
         f"for {cfg.pretrain} steps as a byte-level language model"
     )
     train(net, data, cfg.pretrain, cfg.seed)
@@ -614,6 +624,9 @@ def main(argv: list[str] | None = None) -> dict[str, Arm]:
     parser.add_argument("--prompt-len", type=int, default=defaults.prompt_len)
     parser.add_argument("--response-len", type=int, default=defaults.response_len)
     parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--layers", type=int, default=defaults.layers)
+    parser.add_argument("--experts", type=int, default=defaults.experts)
+    parser.add_argument("--top-k", type=int, default=defaults.top_k)
     parser.add_argument("--ahead", type=int, default=defaults.ahead)
     parser.add_argument("--engine-dtype", choices=PRECISIONS, default=defaults.engine_dtype)
     parser.add_argument(
@@ -640,6 +653,9 @@ def main(argv: list[str] | None = None) -> dict[str, Arm]:
         ahead=args.ahead,
         engine_dtype=args.engine_dtype,
         engine=args.engine,
+        layers=args.layers,
+        experts=args.experts,
+        top_k=args.top_k,
     )
     arms = {"both": ARMS, "r3": ("R3",), "live": ("no replay",)}[args.arms]
     # one thread per core, no more: oversubscribing a busy machine makes it far slower

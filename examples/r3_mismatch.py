@@ -53,19 +53,21 @@ def corpus(pattern: str, limit: int = 4 << 20) -> np.ndarray:
     return np.frombuffer(b"\n".join(chunks), dtype=np.uint8)
 
 
-def model(seed: int) -> Qwen3MoeForCausalLM:
+def model(
+    seed: int, layers: int = LAYERS, experts: int = EXPERTS, top_k: int = TOP_K
+) -> Qwen3MoeForCausalLM:
     torch.manual_seed(seed)
     config = Qwen3MoeConfig(
         vocab_size=256,
         hidden_size=HIDDEN,
         intermediate_size=256,
         moe_intermediate_size=64,
-        num_hidden_layers=LAYERS,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
-        num_experts=EXPERTS,
-        num_experts_per_tok=TOP_K,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
         norm_topk_prob=True,
         max_position_embeddings=512,
     )
