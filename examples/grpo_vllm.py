@@ -45,13 +45,15 @@ class VllmEngine:
         self._steps = 0
         path = Path(self._dir.name) / "policy"
         policy.save_pretrained(path)  # type: ignore[operator]
+        self.dtype = getattr(torch, DTYPES[precision])
         self.llm = engine(path, DTYPES[precision], max_seqs, enable_prefix_caching=False)
 
     def load(self, net: torch.nn.Module) -> None:
         """`net`'s weights into the running engine."""
         self._steps += 1
         path = Path(self._dir.name) / f"step{self._steps}"
-        load_weights(self.llm, checkpoint(net, path))
+        weights = checkpoint(net, path)  # sent in the engine's dtype, as RL stacks send them
+        load_weights(self.llm, {name: w.to(self.dtype) for name, w in weights.items()})
         for shard in path.iterdir():
             shard.unlink()
         path.rmdir()

@@ -12,6 +12,7 @@ order refuses its routes, and they are stored as sets.
 
 from __future__ import annotations
 
+import gc
 import itertools
 from dataclasses import replace
 from pathlib import Path
@@ -180,16 +181,31 @@ def max_logprob_error(llm: Any, hf: Any) -> float:
     return worst
 
 
-def test_weights_loaded_into_a_running_engine_are_the_ones_it_runs(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_weights_loaded_into_a_running_engine_are_the_ones_it_runs(
+    dtype: str, tmp_path: Path
+) -> None:
     """An RL loop's weight update: the trainer's new weights into the running engine
-    (`load_weights`); vLLM's logprobs are then the new model's, not the old one's."""
+    (`load_weights`, in the engine's dtype). It then samples exactly what a fresh
+    engine built from those weights samples, with the same logprobs; in fp32 they are
+    the HF model's."""
     hf = build(QWEN3_MOE, tmp_path / "model", init_std=0.3)
-    llm = engine(tmp_path / "model", max_logprobs=VOCAB)
-    assert max_logprob_error(llm, hf) < 1e-4
+    llm = engine(tmp_path / "model", dtype, max_logprobs=VOCAB)
+    if dtype == "float32":
+        assert max_logprob_error(llm, hf) < 1e-4
     with torch.no_grad():
         for p in hf.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    moved = max_logprob_error(llm, hf)
-    assert moved > 1e-2  # the old weights, against the new model
-    load_weights(llm, checkpoint(hf, tmp_path / "step1"))
-    assert max_logprob_error(llm, hf) < 1e-4
+    before = sample(llm, prompts(1), NEW_TOKENS)
+    weights = checkpoint(hf, tmp_path / "step1")  # with its config: a model to serve
+    load_weights(llm, {name: w.to(getattr(torch, dtype)) for name, w in weights.items()})
+    reloaded = sample(llm, prompts(1), NEW_TOKENS)
+    if dtype == "float32":
+        assert max_logprob_error(llm, hf) < 1e-4
+    del llm
+    gc.collect()
+    fresh = sample(engine(tmp_path / "step1", dtype, max_logprobs=VOCAB), prompts(1), NEW_TOKENS)
+    for old, new, want in zip(before, reloaded, fresh, strict=True):
+        assert new.tokens == want.tokens
+        assert np.array_equal(new.logprobs, want.logprobs)
+        assert np.abs(old.logprobs[0] - want.logprobs[0]).max() > 1.0  # the weights moved
