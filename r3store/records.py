@@ -150,6 +150,25 @@ class TrajectoryWrite:
             raise InvalidInput(f"{self.trajectory_id}: give exactly one of topk, mask or encoded")
 
 
+# what describes a segment besides its routes, under the same names in each of its
+# records (a write, a direct commit's segment, a shard row, a catalog entry)
+SEGMENT_FIELDS = (
+    "trajectory_id",
+    "start",
+    "group_id",
+    "policy_version",
+    "num_tokens",
+    "prompt_len",
+    "source",
+)
+
+
+def segment_fields(record: Any) -> dict[str, Any]:
+    """`record`'s `SEGMENT_FIELDS`, as keywords for another record of the same segment:
+    `ShardRow(**segment_fields(write), routes=encoded)`."""
+    return {name: getattr(record, name) for name in SEGMENT_FIELDS}
+
+
 @dataclass(frozen=True)
 class Segment:
     """What the store knows of one stored segment, for settling a new one."""

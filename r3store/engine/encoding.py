@@ -30,7 +30,7 @@ from r3store.logic import codec, stats, streams
 from r3store.logic.sources import engine_segments, inherit
 from r3store.logic.writes import canonical_routes, check_slot_order
 from r3store.policy import ENGINE, Source, is_stale, newest_accepted
-from r3store.records import PutResult, Segment, TrajectoryWrite
+from r3store.records import PutResult, Segment, TrajectoryWrite, segment_fields
 from r3store.route_types import Dictionaries, Dictionary, Routes
 from r3store.spec import RouteSpec
 from r3store.storage.catalog import Catalog
@@ -159,18 +159,7 @@ class Encoder:
                 salt=_salt(write),
                 token_ids=write.tokens(),
             )
-        return ShardRow(
-            trajectory_id=write.trajectory_id,
-            start=write.start,
-            group_id=write.group_id,
-            policy_version=write.policy_version,
-            num_tokens=write.num_tokens,
-            prompt_len=write.prompt_len,
-            routes=encoded,
-            source=write.source,
-            load=load,
-            writer=writer,
-        )
+        return ShardRow(**segment_fields(write), routes=encoded, load=load, writer=writer)
 
     def encode(
         self,

@@ -22,7 +22,7 @@ from r3store.logic.streams import MAX_UPLOAD_BYTES, decoded_bytes
 from r3store.policy import ENGINE, MAX_POLICY_VERSION, Source
 from r3store.protocol.fields import SpanModel
 from r3store.protocol.models import PutItem
-from r3store.records import MAX_ID_LENGTH, TrajectoryWrite
+from r3store.records import MAX_ID_LENGTH, TrajectoryWrite, segment_fields
 from r3store.route_types import SentStreams
 from r3store.spans import RouteSpans, Span
 from r3store.spec import RouteSpec
@@ -167,13 +167,7 @@ def pack(writes: Sequence[TrajectoryWrite]) -> tuple[bytes, list[DirectSegment]]
         assert ids is not None
         segments.append(
             DirectSegment(
-                trajectory_id=w.trajectory_id,
-                num_tokens=w.num_tokens,
-                start=w.start,
-                prompt_len=w.prompt_len,
-                policy_version=w.policy_version,
-                group_id=w.group_id,
-                source=w.source,
+                **segment_fields(w),
                 route_transform=int(sent.transform),
                 route_ids=ids,
                 route_counts=place(sent.counts),
@@ -251,16 +245,5 @@ def unpack(
             cut(s.token_ids),
             s.dictionary,
         )
-        writes.append(
-            TrajectoryWrite(
-                s.trajectory_id,
-                s.num_tokens,
-                prompt_len=s.prompt_len,
-                group_id=s.group_id,
-                policy_version=s.policy_version,
-                start=s.start,
-                source=s.source,
-                encoded=sent,
-            )
-        )
+        writes.append(TrajectoryWrite(**segment_fields(s), encoded=sent))
     return writes

@@ -11,6 +11,7 @@ from typing import Any
 
 from r3store.catalog_types import ShardInfo, TrajectoryEntry
 from r3store.policy import Source
+from r3store.records import segment_fields
 from r3store.route_types import EncodedRoutes
 from r3store.spans import RouteSpans
 from r3store.storage.catalog.stats import LoadRecord
@@ -43,13 +44,7 @@ def _entries(
     return [
         TrajectoryEntry(
             namespace=namespace,
-            trajectory_id=row.trajectory_id,
-            source=row.source,
-            start=row.start,
-            group_id=row.group_id,
-            policy_version=row.policy_version,
-            num_tokens=row.num_tokens,
-            prompt_len=row.prompt_len,
+            **segment_fields(row),
             digest=row.digest,
             route_bytes=nbytes,
             shard_key=key,
@@ -143,15 +138,4 @@ def load_records(namespace: str, key: str, rows: Sequence[ShardRow]) -> list[Loa
 def row_of(entry: TrajectoryEntry, routes: EncodedRoutes, load: Any = None) -> ShardRow:
     """A stored segment as a shard row again (compaction, rebuild): its entry's
     metadata and its stored streams."""
-    return ShardRow(
-        entry.trajectory_id,
-        entry.start,
-        entry.group_id,
-        entry.policy_version,
-        entry.num_tokens,
-        entry.prompt_len,
-        routes,
-        entry.source,
-        load,
-        entry.writer,
-    )
+    return ShardRow(**segment_fields(entry), routes=routes, load=load, writer=entry.writer)
