@@ -13,6 +13,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path
 
+from r3store.engine.consumption import Consumption
 from r3store.errors import StoreError
 from r3store.leases import LEASE_ID, MAX_STEP, Lease
 from r3store.protocol.consumption import (
@@ -28,9 +29,8 @@ from r3store.protocol.consumption import (
     ResumedModel,
 )
 from r3store_server.auth import Principal
-from r3store_server.deps import DeadlineDep, EngineDep, NamespacePath, PrincipalDep, allowed
+from r3store_server.deps import NamespaceAt, NamespaceDep, PrincipalDep, allowed
 from r3store_server.errors import ERROR_RESPONSES
-from r3store_server.limits import Deadline
 
 log = logging.getLogger("r3store.server")
 router = APIRouter(prefix="/v1/namespaces", tags=["leases"], responses=ERROR_RESPONSES)
@@ -47,26 +47,27 @@ StepPath = Path(ge=0, le=MAX_STEP, description="the trainer step")
 
 @dataclass(frozen=True)
 class LeaseAt:
-    """The lease a request names, and whose leases its key may act on (`holder`)."""
+    """The lease a request names, in its namespace (`at`), and whose leases its key may
+    act on (`holder`)."""
 
-    namespace: str
+    at: NamespaceAt
     lease_id: str
     holder: str | None
 
-    async def act(
-        self, deadline: Deadline, call: Callable[..., Lease], *args: object
-    ) -> LeaseModel:
+    @property
+    def consumption(self) -> Consumption:
+        return self.at.engine.consumption
+
+    async def act(self, call: Callable[..., Lease], *args: object) -> LeaseModel:
         """`call(namespace, lease_id, *args, holder)` off the event loop, within the
-        deadline: the lease as it leaves it."""
-        lease = await deadline.run(call, self.namespace, self.lease_id, *args, self.holder)
+        request's deadline: the lease as it leaves it."""
+        lease = await self.at.run(call, self.lease_id, *args, self.holder)
         return LeaseModel.of(lease)
 
 
-async def lease_at(
-    who: PrincipalDep, namespace: str = NamespacePath, lease_id: str = LeasePath
-) -> LeaseAt:
+async def lease_at(at: NamespaceDep, who: PrincipalDep, lease_id: str = LeasePath) -> LeaseAt:
     """The lease the path names, as the key may act on it."""
-    return LeaseAt(namespace, lease_id, holder(who, namespace))
+    return LeaseAt(at, lease_id, holder(who, at.namespace))
 
 
 LeaseAtDep = Annotated[LeaseAt, Depends(lease_at)]
@@ -78,13 +79,7 @@ LeaseAtDep = Annotated[LeaseAt, Depends(lease_at)]
     response_model=LeaseModel,
     dependencies=[allowed("read")],
 )
-async def take_lease(
-    body: LeaseRequest,
-    engine: EngineDep,
-    who: PrincipalDep,
-    deadline: DeadlineDep,
-    namespace: str = NamespacePath,
-) -> LeaseModel:
+async def take_lease(body: LeaseRequest, at: NamespaceDep, who: PrincipalDep) -> LeaseModel:
     """Lease up to `n` trajectories (chosen as a sample chooses them) or exactly
     `trajectory_ids` (409 unless each is free: stored, not stale, under the sampling cap,
     held by no open lease) for `seconds`. Nothing is counted until the commit; the
@@ -94,44 +89,44 @@ async def take_lease(
     def answered(_found: object) -> None:
         """Refuse to record a lease once the request was answered (its deadline passed):
         nobody would hold it, and it would keep its trajectories from the next one."""
-        if deadline.cancelled.is_set():
+        if at.deadline.cancelled.is_set():
             log.warning(
                 "a lease of namespace %r was not recorded: its request was answered (past "
                 "its deadline) before the catalog took it",
-                namespace,
+                at.namespace,
             )
             raise StoreError("the lease was not recorded: its request was answered already")
 
-    def take() -> LeaseModel:
+    def take(namespace: str) -> LeaseModel:
         # the request's fields are the lease's arguments of the same names
-        lease = engine.consumption.lease(namespace, **dict(body), holder=who.name, admit=answered)
+        lease = at.engine.consumption.lease(
+            namespace, **dict(body), holder=who.name, admit=answered
+        )
         return LeaseModel.of(lease)
 
-    return await deadline.run(take, what="the lease")
+    return await at.run(take, what="the lease")
 
 
 @router.get("/{namespace}/leases", response_model=LeaseList, dependencies=[allowed("read")])
-async def open_leases(
-    engine: EngineDep, who: PrincipalDep, deadline: DeadlineDep, namespace: str = NamespacePath
-) -> LeaseList:
+async def open_leases(at: NamespaceDep, who: PrincipalDep) -> LeaseList:
     """The namespace's open, unexpired leases that this key took (an admin: all of
     them), oldest first, and its epoch."""
 
-    def listed() -> LeaseList:
-        found = engine.consumption.open_leases(namespace, holder(who, namespace))
-        epoch = engine.consumption.epoch(namespace)
+    def listed(namespace: str) -> LeaseList:
+        found = at.engine.consumption.open_leases(namespace, holder(who, namespace))
+        epoch = at.engine.consumption.epoch(namespace)
         return LeaseList(epoch=epoch, leases=[LeaseModel.of(lease) for lease in found])
 
-    return await deadline.run(listed)
+    return await at.run(listed)
 
 
 @router.get(
     "/{namespace}/leases/{lease_id}", response_model=LeaseModel, dependencies=[allowed("read")]
 )
-async def get_lease(engine: EngineDep, deadline: DeadlineDep, lease: LeaseAtDep) -> LeaseModel:
+async def get_lease(lease: LeaseAtDep) -> LeaseModel:
     """A lease and its state (past its expiry: `expired`); 404 once forgotten (a day
     after it closed); 403 for a lease another key took."""
-    return await lease.act(deadline, engine.consumption.get)
+    return await lease.act(lease.consumption.get)
 
 
 @router.post(
@@ -139,19 +134,14 @@ async def get_lease(engine: EngineDep, deadline: DeadlineDep, lease: LeaseAtDep)
     response_model=LeaseModel,
     dependencies=[allowed("read")],
 )
-async def commit_lease(
-    engine: EngineDep,
-    deadline: DeadlineDep,
-    lease: LeaseAtDep,
-    body: CommitRequest | None = None,
-) -> LeaseModel:
+async def commit_lease(lease: LeaseAtDep, body: CommitRequest | None = None) -> LeaseModel:
     """Count each of the lease's trajectories as sampled once (after the trainer's step).
     409 `lease_committed` when committed before (unless with the same `token`: a retry,
     answered again), `lease_expired` past its expiry, `lease_closed` when released,
     `fenced` for a lease of an epoch before a resume; 403 for a lease another key took;
     nothing changes then."""
     token = None if body is None else body.token
-    return await lease.act(deadline, engine.consumption.commit, token)
+    return await lease.act(lease.consumption.commit, token)
 
 
 @router.post(
@@ -159,10 +149,10 @@ async def commit_lease(
     response_model=LeaseModel,
     dependencies=[allowed("read")],
 )
-async def release_lease(engine: EngineDep, deadline: DeadlineDep, lease: LeaseAtDep) -> LeaseModel:
+async def release_lease(lease: LeaseAtDep) -> LeaseModel:
     """Give the lease's trajectories back to the pool uncounted (a step abandoned); 403
     for a lease another key took."""
-    return await lease.act(deadline, engine.consumption.release)
+    return await lease.act(lease.consumption.release)
 
 
 @router.post(
@@ -170,12 +160,10 @@ async def release_lease(engine: EngineDep, deadline: DeadlineDep, lease: LeaseAt
     response_model=LeaseModel,
     dependencies=[allowed("read")],
 )
-async def renew_lease(
-    body: RenewRequest, engine: EngineDep, deadline: DeadlineDep, lease: LeaseAtDep
-) -> LeaseModel:
+async def renew_lease(body: RenewRequest, lease: LeaseAtDep) -> LeaseModel:
     """Hold an open, unexpired lease `seconds` from now (a long step; at most the
     namespace's `leasing.max_seconds`); 403 for a lease another key took."""
-    return await lease.act(deadline, engine.consumption.renew, body.seconds)
+    return await lease.act(lease.consumption.renew, body.seconds)
 
 
 @router.post(
@@ -183,35 +171,28 @@ async def renew_lease(
     response_model=CheckpointModel,
     dependencies=[allowed("checkpoint")],
 )
-async def checkpoint(
-    body: CheckpointRequest,
-    engine: EngineDep,
-    deadline: DeadlineDep,
-    namespace: str = NamespacePath,
-) -> CheckpointModel:
+async def checkpoint(body: CheckpointRequest, at: NamespaceDep) -> CheckpointModel:
     """Record the namespace's consumption at trainer `step` (after its commit), keeping
     the newest `retention.keep_checkpoints`. The same step again with nothing consumed
     since answers the same checkpoint; a step at or before the newest with other
     consumption, 409. `epoch`: refused (409 `fenced`) once resumed since. Trainer or
     admin."""
-    point = await deadline.run(engine.consumption.checkpoint, namespace, body.step, body.epoch)
+    point = await at.run(at.engine.consumption.checkpoint, body.step, body.epoch)
     return CheckpointModel.of(point)
 
 
 @router.get(
     "/{namespace}/checkpoints", response_model=CheckpointList, dependencies=[allowed("read")]
 )
-async def checkpoints(
-    engine: EngineDep, deadline: DeadlineDep, namespace: str = NamespacePath
-) -> CheckpointList:
+async def checkpoints(at: NamespaceDep) -> CheckpointList:
     """The namespace's checkpoints by step, and its epoch."""
 
-    def listed() -> CheckpointList:
-        found = engine.consumption.checkpoints(namespace)
-        epoch = engine.consumption.epoch(namespace)
+    def listed(namespace: str) -> CheckpointList:
+        found = at.engine.consumption.checkpoints(namespace)
+        epoch = at.engine.consumption.epoch(namespace)
         return CheckpointList(epoch=epoch, checkpoints=[CheckpointModel.of(c) for c in found])
 
-    return await deadline.run(listed)
+    return await at.run(listed)
 
 
 @router.delete(
@@ -219,16 +200,11 @@ async def checkpoints(
     response_model=CheckpointDeleted,
     dependencies=[allowed("checkpoint")],
 )
-async def delete_checkpoint(
-    engine: EngineDep,
-    deadline: DeadlineDep,
-    namespace: str = NamespacePath,
-    step: int = StepPath,
-) -> CheckpointDeleted:
+async def delete_checkpoint(at: NamespaceDep, step: int = StepPath) -> CheckpointDeleted:
     """Forget a checkpoint (routes only it kept become retention's again). Trainer or
     admin."""
-    await deadline.run(engine.consumption.delete_checkpoint, namespace, step)
-    return CheckpointDeleted(namespace=namespace, step=step)
+    await at.run(at.engine.consumption.delete_checkpoint, step)
+    return CheckpointDeleted(namespace=at.namespace, step=step)
 
 
 @router.post(
@@ -236,16 +212,11 @@ async def delete_checkpoint(
     response_model=ResumedModel,
     dependencies=[allowed("checkpoint")],
 )
-async def resume(
-    engine: EngineDep,
-    deadline: DeadlineDep,
-    namespace: str = NamespacePath,
-    step: int = StepPath,
-) -> ResumedModel:
+async def resume(at: NamespaceDep, step: int = StepPath) -> ResumedModel:
     """After a crash: the namespace's consumption returns to its checkpoint at `step`.
     Leases committed after it are undone (their trajectories available again, in the
     same FIFO order), open ones fenced, later checkpoints dropped, the policy version
     set back to the checkpoint's, and the epoch moves on (leases and checkpoints of the
     earlier epoch are refused). Not idempotent: each resume starts a new epoch. Trainer
     or admin."""
-    return ResumedModel.of(await deadline.run(engine.consumption.resume, namespace, step))
+    return ResumedModel.of(await at.run(at.engine.consumption.resume, step))

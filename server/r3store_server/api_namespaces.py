@@ -16,7 +16,7 @@ from r3store_server.deps import (
     DeadlineDep,
     EngineDep,
     KeyRingDep,
-    NamespacePath,
+    NamespaceDep,
     PrincipalDep,
     SettingsDep,
     allowed,
@@ -65,37 +65,26 @@ async def list_namespaces(
 
 
 @router.get("/{namespace}", response_model=NamespacePublic, dependencies=[allowed("describe")])
-async def describe_namespace(
-    engine: EngineDep, deadline: DeadlineDep, namespace: str = NamespacePath
-) -> NamespacePublic:
+async def describe_namespace(at: NamespaceDep) -> NamespacePublic:
     """Spec, settings, current policy version and trajectory count."""
-    info = await deadline.run(engine.namespaces.get, namespace)
-    count = await deadline.run(engine.namespaces.count, namespace)
+    info = await at.run(at.engine.namespaces.get)
+    count = await at.run(at.engine.namespaces.count)
     return NamespacePublic.of(info, count)
 
 
 @router.delete("/{namespace}", response_model=NamespaceDeleted, dependencies=[allowed("manage")])
-async def delete_namespace(
-    engine: EngineDep, deadline: DeadlineDep, namespace: str = NamespacePath
-) -> NamespaceDeleted:
+async def delete_namespace(at: NamespaceDep) -> NamespaceDeleted:
     """Delete a namespace, its trajectories and its objects. Admin."""
-    deleted = await deadline.run(engine.namespaces.delete, namespace)
-    return NamespaceDeleted(name=namespace, objects_deleted=deleted)
+    deleted = await at.run(at.engine.namespaces.delete)
+    return NamespaceDeleted(name=at.namespace, objects_deleted=deleted)
 
 
 @router.put(
     "/{namespace}/settings", response_model=NamespacePublic, dependencies=[allowed("manage")]
 )
-async def update_settings(
-    body: NamespaceSettings,
-    engine: EngineDep,
-    deadline: DeadlineDep,
-    namespace: str = NamespacePath,
-) -> NamespacePublic:
+async def update_settings(body: NamespaceSettings, at: NamespaceDep) -> NamespacePublic:
     """Replace the staleness, sampling and retention settings. Admin."""
-    return NamespacePublic.of(
-        await deadline.run(engine.namespaces.update_settings, namespace, body)
-    )
+    return NamespacePublic.of(await at.run(at.engine.namespaces.update_settings, body))
 
 
 @router.put(
@@ -105,21 +94,18 @@ async def update_settings(
 )
 async def set_policy_version(
     body: PolicyVersionSet,
-    engine: EngineDep,
+    at: NamespaceDep,
     settings: SettingsDep,
     keys: KeyRingDep,
     who: PrincipalDep,
-    deadline: DeadlineDep,
-    namespace: str = NamespacePath,
 ) -> NamespacePublic:
     """The trainer's current policy version: forward only, at most
     `R3STORE_MAX_POLICY_STEP` per call. Trainer or admin; `force` (set it as given, back
     or any distance forward: a repair) takes an admin key."""
     if body.force:
-        keys.authorize(who, "manage", namespace)
-    info = await deadline.run(
-        engine.namespaces.set_policy_version,
-        namespace,
+        keys.authorize(who, "manage", at.namespace)
+    info = await at.run(
+        at.engine.namespaces.set_policy_version,
         body.policy_version,
         settings.max_policy_step,
         body.force,

@@ -43,10 +43,9 @@ from r3store.spec import RouteSpec
 from r3store_server.answer_memory import AnswerCharge, ChargedAnswer, answer_cost
 from r3store_server.deps import (
     BudgetDep,
-    DeadlineDep,
-    EngineDep,
     MetricsDep,
-    NamespacePath,
+    NamespaceAt,
+    NamespaceDep,
     PrincipalDep,
     SettingsDep,
     allowed,
@@ -127,13 +126,11 @@ async def read_body(
 )
 async def upload(
     request: Request,
-    engine: EngineDep,
+    at: NamespaceDep,
     settings: SettingsDep,
     metrics: MetricsDep,
     budget: BudgetDep,
-    deadline: DeadlineDep,
     who: PrincipalDep,
-    namespace: str = NamespacePath,
 ) -> PutResponse:
     """Store trajectories (or appended segments); answers after the durable commit.
 
@@ -143,8 +140,8 @@ async def upload(
     Retry-After; a slow store answers 503 with Retry-After (the upload may still land:
     retry it). Writer or admin.
     """
-    spec = await deadline.run(engine.namespaces.spec, namespace)
-    body, reservation = await deadline.wait(
+    spec = await at.run(at.engine.namespaces.spec)
+    body, reservation = await at.deadline.wait(
         read_body(request, settings.max_body_bytes, budget, settings.request_timeout / 2, who.name),
         "reading the body",
     )
@@ -153,25 +150,26 @@ async def upload(
     def admit(rows: int, checking: int) -> None:
         charge_rows(rows, spec, budget, reservation, checking)
 
-    def store() -> PutResponse:
+    def store(namespace: str) -> PutResponse:
         writes = decode_writes(body, spec, settings.max_upload_rows, admit)
         token_layers = sum(w.num_tokens for w in writes) * spec.num_layers
         others = who.may("annotate", namespace)  # another key's trajectories too
-        encoded = engine.encode(
-            namespace, writes, writer=who.name, annotate_any=others, stop=deadline.cancelled.is_set
+        stop = at.deadline.cancelled.is_set
+        encoded = at.engine.encode(
+            namespace, writes, writer=who.name, annotate_any=others, stop=stop
         )
         del writes  # nothing refers to the body any more: its memory goes before the commit
         with contextlib.suppress(BufferError):
             body.clear()
-        if deadline.cancelled.is_set():  # answered meanwhile (503): store nothing
+        if stop():  # answered meanwhile (503): store nothing
             raise StoreError("the upload was answered before it was committed")
         started = time.perf_counter()
-        results = engine.commit(encoded)
+        results = at.engine.commit(encoded)
         metrics.commit.observe(time.perf_counter() - started)
         metrics.token_layers_in.inc(token_layers)
         return PutResponse(results=[PutItem.of(r) for r in results])
 
-    return await deadline.run(store, what="the upload", reservation=reservation)
+    return await at.deadline.run(store, at.namespace, what="the upload", reservation=reservation)
 
 
 def charge_rows(
@@ -288,12 +286,13 @@ def _answer(
 
 
 async def _charged(
-    deadline: Deadline, make: Callable[[], Response], charge: AnswerCharge, what: str
+    at: NamespaceAt, make: Callable[[str], Response], charge: AnswerCharge, what: str
 ) -> Response:
-    """The answer `make` makes within the request's deadline, holding `charge` (taken by
-    its `read_limit`) until it has been sent; given back at once if it fails."""
+    """The answer `make` makes of the namespace within the request's deadline, holding
+    `charge` (taken by its `read_limit`) until it has been sent; given back at once if
+    it fails."""
     try:
-        answer = await deadline.run(make, what=what)
+        answer = await at.run(make, what=what)
     except BaseException:
         charge.release()
         raise
@@ -308,13 +307,11 @@ async def _charged(
 )
 async def read_batch(
     body: BatchRequest,
-    engine: EngineDep,
+    at: NamespaceDep,
     settings: SettingsDep,
     metrics: MetricsDep,
-    deadline: DeadlineDep,
     budget: BudgetDep,
     who: PrincipalDep,
-    namespace: str = NamespacePath,
 ) -> Response:
     """The routes of the trajectories a trainer rank holds, in the order asked.
 
@@ -327,11 +324,11 @@ async def read_batch(
     """
     charge = AnswerCharge(budget, who.name)
 
-    def fetch() -> Response:
-        spec = engine.namespaces.spec(namespace)
+    def fetch(namespace: str) -> Response:
+        spec = at.engine.namespaces.spec(namespace)
         if body.layers is not None:
             spec.check_layers(body.layers)  # refused before anything is read
-        batch = engine.get_batch(
+        batch = at.engine.get_batch(
             namespace,
             body.ids,
             decode=False,
@@ -347,19 +344,13 @@ async def read_batch(
             ),
             as_stored=True,  # each row decoded once, by encode_batch
         )
-        return _answer(batch, spec, body.format, metrics, deadline, body.layers)
+        return _answer(batch, spec, body.format, metrics, at.deadline, body.layers)
 
-    return await _charged(deadline, fetch, charge, "the read")
+    return await _charged(at, fetch, charge, "the read")
 
 
 @router.post("/{namespace}/routes/plan", dependencies=[allowed("read")])
-async def read_plan(
-    body: PlanRequest,
-    engine: EngineDep,
-    settings: SettingsDep,
-    deadline: DeadlineDep,
-    namespace: str = NamespacePath,
-) -> ReadPlanModel:
+async def read_plan(body: PlanRequest, at: NamespaceDep, settings: SettingsDep) -> ReadPlanModel:
     """A direct read: where the routes of `ids` lie in the object store, with presigned
     URLs valid for `expires` seconds (at most the maintenance grace, so a compacted
     shard outlives its URLs). The client fetches the byte ranges itself; the server
@@ -368,11 +359,11 @@ async def read_plan(
     if settings.maintenance_grace > 0:
         expires = max(1, min(expires, int(settings.maintenance_grace)))
 
-    def plan() -> ReadPlanModel:
-        found = engine.read_plan(namespace, body.ids, expires, body.include_stale, body.source)
+    def plan(namespace: str) -> ReadPlanModel:
+        found = at.engine.read_plan(namespace, body.ids, expires, body.include_stale, body.source)
         return ReadPlanModel.of(found)
 
-    return await deadline.run(plan, what="the read plan")
+    return await at.run(plan, what="the read plan")
 
 
 @router.post(
@@ -383,13 +374,11 @@ async def read_plan(
 )
 async def sample(
     body: SampleRequest,
-    engine: EngineDep,
+    at: NamespaceDep,
     who: PrincipalDep,
     settings: SettingsDep,
     metrics: MetricsDep,
-    deadline: DeadlineDep,
     budget: BudgetDep,
-    namespace: str = NamespacePath,
 ) -> Response:
     """Take up to `n` trajectories within the staleness window (FIFO or uniform,
     optionally whole prompt groups) and held by no open lease; each counts toward
@@ -399,9 +388,9 @@ async def sample(
     nothing). Reader or admin."""
     charge = AnswerCharge(budget, who.name)
 
-    def take() -> Response:
-        spec = engine.namespaces.spec(namespace)
-        batch = engine.sample(
+    def take(namespace: str) -> Response:
+        spec = at.engine.namespaces.spec(namespace)
+        batch = at.engine.sample(
             namespace,
             body.n,
             body.strategy,
@@ -412,6 +401,6 @@ async def sample(
             as_stored=True,
             holder=who.name,
         )
-        return _answer(batch, spec, body.format, metrics, deadline)
+        return _answer(batch, spec, body.format, metrics, at.deadline)
 
-    return await _charged(deadline, take, charge, "the sample")
+    return await _charged(at, take, charge, "the sample")

@@ -21,7 +21,7 @@ from r3store.protocol.models import (
 )
 from r3store.protocol.wire import ReadFormat
 from r3store_server.api_routes import read_limit
-from r3store_server.deps import DeadlineDep, EngineDep, NamespacePath, SettingsDep, allowed
+from r3store_server.deps import NamespaceDep, SettingsDep, allowed
 from r3store_server.errors import ERROR_RESPONSES
 
 router = APIRouter(
@@ -45,9 +45,7 @@ def in_range(version: int, low: int | None, high: int | None) -> bool:
 
 @router.get("/{namespace}/stats/experts")
 async def expert_load(
-    engine: EngineDep,
-    deadline: DeadlineDep,
-    namespace: str = NamespacePath,
+    at: NamespaceDep,
     source: Source = SourceQuery,
     min_version: int | None = MinVersion,
     max_version: int | None = MaxVersion,
@@ -55,8 +53,8 @@ async def expert_load(
     """Expert load per policy version: for each layer and expert, the token-layers of
     the routes ever stored (counted at ingest; retention does not take them back)."""
 
-    def answer() -> ExpertLoadModel:
-        loads = engine.analytics.loads(namespace, source)
+    def answer(namespace: str) -> ExpertLoadModel:
+        loads = at.engine.analytics.loads(namespace, source)
         return ExpertLoadModel(
             source=source,
             versions=[
@@ -71,22 +69,16 @@ async def expert_load(
             ],
         )
 
-    return await deadline.run(answer, what="the expert load")
+    return await at.run(answer, what="the expert load")
 
 
 @router.get("/{namespace}/stats/agreement")
-async def agreement(
-    engine: EngineDep,
-    deadline: DeadlineDep,
-    namespace: str = NamespacePath,
-    a: Source = SourceA,
-    b: Source = SourceB,
-) -> AgreementModel:
+async def agreement(at: NamespaceDep, a: Source = SourceA, b: Source = SourceB) -> AgreementModel:
     """How far two route sources of the same trajectories agree, per policy version and
     layer: the experts both chose over the experts the smaller choice holds."""
 
-    def answer() -> AgreementModel:
-        held = engine.analytics.agreement(namespace, a, b)
+    def answer(namespace: str) -> AgreementModel:
+        held = at.engine.analytics.agreement(namespace, a, b)
         return AgreementModel(
             sources=(a, b),
             versions=[
@@ -101,21 +93,16 @@ async def agreement(
             ],
         )
 
-    return await deadline.run(answer, what="the agreement")
+    return await at.run(answer, what="the agreement")
 
 
 @router.get("/{namespace}/stats/drift")
-async def drift(
-    engine: EngineDep,
-    deadline: DeadlineDep,
-    namespace: str = NamespacePath,
-    source: Source = SourceQuery,
-) -> DriftModel:
+async def drift(at: NamespaceDep, source: Source = SourceQuery) -> DriftModel:
     """Router drift: per layer, the Jensen-Shannon divergence (base 2, 0 to 1) of the
     expert load of each policy version from the one before it."""
 
-    def answer() -> DriftModel:
-        steps = engine.analytics.drift(namespace, source)
+    def answer(namespace: str) -> DriftModel:
+        steps = at.engine.analytics.drift(namespace, source)
         return DriftModel(
             source=source,
             steps=[
@@ -124,26 +111,22 @@ async def drift(
             ],
         )
 
-    return await deadline.run(answer, what="the drift")
+    return await at.run(answer, what="the drift")
 
 
 @router.post("/{namespace}/stats/experts/trajectories")
 async def trajectory_loads(
-    body: TrajectoryLoadRequest,
-    engine: EngineDep,
-    settings: SettingsDep,
-    deadline: DeadlineDep,
-    namespace: str = NamespacePath,
+    body: TrajectoryLoadRequest, at: NamespaceDep, settings: SettingsDep
 ) -> TrajectoryLoadsModel:
     """Per-expert token counts of the routes a read of `ids` would serve (same source
     and staleness rules), so a trainer can spread micro-batches over expert-parallel
     ranks before running them. The routes are decoded here: at most
     `R3STORE_MAX_READ_BYTES` of them, as a read in format `ids` would hold (413)."""
 
-    def answer() -> TrajectoryLoadsModel:
-        spec = engine.namespaces.spec(namespace)
+    def answer(namespace: str) -> TrajectoryLoadsModel:
+        spec = at.engine.namespaces.spec(namespace)
         limit = read_limit(spec, ReadFormat.IDS, settings.max_read_bytes, len(body.ids))
-        batch = engine.get_batch(
+        batch = at.engine.get_batch(
             namespace,
             body.ids,
             include_stale=body.include_stale,
@@ -166,4 +149,4 @@ async def trajectory_loads(
             ],
         )
 
-    return await deadline.run(answer, what="the trajectories' expert load")
+    return await at.run(answer, what="the trajectories' expert load")

@@ -27,10 +27,8 @@ from r3store.protocol.models import PutItem
 from r3store_server.api_routes import charge_rows
 from r3store_server.deps import (
     BudgetDep,
-    DeadlineDep,
-    EngineDep,
     MetricsDep,
-    NamespacePath,
+    NamespaceDep,
     PrincipalDep,
     SettingsDep,
     allowed,
@@ -50,12 +48,10 @@ router = APIRouter(prefix="/v1/namespaces", tags=["routes"], responses=ERROR_RES
 )
 async def plan_write(
     body: WritePlanRequest,
-    engine: EngineDep,
+    at: NamespaceDep,
     settings: SettingsDep,
     who: PrincipalDep,
-    deadline: DeadlineDep,
     budget: BudgetDep,
-    namespace: str = NamespacePath,
 ) -> WritePlanModel:
     """A plan for one blob: the token to ask for its URL and to commit it with (this
     API key only), working for `expires` seconds. 400
@@ -63,7 +59,7 @@ async def plan_write(
     upload through `POST .../trajectories` instead. 429 when the key holds
     `R3STORE_MAX_PLANS_PER_KEY` plans not committed and not expired."""
     most = settings.max_plans_per_key
-    plan = await deadline.run(engine.direct.plan, namespace, who.name, body.expires, most)
+    plan = await at.run(at.engine.direct.plan, who.name, body.expires, most)
     return _model(plan, budget)
 
 
@@ -92,19 +88,14 @@ def _model(plan: WritePlan, budget: MemoryBudget) -> WritePlanModel:
     dependencies=[allowed("write")],
 )
 async def upload_url(
-    body: UploadRequest,
-    engine: EngineDep,
-    who: PrincipalDep,
-    deadline: DeadlineDep,
-    budget: BudgetDep,
-    namespace: str = NamespacePath,
+    body: UploadRequest, at: NamespaceDep, who: PrincipalDep, budget: BudgetDep
 ) -> BlobUploadModel:
     """The presigned, create-only PUT of the blob `plan` names, for exactly `size`
     bytes (the object store refuses another length, 403), working until the plan
     expires: ask once the blob is encoded. 413 past the plan's `max_bytes`; 409
     `plan_gone` once the plan expired (ask for a new one); 403 from another API key."""
     most = admissible(budget)
-    made = await deadline.run(engine.direct.upload, namespace, body.plan, body.size, who.name, most)
+    made = await at.run(at.engine.direct.upload, body.plan, body.size, who.name, most)
     return BlobUploadModel(url=made.url, headers=made.headers, expires_at=made.expires_at)
 
 
@@ -116,13 +107,11 @@ async def upload_url(
 )
 async def commit_write(
     body: WriteCommit,
-    engine: EngineDep,
+    at: NamespaceDep,
     settings: SettingsDep,
     metrics: MetricsDep,
     budget: BudgetDep,
-    deadline: DeadlineDep,
     who: PrincipalDep,
-    namespace: str = NamespacePath,
 ) -> WriteCommitted:
     """Check the blob uploaded with `plan` and commit the segments it holds; answers as
     an upload does, after the durable commit. Every segment's streams are checked
@@ -132,9 +121,9 @@ async def commit_write(
     uploaded; 429 when uploads in flight hold the memory budget. With `next_plans`, the
     answer carries that many plans for the next blobs (`next`), made in one catalog
     transaction."""
-    spec = await deadline.run(engine.namespaces.spec, namespace)
+    spec = await at.run(at.engine.namespaces.spec)
     # the plan's own before any memory is held: a forged or foreign one holds none
-    await deadline.run(engine.direct.check_plan, namespace, body.plan, who.name)
+    await at.run(at.engine.direct.check_plan, body.plan, who.name)
     most = admissible(budget)
     if body.size > most:
         raise PayloadTooLarge(
@@ -152,11 +141,11 @@ async def commit_write(
         reservation.release()
         raise
 
-    def store() -> WriteCommitted:
-        if deadline.cancelled.is_set():
+    def store(namespace: str) -> WriteCommitted:
+        if at.deadline.cancelled.is_set():
             raise StoreError("the commit was answered before it was checked")
         started = time.perf_counter()
-        results = engine.direct.commit(
+        results = at.engine.direct.commit(
             namespace,
             body.plan,
             body.size,
@@ -167,7 +156,7 @@ async def commit_write(
         metrics.commit.observe(time.perf_counter() - started)
         metrics.token_layers_in.inc(sum(s.num_tokens for s in body.segments) * spec.num_layers)
         following = (
-            engine.direct.plans(
+            at.engine.direct.plans(
                 namespace, who.name, PLAN_SECONDS, body.next_plans, settings.max_plans_per_key
             )
             if body.next_plans
@@ -177,4 +166,4 @@ async def commit_write(
             results=[PutItem.of(r) for r in results], next=[_model(p, budget) for p in following]
         )
 
-    return await deadline.run(store, what="the commit", reservation=reservation)
+    return await at.deadline.run(store, at.namespace, what="the commit", reservation=reservation)

@@ -1,6 +1,7 @@
-"""Dependencies named as types: routes read `engine: EngineDep, who: PrincipalDep`; a
+"""Dependencies named as types: routes read `at: NamespaceDep, who: PrincipalDep`; a
 route's right is declared with `dependencies=[allowed("write")]` (checked against the
-`namespace` path parameter, when the route has one, declared as `NamespacePath`).
+`namespace` path parameter, when the route has one, declared as `NamespacePath`:
+`NamespaceDep` takes it with the engine and the request's deadline).
 
 Each is `async`: FastAPI runs a plain function dependency in a worker thread, a hop
 that cost more than everything a small request does besides. None of them blocks; the
@@ -9,6 +10,7 @@ key ring's read of the catalog's keys, when one is due, goes to a worker thread.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Path, Request, Security
@@ -87,6 +89,29 @@ PrincipalDep = Annotated[Principal, Depends(get_principal)]
 BudgetDep = Annotated[MemoryBudget, Depends(get_budget)]
 DeadlineDep = Annotated[Deadline, Depends(get_deadline)]
 NamespacePath = Path(pattern=NAME_PATTERN, description="the namespace")
+
+
+@dataclass(frozen=True)
+class NamespaceAt:
+    """The namespace a request's path names, with the engine and the request's deadline
+    to act on it: routes read `at: NamespaceDep` and `await at.run(at.engine.namespaces.get)`."""
+
+    engine: Engine
+    namespace: str
+    deadline: Deadline
+
+    async def run(self, call: Callable[..., T], *args: object, what: str = "the request") -> T:
+        """`call(namespace, *args)` off the event loop, within the request's deadline."""
+        return await self.deadline.run(call, self.namespace, *args, what=what)
+
+
+async def namespace_at(
+    engine: EngineDep, deadline: DeadlineDep, namespace: str = NamespacePath
+) -> NamespaceAt:
+    return NamespaceAt(engine, namespace, deadline)
+
+
+NamespaceDep = Annotated[NamespaceAt, Depends(namespace_at)]
 
 
 def allowed(action: str) -> Any:

@@ -1,8 +1,11 @@
-"""The OpenAPI schema, with integer bounds as exact integers.
+"""The OpenAPI schema, with integer bounds as exact integers and path parameters in
+the order of their path.
 
 FastAPI's schema model types `minimum` and `maximum` as floats, so a bound of
 `2**63 - 1` would be published as `9.223372036854776e18`: a float, and above the
-bound. The exact values come from the pydantic models' own JSON schemas.
+bound. The exact values come from the pydantic models' own JSON schemas. It lists a
+route's own path parameters before those its dependencies declare (a namespace taken
+with `deps.NamespaceDep`).
 """
 
 from __future__ import annotations
@@ -65,6 +68,17 @@ def exact_integers(schema: dict[str, Any], exact: dict[float, int]) -> dict[str,
     return schema
 
 
+def path_order(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` with each operation's path parameters in the order its path names them,
+    before its other parameters (in place)."""
+    for path, operations in schema.get("paths", {}).items():
+        for operation in operations.values():
+            operation.get("parameters", []).sort(
+                key=lambda p: path.find(f"{{{p['name']}}}") if p["in"] == "path" else len(path)
+            )
+    return schema
+
+
 def install(app: FastAPI, models: list[type[BaseModel]]) -> None:
     """Serve the schema of `app` with the exact integer bounds of `models`."""
     exact = integer_bounds(models)
@@ -77,7 +91,7 @@ def install(app: FastAPI, models: list[type[BaseModel]]) -> None:
                 summary=app.summary,
                 routes=app.routes,
             )
-            app.openapi_schema = exact_integers(schema, exact)
+            app.openapi_schema = path_order(exact_integers(schema, exact))
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
