@@ -53,7 +53,7 @@ import pyarrow as pa
 from bench.figures import Figure
 from r3store.protocol.wire import CONTENT_TYPE, encode_writes
 from r3store.records import TrajectoryWrite
-from r3store.testing.service import start_server, stop_server
+from r3store.testing.service import post_until_admitted, start_server, stop_server
 from r3store.testing.synthetic import decode_bomb, uniform_topk
 from r3store_client import Client
 
@@ -402,18 +402,14 @@ def decode_bombs(server: Server) -> dict[str, Any]:
     bodies = [encode_writes(decode_bomb(f"bomb{i}")) for i in range(32)]
 
     def send(i: int) -> list[int]:
-        tries: list[int] = []
-        deadline = time.monotonic() + 60
-        with httpx.Client(base_url=server.url, timeout=120) as http:
-            while not tries or (tries[-1] == 429 and time.monotonic() < deadline):
-                r = http.post(
-                    "/v1/namespaces/large/trajectories",
-                    content=bodies[i],
-                    headers={**_auth("writer"), "Content-Type": CONTENT_TYPE},
-                )
-                tries.append(r.status_code)
-                time.sleep(0.05 * (r.status_code == 429))
-        return tries
+        return post_until_admitted(
+            server.url,
+            "/v1/namespaces/large/trajectories",
+            60,
+            120,
+            content=bodies[i],
+            headers={**_auth("writer"), "Content-Type": CONTENT_TYPE},
+        )
 
     tries = _in_threads(len(bodies), send)
     return {
@@ -475,15 +471,8 @@ def layer_reads(server: Server) -> dict[str, Any]:
     body = {"ids": [f"l{i}" for i in range(12)], "format": "ids", "layers": [0]}
 
     def read(_: int) -> list[int]:
-        tries: list[int] = []
-        deadline = time.monotonic() + 60
-        with httpx.Client(base_url=server.url, timeout=120) as http:
-            while not tries or (tries[-1] == 429 and time.monotonic() < deadline):
-                path = "/v1/namespaces/large/routes/batch"
-                r = http.post(path, json=body, headers=_auth("reader"))
-                tries.append(r.status_code)
-                time.sleep(0.05 * (r.status_code == 429))
-        return tries
+        path = "/v1/namespaces/large/routes/batch"
+        return post_until_admitted(server.url, path, 60, 120, json=body, headers=_auth("reader"))
 
     tries = _in_threads(32, read)
     finals = [t[-1] for t in tries]

@@ -24,6 +24,7 @@ from helpers import eventually, make_write
 from http_helpers import KEYS, SPEC_JSON, ServerProcess, gauge
 from r3store.protocol.wire import CONTENT_TYPE, encode_writes
 from r3store.records import TrajectoryWrite
+from r3store.testing.service import post_until_admitted
 from r3store.testing.synthetic import decode_bomb
 
 STATS = "/v1/namespaces/ns/stats/experts/trajectories"
@@ -414,14 +415,8 @@ def test_checking_encoded_routes_is_charged_to_the_upload_memory(tmp_path: Path)
 
         def upload(body: bytes) -> list[int]:
             """Sent again on 429 (backpressure: no room now), as the clients do."""
-            statuses: list[int] = []
-            deadline = time.monotonic() + 120
-            with httpx.Client(base_url=server.url, timeout=300) as own:
-                while not statuses or (statuses[-1] == 429 and time.monotonic() < deadline):
-                    path = "/v1/namespaces/large/trajectories"
-                    statuses.append(own.post(path, content=body, headers=headers).status_code)
-                    time.sleep(0.05 * (statuses[-1] == 429))
-            return statuses
+            path = "/v1/namespaces/large/trajectories"
+            return post_until_admitted(server.url, path, 120, 300, content=body, headers=headers)
 
         with ThreadPoolExecutor(len(bodies)) as pool:
             tries = list(pool.map(upload, bodies))

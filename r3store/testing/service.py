@@ -1,4 +1,5 @@
-"""Start `r3store-server` in its own process on a free port (benchmarks, examples)."""
+"""Start `r3store-server` in its own process on a free port (benchmarks, examples), and
+send it a request again while it answers 429."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 
 def free_port() -> int:
@@ -71,3 +73,20 @@ def stop_server(process: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait(timeout=10)
+
+
+def post_until_admitted(
+    url: str, path: str, seconds: float, timeout: float, **request: Any
+) -> list[int]:
+    """POST `request` (httpx's arguments) to `path` again while the server at `url`
+    answers 429 (no room now), as the clients do, for `seconds` at most: the status of
+    each try, the last one's final."""
+    import httpx  # test and benchmark support only: the library does not need it
+
+    statuses: list[int] = []
+    deadline = time.monotonic() + seconds
+    with httpx.Client(base_url=url, timeout=timeout) as http:
+        while not statuses or (statuses[-1] == 429 and time.monotonic() < deadline):
+            statuses.append(http.post(path, **request).status_code)
+            time.sleep(0.05 * (statuses[-1] == 429))
+    return statuses
