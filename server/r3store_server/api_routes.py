@@ -12,9 +12,10 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
 
 from r3store.catalog_types import TrajectoryEntry
@@ -52,6 +53,7 @@ from r3store_server.deps import (
 )
 from r3store_server.errors import ERROR_RESPONSES
 from r3store_server.limits import Deadline, MemoryBudget, Reservation
+from r3store_server.metrics import Metrics
 from r3store_server.settings import UPLOAD_COST
 
 router = APIRouter(prefix="/v1/namespaces", tags=["routes"], responses=ERROR_RESPONSES)
@@ -299,20 +301,33 @@ async def _charged(
     return ChargedAnswer(answer, charge)
 
 
+@dataclass(frozen=True)
+class Answering:
+    """What a read's Arrow answer takes: the bytes of routes it may hold
+    (`R3STORE_MAX_READ_BYTES`), the metrics that count it, and its charge on the key's
+    share of the memory budget."""
+
+    max_bytes: int
+    metrics: Metrics
+    charge: AnswerCharge
+
+
+async def answering(
+    settings: SettingsDep, metrics: MetricsDep, budget: BudgetDep, who: PrincipalDep
+) -> Answering:
+    return Answering(settings.max_read_bytes, metrics, AnswerCharge(budget, who.name))
+
+
+AnsweringDep = Annotated[Answering, Depends(answering)]
+
+
 @router.post(
     "/{namespace}/routes/batch",
     response_class=Response,
     responses=ARROW,
     dependencies=[allowed("read")],
 )
-async def read_batch(
-    body: BatchRequest,
-    at: NamespaceDep,
-    settings: SettingsDep,
-    metrics: MetricsDep,
-    budget: BudgetDep,
-    who: PrincipalDep,
-) -> Response:
+async def read_batch(body: BatchRequest, at: NamespaceDep, answer: AnsweringDep) -> Response:
     """The routes of the trajectories a trainer rank holds, in the order asked.
 
     Missing and stale ids are named in the stream's metadata, never dropped silently.
@@ -322,7 +337,6 @@ async def read_batch(
     its metadata naming them. While it is sent the answer holds memory from the budget
     uploads share (429 with Retry-After when there is no room). Reader or admin.
     """
-    charge = AnswerCharge(budget, who.name)
 
     def fetch(namespace: str) -> Response:
         spec = at.engine.namespaces.spec(namespace)
@@ -337,16 +351,16 @@ async def read_batch(
             admit=read_limit(
                 spec,
                 body.format,
-                settings.max_read_bytes,
+                answer.max_bytes,
                 len(body.ids),
                 some_layers=body.layers is not None,
-                charge=charge,
+                charge=answer.charge,
             ),
             as_stored=True,  # each row decoded once, by encode_batch
         )
-        return _answer(batch, spec, body.format, metrics, at.deadline, body.layers)
+        return _answer(batch, spec, body.format, answer.metrics, at.deadline, body.layers)
 
-    return await _charged(at, fetch, charge, "the read")
+    return await _charged(at, fetch, answer.charge, "the read")
 
 
 @router.post("/{namespace}/routes/plan", dependencies=[allowed("read")])
@@ -373,12 +387,7 @@ async def read_plan(body: PlanRequest, at: NamespaceDep, settings: SettingsDep) 
     dependencies=[allowed("read")],
 )
 async def sample(
-    body: SampleRequest,
-    at: NamespaceDep,
-    who: PrincipalDep,
-    settings: SettingsDep,
-    metrics: MetricsDep,
-    budget: BudgetDep,
+    body: SampleRequest, at: NamespaceDep, who: PrincipalDep, answer: AnsweringDep
 ) -> Response:
     """Take up to `n` trajectories within the staleness window (FIFO or uniform,
     optionally whole prompt groups) and held by no open lease; each counts toward
@@ -386,7 +395,6 @@ async def sample(
     count only after the step). Not idempotent: a failed sample may have counted (the
     client does not retry it; a sample answered 429, its answer's memory not free, counted
     nothing). Reader or admin."""
-    charge = AnswerCharge(budget, who.name)
 
     def take(namespace: str) -> Response:
         spec = at.engine.namespaces.spec(namespace)
@@ -397,10 +405,10 @@ async def sample(
             body.whole_groups,
             decode=False,
             seed=body.seed,
-            admit=read_limit(spec, body.format, settings.max_read_bytes, body.n, charge=charge),
+            admit=read_limit(spec, body.format, answer.max_bytes, body.n, charge=answer.charge),
             as_stored=True,
             holder=who.name,
         )
-        return _answer(batch, spec, body.format, metrics, at.deadline)
+        return _answer(batch, spec, body.format, answer.metrics, at.deadline)
 
-    return await _charged(at, take, charge, "the sample")
+    return await _charged(at, take, answer.charge, "the sample")
