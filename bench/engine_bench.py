@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import tempfile
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -68,7 +69,7 @@ def naive(client: object, bucket: str, work: Workload) -> tuple[float, float, in
     return ingest, read, sum(sizes)
 
 
-def ours(store_factory, work: Workload, tmp: Path) -> dict[str, float]:  # type: ignore[no-untyped-def]
+def ours(store_factory: Callable[[], ObjectStore], work: Workload, tmp: Path) -> dict[str, float]:
     """Ingest with 8 writer threads, then batch reads of 32 ids: cold and just written."""
     db = tmp / f"catalog-{uuid.uuid4().hex[:8]}.db"
     store: ObjectStore = store_factory()

@@ -151,7 +151,8 @@ def reward(responses: torch.Tensor) -> torch.Tensor:
 
 
 def engine_copy(policy: torch.nn.Module, precision: str) -> torch.nn.Module:
-    """A copy of `policy` computing in `precision` (`PRECISIONS`)."""
+    """A copy of `policy` computing in `precision` (`PRECISIONS`); its weights are
+    rounded by `round_weights`."""
     engine = copy.deepcopy(policy).eval()
     if precision == "bf16-native":
         return engine.to(torch.bfloat16)
@@ -159,8 +160,6 @@ def engine_copy(policy: torch.nn.Module, precision: str) -> torch.nn.Module:
     if precision in HALF or precision == "fp8":
         half = HALF.get(precision, torch.bfloat16)
         engine.requires_grad_(False)
-        engine.fp8 = precision == "fp8"  # type: ignore[assignment]
-        round_weights(engine, half)
 
         def rounded(value: Any) -> Any:
             if isinstance(value, torch.Tensor) and value.is_floating_point():
@@ -172,17 +171,18 @@ def engine_copy(policy: torch.nn.Module, precision: str) -> torch.nn.Module:
         for module in engine.modules():
             if module is not engine:
                 module.register_forward_hook(lambda _m, _i, out: rounded(out))
-        engine.half_precision = half  # type: ignore[assignment]
     return engine
 
 
 @torch.no_grad()
-def round_weights(net: torch.nn.Module, half: torch.dtype) -> None:
-    """The weights rounded to `half`; with `net.fp8`, the experts' and the attention
-    projections' to float8 e4m3 with a scale per output row."""
-    fp8 = getattr(net, "fp8", False)
+def round_weights(net: torch.nn.Module, precision: str) -> None:
+    """The weights rounded to `precision`'s half format; for `fp8`, the experts' and
+    the attention projections' to float8 e4m3 first, with a scale per output row."""
+    if precision not in HALF and precision != "fp8":
+        return
+    half = HALF.get(precision, torch.bfloat16)
     for name, p in net.named_parameters():
-        if fp8 and p.dim() >= 2 and (".experts." in name or "_proj" in name):
+        if precision == "fp8" and p.dim() >= 2 and (".experts." in name or "_proj" in name):
             scale = p.abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
             p.copy_((p / scale).to(torch.float8_e4m3fn).to(p.dtype) * scale)
         p.copy_(p.to(half).to(p.dtype))
@@ -194,16 +194,16 @@ class Emulated:
     ordered = True  # the model's routers give their experts in rank order
 
     def __init__(self, policy: torch.nn.Module, precision: str) -> None:
+        self.precision = precision
         self.net = engine_copy(policy, precision)
+        round_weights(self.net, precision)
 
     def load(self, net: torch.nn.Module) -> None:
         """`net`'s weights into the engine (in the engine's format)."""
         with torch.no_grad():
             for mine, theirs in zip(self.net.parameters(), net.parameters(), strict=True):
                 mine.copy_(theirs)
-        half = getattr(self.net, "half_precision", None)
-        if half is not None:
-            round_weights(self.net, half)
+        round_weights(self.net, self.precision)
 
     def generate(
         self, prompts: torch.Tensor, length: int, seed: int

@@ -38,13 +38,13 @@ class VllmEngine:
 
     ordered = False  # vLLM promises no slot order: its routes are stored as sets
 
-    def __init__(self, policy: torch.nn.Module, precision: str, max_seqs: int = 32) -> None:
+    def __init__(self, policy: Any, precision: str, max_seqs: int = 32) -> None:
         if precision not in DTYPES:
             raise SystemExit(f"the vLLM engine runs {' or '.join(DTYPES)}, not {precision!r}")
         self._dir = tempfile.TemporaryDirectory(prefix="grpo-vllm-")
         self._steps = 0
         path = Path(self._dir.name) / "policy"
-        policy.save_pretrained(path)  # type: ignore[operator]
+        policy.save_pretrained(path)
         self.dtype = getattr(torch, DTYPES[precision])
         self.llm = engine(path, DTYPES[precision], max_seqs, enable_prefix_caching=False)
 

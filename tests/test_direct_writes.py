@@ -73,14 +73,16 @@ def _plan(http: httpx.Client, ns: str, expires: int | None = None) -> dict[str, 
     body = {} if expires is None else {"expires": expires}
     r = http.post(f"/v1/namespaces/{ns}/writes", json=body)
     assert r.status_code == 201, r.text
-    return r.json()  # type: ignore[no-any-return]
+    plan: dict[str, Any] = r.json()
+    return plan
 
 
 def _upload_url(http: httpx.Client, ns: str, plan: dict[str, Any], size: int) -> dict[str, Any]:
     body = {"plan": plan["plan"], "size": size}
     r = http.post(f"/v1/namespaces/{ns}/writes/upload", json=body)
     assert r.status_code == 200, r.text
-    return r.json()  # type: ignore[no-any-return]
+    url: dict[str, Any] = r.json()
+    return url
 
 
 def _put(upload: dict[str, Any], blob: bytes) -> int:

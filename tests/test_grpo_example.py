@@ -22,9 +22,17 @@ TINY = grpo_r3.Config(
 
 @pytest.mark.slow
 def test_grpo_loop_replays_every_token_layer_and_honours_versions(tmp_path: Path) -> None:
+    check_loop(TINY, tmp_path)
+
+
+def check_loop(cfg: grpo_r3.Config, tmp_path: Path) -> dict[str, grpo_r3.Arm]:
+    """Both arms of `cfg` against a server of their own, and the loop's invariants
+    checked: a lease per step committed once, the policy version moved once a step, the
+    staleness window kept, agreement rows per trained version, and under replay every
+    token-layer run with the engine's experts."""
     process, url = start_server(tmp_path)
     try:
-        results = grpo_r3.run_arms(TINY, url, log=lambda _line: None)
+        results = grpo_r3.run_arms(cfg, url, log=lambda _line: None)
         with Client(url) as client:
             info = {arm: client.namespace(r.namespace) for arm, r in results.items()}
             agreement = {arm: client.agreement(r.namespace) for arm, r in results.items()}
@@ -33,19 +41,19 @@ def test_grpo_loop_replays_every_token_layer_and_honours_versions(tmp_path: Path
         stop_server(process)
     assert set(results) == {"R3", "no replay"}
     for arm, result in results.items():
-        assert [s.step for s in result.steps] == list(range(TINY.steps))
+        assert [s.step for s in result.steps] == list(range(cfg.steps))
         # one lease per step, committed once after its optimizer step
-        assert result.leases == result.commits == TINY.steps
+        assert result.leases == result.commits == cfg.steps
         assert open_leases[arm] == []  # none left open: each was committed
         # the policy version moved once per step, with the engine's weights
-        assert [s.version for s in result.steps] == list(range(TINY.steps))
-        assert info[arm].policy_version == TINY.steps
-        assert info[arm].settings.max_policy_lag == TINY.ahead
+        assert [s.version for s in result.steps] == list(range(cfg.steps))
+        assert info[arm].policy_version == cfg.steps
+        assert info[arm].settings.max_policy_lag == cfg.ahead
         assert info[arm].settings.max_times_sampled == 1
         for s in result.steps:
-            assert s.trajectories == TINY.prompts * TINY.group
+            assert s.trajectories == cfg.prompts * cfg.group
             # the engine runs `ahead` steps ahead: data exactly that old, never older
-            assert s.oldest == max(0, s.version - TINY.ahead)
+            assert s.oldest == max(0, s.version - cfg.ahead)
             assert 0 <= s.reward <= 1
             assert s.kl >= 0
         # the server's agreement statistics hold a row per version of the data trained
@@ -55,6 +63,9 @@ def test_grpo_loop_replays_every_token_layer_and_honours_versions(tmp_path: Path
         assert s.used_match == 1.0  # every trained token-layer ran the engine's experts
         assert s.agreement == 1.0  # and the server, from the trainer's uploads, says so
     assert all(v.overall == 1.0 for v in agreement["R3"].versions)
+    for arm in results:
+        assert info[arm].spec.ordered == (cfg.engine != "vllm")
+    return results
 
 
 @pytest.mark.slow
