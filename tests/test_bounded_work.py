@@ -21,7 +21,7 @@ from helpers import SPEC, MakeEngine, make_write
 from http_helpers import AppClient, auth, make_namespace, service, upload
 from r3store.engine import Engine
 from r3store.engine.encoding import Encoder
-from r3store.engine.writer import settle_rows
+from r3store.engine.settling import settle_rows
 from r3store.errors import StoreError
 from r3store.logic import codec, stats
 from r3store.policy import ENGINE

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from r3store.engine.namespaces import Namespaces
-from r3store.engine.writer import RowKey, known_segments, row_key, settle_rows
+from r3store.engine.settling import RowKey, known_segments, row_key, settle_rows
 from r3store.errors import (
     CorruptShard,
     Forbidden,

@@ -21,12 +21,12 @@ import contextlib
 import logging
 import threading
 import time
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from r3store.catalog_types import TrajectoryEntry
+from r3store.engine.settling import as_segment, known_segments, row_key, settle_rows
 from r3store.errors import (
     Backpressure,
     Conflict,
@@ -34,8 +34,7 @@ from r3store.errors import (
     R3StoreError,
     StoreError,
 )
-from r3store.policy import ENGINE, Source
-from r3store.records import Held, PutResult, Segment, settle
+from r3store.records import PutResult
 from r3store.spans import RouteSpans
 from r3store.spec import RouteSpec
 from r3store.storage.catalog import Catalog
@@ -65,76 +64,6 @@ class WriterConfig:
     put_timeout: float = 30.0  # waiting for buffer room, then `Backpressure`
     commit_timeout: float = 60.0  # waiting for the commit, then `StoreError` (retry)
     committers: int = 2
-
-
-def as_segment(row: ShardRow | TrajectoryEntry) -> Segment:
-    return Segment(
-        row.start,
-        row.num_tokens,
-        row.digest,
-        row.group_id,
-        row.prompt_len,
-        row.policy_version,
-        row.writer,
-    )
-
-
-RowKey = tuple[str, Source, int]  # trajectory id, source, start
-Known = dict[tuple[str, Source], list[Segment]]  # stored segments per id and source
-
-
-def row_key(row: ShardRow) -> RowKey:
-    return (row.trajectory_id, row.source, row.start)
-
-
-def known_segments(found: dict[str, list[TrajectoryEntry]]) -> Known:
-    """What a catalog lookup found, as segments per trajectory and source."""
-    known: Known = defaultdict(list)
-    for segments in found.values():
-        for e in segments:
-            known[(e.trajectory_id, e.source)].append(as_segment(e))
-    return dict(known)
-
-
-def settle_rows(
-    rows: list[ShardRow], known: Known
-) -> tuple[list[ShardRow], dict[RowKey, PutResult]]:
-    """Settle rows (in start order) against the segments `known` per trajectory and
-    source.
-
-    Returns the rows to store and a result per `(id, source, start)`; raises on the
-    first conflict or bad append. `known` is not changed.
-    """
-    fresh: list[ShardRow] = []
-    results: dict[RowKey, PutResult] = {}
-    held: dict[tuple[str, Source], Held] = {}
-    for row in sorted(rows, key=lambda r: r.start):
-        unit = (row.trajectory_id, row.source)
-        where = row.trajectory_id
-        if row.source != ENGINE:
-            where = f"{where} ({row.source} routes)"
-        segments = held.get(unit)
-        if segments is None:
-            segments = held[unit] = Held(known.get(unit, []))
-        created = settle(where, row.start, row.digest, segments)
-        if created:
-            segments.add(as_segment(row))
-            fresh.append(row)
-        results[row_key(row)] = result_of(row, created)
-    return fresh, results
-
-
-def result_of(row: ShardRow, created: bool) -> PutResult:
-    """What a put answers for `row` (stored now, or `created` False: stored before)."""
-    return PutResult(
-        row.trajectory_id,
-        created,
-        row.start,
-        row.source,
-        row.num_tokens,
-        row.policy_version,
-        row.digest,
-    )
 
 
 @dataclass
