@@ -24,7 +24,7 @@ from http_helpers import KEYS, ServerProcess, replicas
 from r3store.engine import Engine
 from r3store.engine.direct import WritePlan
 from r3store.engine.rebuild import rebuild_catalog
-from r3store.errors import Conflict, DirectUnavailable
+from r3store.errors import Conflict, DirectUnavailable, PlanGone, R3StoreError
 from r3store.logic.writes import encode_write
 from r3store.protocol.direct import MAX_BLOB_BYTES, DirectSegment, pack
 from r3store.protocol.fields import SpanModel
@@ -528,6 +528,79 @@ def test_a_commit_that_loses_a_race_leaves_no_index(tmp_path: Path, seaweed: Sea
         theirs.close()
         mine_store.close()
         theirs_store.close()
+
+
+def test_commits_that_arrive_together_share_one_transaction(
+    tmp_path: Path, seaweed: SeaweedFS
+) -> None:
+    """Eight commits at once while the catalog is slow: they commit in fewer
+    transactions than commits, each answers its own rows, and one whose plan was
+    collected meanwhile is refused alone (the rest of its group committed, its
+    index gone, so a rebuild finds exactly the seven)."""
+    store = seaweed.new_store(prefix=f"t-{uuid.uuid4().hex[:16]}")
+    catalog = Catalog(f"sqlite:///{tmp_path / 'catalog.db'}")
+    engine = Engine(store, catalog)
+    try:
+        engine.namespaces.create("ns", SPEC)
+        writes = [make_write(f"g{i}") for i in range(8)]
+        staged = []
+        for write in writes:
+            blob, segments = _encoded([write])
+            plan = engine.direct.plan("ns", "w", 600)
+            assert _put_planned(engine, plan, blob) in (200, 201)
+            staged.append((plan, blob, segments))
+        gone = engine.direct.check_plan("ns", staged[5][0].plan, "w")
+        assert catalog.ledger.claim_orphan(gone, time.time() + 3600)  # planned to expiry
+        real = catalog.shards.commit_many
+        groups: list[int] = []
+
+        def slow(stored: Any) -> None:
+            groups.append(len(stored))
+            time.sleep(0.3 if len(groups) == 1 else 0)  # the others arrive meanwhile
+            real(stored)
+
+        catalog.shards.commit_many = slow  # type: ignore[method-assign]
+        answers: dict[int, Any] = {}
+
+        def commit(i: int) -> None:
+            plan, blob, segments = staged[i]
+            try:
+                answers[i] = engine.direct.commit("ns", plan.plan, len(blob), segments, "w")
+            except R3StoreError as exc:
+                answers[i] = exc
+
+        first = threading.Thread(target=commit, args=(0,))
+        first.start()
+        time.sleep(0.1)  # the first commit is under way
+        others = [threading.Thread(target=commit, args=(i,)) for i in range(1, 8)]
+        for thread in others:
+            thread.start()
+        for thread in [first, *others]:
+            thread.join()
+        assert isinstance(answers[5], PlanGone)
+        for i in set(range(8)) - {5}:
+            assert [(r.trajectory_id, r.created) for r in answers[i]] == [(f"g{i}", True)]
+        assert max(groups) >= 3, groups  # a group of several blobs, refused for one of them
+        assert len([g for g in groups if g > 1]) < len(groups)  # and the rest retried alone
+        batch = engine.get_batch("ns", [w.trajectory_id for w in writes])
+        assert batch.missing == ["g5"]
+        for i, (write, item) in enumerate(zip(writes, batch.items, strict=True)):
+            if i == 5:
+                continue
+            assert item is not None
+            assert item.routes is not None
+            assert np.array_equal(item.routes.to_topk(), expected_ids(write))
+        fresh = Catalog(f"sqlite:///{tmp_path / 'rebuilt.db'}")
+        try:
+            rebuild_catalog(store, fresh)
+            assert set(fresh.segments.lookup("ns", [w.trajectory_id for w in writes])) == {
+                f"g{i}" for i in range(8) if i != 5
+            }
+        finally:
+            fresh.close()
+    finally:
+        engine.close()
+        store.close()
 
 
 # 6. hostile commits

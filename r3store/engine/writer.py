@@ -25,8 +25,9 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TypeVar
 
-from r3store.engine.settling import as_segment, known_segments, row_key, settle_rows
+from r3store.engine.settling import RowKey, as_segment, known_segments, row_key, settle_rows
 from r3store.errors import (
     Backpressure,
     Conflict,
@@ -66,7 +67,7 @@ class WriterConfig:
     committers: int = 2
 
 
-@dataclass
+@dataclass(eq=False)
 class _Unit:
     namespace: str
     spec: RouteSpec
@@ -74,6 +75,19 @@ class _Unit:
     nbytes: int
     future: Future[list[PutResult]] = field(default_factory=Future)
     enqueued: float = field(default_factory=time.monotonic)
+
+
+@dataclass(eq=False, kw_only=True)
+class _Stored(_Unit):
+    """A direct write's unit: its rows' streams lie in the planned blob `key`."""
+
+    key: str
+    size: int
+    where: dict[RowKey, RouteSpans]
+    index: Callable[[list[ShardRow], list[RouteSpans]], str]
+
+
+_U = TypeVar("_U", bound=_Unit)
 
 
 @dataclass
@@ -105,6 +119,8 @@ class GroupCommitter:
         self._flush_waiters = 0
         self._active = 0
         self._inflight: set[tuple[str, str]] = set()
+        self._stored: deque[_Stored] = deque()  # direct writes' units waiting to commit
+        self._leading: set[str] = set()  # namespaces whose direct units are committing
         self.stats = WriterStats()
         self._threads = [
             threading.Thread(target=self._run, name=f"r3store-committer-{i}", daemon=True)
@@ -278,67 +294,135 @@ class GroupCommitter:
         index: Callable[[list[ShardRow], list[RouteSpans]], str],
     ) -> list[PutResult]:
         """Commit rows whose streams are stored already, at `spans` of the planned
-        object `key` of `size` bytes (a direct write's blob), as one all-or-nothing unit,
-        in the caller's thread: the ids are held from the committers while the unit is
-        settled against the catalog and committed. A commit refused because another
-        replica stored one of the ids first is settled again (a duplicate is
-        acknowledged, other content raises `Conflict`); one whose object is no longer
-        planned (committed before, or collected as an orphan) raises `PlanGone`.
-        `index(rows, spans)` stores the index of the rows an attempt is about to commit
-        (a rebuild's view of them) and returns its key; an attempt that does not commit
-        deletes its index again, so no index names rows the catalog refused."""
-        unit = _Unit(namespace, spec, rows, 0)
-        held = {(namespace, row.trajectory_id) for row in rows}
+        object `key` of `size` bytes (a direct write's blob), as one all-or-nothing unit;
+        returns once it is committed. Units that arrive together share their commit:
+        the caller that finds none under way commits every waiting unit of the
+        namespace whose ids no other commit holds (`_commit_together`), the others
+        wait for it. A commit refused because another replica stored one of the ids
+        first is settled again (a duplicate is acknowledged, other content raises
+        `Conflict`); one whose object is no longer planned (committed before, or
+        collected as an orphan) raises `PlanGone`. `index(rows, spans)` stores the
+        index of the rows an attempt is about to commit (a rebuild's view of them) and
+        returns its key; an attempt that does not commit deletes its index again, so
+        no index names rows the catalog refused."""
+        where = {row_key(row): span for row, span in zip(rows, spans, strict=True)}
+        unit = _Stored(namespace, spec, rows, 0, key=key, size=size, where=where, index=index)
         deadline = time.monotonic() + self.config.commit_timeout
         with self._cond:
-            while held & self._inflight:
-                if time.monotonic() > deadline:
+            self._stored.append(unit)
+            while not unit.future.done():
+                if namespace not in self._leading:
+                    batch = self._take_stored(namespace)
+                    if batch:
+                        self._lead(namespace, batch)
+                        continue
+                if unit in self._stored and time.monotonic() > deadline:
+                    self._stored.remove(unit)
                     raise StoreError("another commit of these ids is taking too long; retry")
                 self._cond.wait(0.1)
-            self._inflight |= held
-        try:
-            where = {row_key(row): span for row, span in zip(rows, spans, strict=True)}
-            for _attempt in range(_RACES):
-                accepted = self._settle([unit])
-                if not accepted:
-                    raise unit.future.exception() or Conflict("the commit was refused")
-                _unit, fresh, results = accepted[0]
-                if not fresh:
-                    return results
-                if not self._catalog.ledger.is_planned(key, DIRECT):
-                    raise PlanGone(
-                        f"{key} is no longer planned: committed before with other segments, "
-                        "collected as an orphan, or its namespace deleted; ask for a new plan"
-                    )
-                now = self._clock()
-                at = [where[row_key(r)] for r in fresh]
-                shard, entries = blob_records(namespace, key, size, now, fresh, at)
-                written = index(fresh, at)
-                try:
-                    self._catalog.shards.commit(shard, entries, load_records(namespace, key, fresh))
-                except Conflict as exc:  # refused: certainly not committed
-                    with contextlib.suppress(R3StoreError):
-                        self._store.delete(written)
-                    if isinstance(exc, PlanGone):
-                        raise
-                    if not self._catalog.ledger.is_planned(key, DIRECT):
-                        raise PlanGone(
-                            f"{key} is no longer planned: committed before with other "
-                            "segments, or collected as an orphan; ask for a new plan"
-                        ) from None
-                    continue  # another replica stored some of the ids first: settle again
-                with self._cond:
-                    self.stats.shards_written += 1
-                    self.stats.rows_written += len(fresh)
-                    self.stats.bytes_written += size
-                return results
-            raise Conflict(f"commits to {namespace!r} kept racing other writers; retry")
-        finally:
-            with self._cond:
-                self._inflight -= held
-                self._cond.notify_all()
+        return unit.future.result()
 
-    def _settle(self, units: list[_Unit]) -> list[tuple[_Unit, list[ShardRow], list[PutResult]]]:
+    def _take_stored(self, namespace: str) -> list[_Stored]:
+        """Waiting units of `namespace` whose ids neither a commit under way nor an
+        earlier unit of the batch holds (caller holds the lock)."""
+        batch: list[_Stored] = []
+        held = set(self._inflight)
+        for unit in list(self._stored):
+            ids = {(namespace, row.trajectory_id) for row in unit.rows}
+            if unit.namespace == namespace and not ids & held:
+                batch.append(unit)
+                self._stored.remove(unit)
+            held |= ids if unit.namespace == namespace else set()
+        return batch
+
+    def _lead(self, namespace: str, batch: list[_Stored]) -> None:
+        """Commit `batch` with the lock released, its ids held meanwhile (caller holds
+        the lock)."""
+        ids = {(namespace, row.trajectory_id) for unit in batch for row in unit.rows}
+        self._leading.add(namespace)
+        self._inflight |= ids
+        self._cond.release()
+        try:
+            self._commit_together(batch)
+        finally:
+            self._cond.acquire()
+            self._leading.discard(namespace)
+            self._inflight -= ids
+            self._cond.notify_all()
+
+    def _commit_together(self, batch: list[_Stored]) -> None:
+        """Settle `batch` against the catalog in one lookup and commit what is fresh in
+        one transaction; when the catalog refuses it, each unit again alone (which
+        names the one refused, and why). Every unit's future is resolved."""
+        try:
+            for _attempt in range(_RACES):
+                if self._attempt(batch):
+                    return
+            raise Conflict(f"commits to {batch[0].namespace!r} kept racing other writers; retry")
+        except BaseException as exc:
+            if not isinstance(exc, R3StoreError):
+                log.exception("direct commit of %d blobs failed", len(batch))
+            error = exc if isinstance(exc, R3StoreError) else R3StoreError(f"commit failed: {exc}")
+            for unit in batch:
+                if not unit.future.done():
+                    unit.future.set_exception(error)
+
+    def _attempt(self, batch: list[_Stored]) -> bool:
+        """One try of `_commit_together`: True once every unit is resolved, False when
+        the one unit lost a race to another replica (settle again)."""
+        accepted = self._settle(list(batch))
+        fresh = [(unit, rows, results) for unit, rows, results in accepted if rows]
+        for unit, rows, results in accepted:
+            if not rows:
+                unit.future.set_result(results)
+        if not fresh:
+            return True
+        try:
+            self._commit_blobs(fresh)
+        except Conflict as exc:
+            if len(batch) == 1:
+                self._raced(batch[0], exc)
+                return False
+            for unit, _rows, _results in fresh:
+                self._commit_together([unit])
+            return True
+        for unit, _rows, results in fresh:
+            unit.future.set_result(results)
+        return True
+
+    def _raced(self, unit: _Stored, refused: Conflict) -> None:
+        """Why the catalog refused `unit` alone: `PlanGone` when its blob is no longer
+        planned or a dictionary it names was collected; else (another replica stored
+        some of its ids first) it is to be settled again."""
+        if isinstance(refused, PlanGone) or not self._catalog.ledger.is_planned(unit.key, DIRECT):
+            raise PlanGone(
+                f"{unit.key} is no longer planned: committed before with other segments, "
+                "collected as an orphan, or its namespace deleted; ask for a new plan"
+            ) from None
+
+    def _commit_blobs(self, fresh: list[tuple[_Stored, list[ShardRow], list[PutResult]]]) -> None:
+        """Write each blob's index, then commit all their rows in one transaction; the
+        indexes are deleted again when the catalog refuses it (`Conflict`)."""
+        now = self._clock()
+        stored, written = [], []
+        try:
+            for unit, rows, _results in fresh:
+                at = [unit.where[row_key(r)] for r in rows]
+                shard, entries = blob_records(unit.namespace, unit.key, unit.size, now, rows, at)
+                stored.append((shard, entries, load_records(unit.namespace, unit.key, rows)))
+                written.append(unit.index(rows, at))
+            self._catalog.shards.commit_many(stored)
+        except Conflict:  # refused: certainly not committed
+            for key in written:
+                with contextlib.suppress(R3StoreError):
+                    self._store.delete(key)
+            raise
+        with self._cond:
+            self.stats.shards_written += len(fresh)
+            self.stats.rows_written += sum(len(rows) for _u, rows, _r in fresh)
+            self.stats.bytes_written += sum(u.size for u, _rows, _r in fresh)
+
+    def _settle(self, units: list[_U]) -> list[tuple[_U, list[ShardRow], list[PutResult]]]:
         """Settle each unit against the catalog (and the units before it): a unit with a
         conflict or a bad append fails alone; the others keep their fresh rows."""
         namespace = units[0].namespace

@@ -43,20 +43,43 @@ class Shards(Repository):
         loads: Sequence[LoadRecord] = (),
     ) -> None:
         """Record a stored shard, its rows and their expert load in one transaction:
-        all visible, or none. The dictionaries rows name (a direct write's) are held in
-        it: one collected meanwhile refuses the commit (`PlanGone`: encode again)."""
+        all visible, or none (`commit_many` of one)."""
+        self.commit_many([(shard, entries, loads)])
+
+    def commit_many(
+        self,
+        stored: Sequence[tuple[ShardInfo, Sequence[TrajectoryEntry], Sequence[LoadRecord]]],
+    ) -> None:
+        """Record stored shards of one namespace, their rows and their expert load in
+        one transaction: all visible, or none. Each shard's upload must be planned
+        (`Conflict` otherwise); the dictionaries rows name (a direct write's) are held
+        in it: one collected meanwhile refuses the commit (`PlanGone`: encode again)."""
+        if not stored:
+            return
+        namespace = stored[0][0].namespace
+        keys = [shard.key for shard, _entries, _loads in stored]
+        named = {
+            e.spans.dictionary
+            for _shard, entries, _loads in stored
+            for e in entries
+            if e.spans.dictionary is not None
+        }
+        at = max(shard.created_at for shard, _entries, _loads in stored)  # their clock
         with self._db.begin() as conn:
-            if not ledger.unplan(conn, [shard.key]):
-                raise Conflict(f"{shard.key} was not planned, or was collected as an orphan")
-            named = {e.spans.dictionary for e in entries if e.spans.dictionary is not None}
-            held = ledger.hold(conn, shard.namespace, named, shard.created_at)  # its clock
-            if named and not held:
+            if ledger.unplan(conn, keys) != len(keys):
+                raise Conflict(
+                    f"{', '.join(keys)}: not all planned, or collected as orphans meanwhile"
+                )
+            if named and not ledger.hold(conn, namespace, named, at):
                 raise PlanGone(
                     "a dictionary the rows were compressed with is no longer the namespace's "
                     "(collected meanwhile): encode them again with a new plan's dictionary"
                 )
-            insert(conn, shard, entries)
-            stats.insert_loads(conn, loads)
+            conn.execute(shards.insert(), [shard.__dict__ for shard, _e, _l in stored])
+            rows = [segment_row(e) for _shard, entries, _loads in stored for e in entries]
+            if rows:
+                conn.execute(trajectories.insert(), rows)
+            stats.insert_loads(conn, [load for _s, _e, loads in stored for load in loads])
 
     def replace(
         self, old: Sequence[str], new: ShardInfo, entries: Sequence[TrajectoryEntry], now: float
