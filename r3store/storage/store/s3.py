@@ -20,6 +20,7 @@ from r3store.errors import (
 )
 from r3store.spans import ByteRange
 from r3store.storage.store.base import ObjectInfo, ObjectStore, check_key
+from r3store.storage.store.s3_requests import NO_BUCKET, SignedRequests
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
 _EXISTS = {"PreconditionFailed", "412", "ConditionalRequestConflict"}
 MiB = 1024 * 1024
-NO_BUCKET = "the bucket does not exist: create it before r3store starts (docs/operations.md)"
 
 
 @dataclass(frozen=True)
@@ -85,13 +85,19 @@ class S3Store(ObjectStore):
     boto3's standard retry mode retries throttling and transient errors with
     exponential backoff. `put_if_absent` sends `If-None-Match: *`, so the server
     refuses to overwrite; objects over `multipart_threshold` go up in parts and the
-    condition is checked when the upload completes.
+    condition is checked when the upload completes. Gets and single-part puts, the
+    data path, go without boto3's request machinery (`s3_requests`), signed alike.
     """
 
     def __init__(self, config: S3Config) -> None:
         self.config = config
         self.bucket = config.bucket
         self._prefix = config.prefix.strip("/") + "/" if config.prefix.strip("/") else ""
+        self._session = boto3.session.Session(
+            aws_access_key_id=config.access_key_id,
+            aws_secret_access_key=config.secret_access_key,
+            region_name=config.region,
+        )
         self._client: S3Client = self._make_client(
             config.max_attempts, config.connect_timeout, config.read_timeout
         )
@@ -101,6 +107,16 @@ class S3Store(ObjectStore):
         public = config.public_endpoint_url
         # Signature V4, whose presigned writes sign `If-None-Match` (create-only)
         self._signer = self._make_client(1, 2.0, 2.0, public or None, "s3v4")
+        self._requests = SignedRequests(
+            self._client.meta.endpoint_url,
+            config.bucket,
+            config.region,
+            self._session.get_credentials(),
+            config.max_attempts,
+            config.connect_timeout,
+            config.read_timeout,
+            config.max_pool_connections,
+        )
 
     def _make_client(
         self,
@@ -111,12 +127,9 @@ class S3Store(ObjectStore):
         signature: str | None = None,
     ) -> S3Client:
         config = self.config
-        client: S3Client = boto3.client(
+        client: S3Client = self._session.client(
             "s3",
             endpoint_url=endpoint or config.endpoint_url or None,
-            region_name=config.region,
-            aws_access_key_id=config.access_key_id,
-            aws_secret_access_key=config.secret_access_key,
             config=Config(
                 retries={"max_attempts": attempts, "mode": "standard"},
                 connect_timeout=connect,
@@ -165,16 +178,9 @@ class S3Store(ObjectStore):
         return url, {"If-None-Match": "*"}
 
     def get(self, key: str, byte_range: ByteRange | None = None) -> bytes:
-        args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._key(key)}
-        if byte_range is not None:
-            args["Range"] = f"bytes={byte_range.start}-{byte_range.end - 1}"
-        with _translated(key):
-            body = self._client.get_object(**args)["Body"]
-            try:
-                data: bytes = body.read()
-            finally:
-                body.close()
-        return data
+        if byte_range is None:
+            return self._requests.get(self._key(key), key)
+        return self._requests.get(self._key(key), key, byte_range.start, byte_range.end)
 
     def put(self, key: str, data: bytes | memoryview) -> None:
         self._upload(key, data, conditional=False)
@@ -188,7 +194,7 @@ class S3Store(ObjectStore):
         try:
             with _translated(key):
                 if len(data) <= self.config.multipart_threshold:
-                    self._client.put_object(Bucket=self.bucket, Key=full, Body=bytes(data), **extra)
+                    self._requests.put(full, key, data, conditional)
                 else:
                     self._multipart(full, memoryview(data), extra)
         except (ObjectExists, ObjectNotFound):
@@ -275,6 +281,7 @@ class S3Store(ObjectStore):
                 raise
 
     def close(self) -> None:
+        self._requests.close()
         self._client.close()
         self._probe.close()
         if self._signer is not self._client:
