@@ -122,6 +122,18 @@ BAD: list[tuple[str, Callable[[], SentStreams], RouteSpec, str]] = [
         RouteSpec(2, 16, 2, allow_fewer=True),
         "empty slot that is not 0",
     ),
+    (
+        "unsorted beside a row of fewer",
+        lambda: _sent([1, 0, 3, 2, *GOOD[4:]], [1, 2, 2, 2, 2, 2]),
+        RouteSpec(2, 16, 2, allow_fewer=True),
+        "token 1, layer 0: chosen experts not strictly ascending",
+    ),
+    (
+        "id past E beside a row of fewer",
+        lambda: _sent([1, 0, *GOOD[2:11], 16], [1, 2, 2, 2, 2, 2]),
+        RouteSpec(2, 16, 2, allow_fewer=True),
+        "token 2, layer 1: an expert id >= num_experts 16",
+    ),
     ("short", lambda: _sent(GOOD[:10]), SET, "declares 10 bytes"),
     (
         "no size",

@@ -155,19 +155,42 @@ def _check_sets(
     where: str,
 ) -> None:
     """`ids` `[n, K]` sorted sets of token-layers `offset ..`, `counts` `[n]` (None: all
-    K). Whole rows at a time for the common case; slot by slot where something is off."""
+    K). Full rows all at once, on the flat values (each value against the next, the
+    largest against `num_experts`); slot by slot the rows with fewer than K, and every
+    row when a full one breaks a rule (to name the first)."""
     k = spec.top_k
     n = ids.shape[0]
-    full = np.ones(n, bool) if counts is None else counts == k
-    ok = full.copy()
-    for j in range(k - 1):  # slot planes: a few vector operations, no [n, K] temporaries
-        ok &= ids[:, j + 1] > ids[:, j]
-    if int(ids.max(initial=0)) >= spec.num_experts:
+    partial = np.flatnonzero(counts != k) if counts is not None else np.empty(0, np.intp)
+    if _full_rows_hold(ids, partial, spec):
+        look = partial
+    else:
+        full = np.ones(n, bool) if counts is None else counts == k
+        ok = full.copy()
+        for j in range(k - 1):  # slot planes: a few vector operations, no [n, K] temporaries
+            ok &= ids[:, j + 1] > ids[:, j]
         ok &= ids.max(axis=1) < spec.num_experts
-    look = np.flatnonzero(~ok)  # rows with fewer than K, and full rows that break a rule
+        look = np.flatnonzero(~ok)  # rows with fewer than K, and full rows that break a rule
     if look.size:
         held = np.full(look.size, k, np.uint8) if counts is None else counts[look]
         _check_rows(ids[look], held, look + offset, spec, num_tokens, where)
+
+
+def _full_rows_hold(ids: npt.NDArray[Any], partial: npt.NDArray[np.intp], spec: RouteSpec) -> bool:
+    """Whether every row of `ids` `[n, K]` but those `partial` is strictly ascending,
+    and every value below `num_experts` (a partial row's chosen experts are, and its
+    empty slots hold 0, or `_check_rows` refuses it)."""
+    k = spec.top_k
+    flat = np.ascontiguousarray(ids).reshape(-1)
+    if flat.size and int(flat.max()) >= spec.num_experts:
+        return False
+    if k == 1 or not flat.size:
+        return True
+    rising = np.empty(flat.size, bool)
+    np.greater(flat[1:], flat[:-1], out=rising[:-1])
+    rising[k - 1 :: k] = True  # a row's last value is not compared with the next row's
+    if partial.size:
+        rising[(partial[:, None] * k + np.arange(k - 1)).reshape(-1)] = True
+    return bool(rising.all())
 
 
 def _check_order(
