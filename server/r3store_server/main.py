@@ -76,11 +76,13 @@ def main(argv: list[str] | None = None) -> None:
 def serve(settings: Settings, sock: socket.socket) -> None:
     import uvicorn
 
+    from r3store_server import allocator
     from r3store_server.app import create_app
     from r3store_server.connections import fit_open_files, protocol
     from r3store_server.logs import configure
 
     configure(settings.log_level, settings.log_json)
+    allocator.tune()  # before the first request's buffers
     try:
         app = create_app(settings)
     except ValueError as exc:
