@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -31,7 +32,10 @@ from r3store_client.convert import from_hf_router, from_mask, from_sglang, from_
 from r3store_client.reader import TrainerReader
 from r3store_client.tensors import (
     CompactRoutes,
+    Layout,
+    Major,
     RouteTensors,
+    compact,
     dense_masks,
     micro_batches,
     packed,
@@ -327,6 +331,37 @@ def test_writer_to_server_to_reader(client: Client, namespace: str) -> None:
     assert pack.cu_seqlens is not None
     assert pack.cu_seqlens.tolist() == [0, *np.cumsum([w.num_tokens for w in writes[:3]]).tolist()]
     assert pack.ids.shape == (sum(w.num_tokens for w in writes[:3]), L, K)
+
+
+LAYOUTS = [("padded", "layer"), ("padded", "token"), ("packed", "layer")]
+
+
+@pytest.mark.parametrize(("layout", "major"), LAYOUTS)
+def test_padding_holds_no_route_whatever_the_memory_held_before(
+    client: Client, namespace: str, layout: Layout, major: Major
+) -> None:
+    """Buffers are not zeroed when they are made: every token a trajectory does not
+    cover (padding, to the longest or to `pad_to`) is written empty, even where the
+    allocator hands back memory another tensor filled."""
+    lengths = (30, 75, 50)
+    writes = [make_write(f"pad-{layout}-{major}-{i}", tokens=t) for i, t in enumerate(lengths)]
+    client.put(namespace, writes)
+    spec, batch = client.fetch(namespace, [w.trajectory_id for w in writes])
+    starts = [0, *np.cumsum(lengths).tolist()]
+    for _ in range(3):
+        dirty = [torch.full((3, 96, L, K), 255, dtype=torch.uint8), torch.full((3, 96, L), 7)]
+        del dirty
+        got = compact(batch, spec, layout, major, pad_to=96 if layout == "padded" else None)
+        routes = got.widen()
+        for b, w in enumerate(writes):
+            n = w.num_tokens
+            at: Any = (b, slice(0, n)) if layout == "padded" else slice(starts[b], starts[b] + n)
+            valid = routes.valid[at].numpy()
+            assert np.array_equal(np.where(valid, routes.ids[at].numpy(), -1), expected_ids(w))
+            if layout == "padded":
+                assert not got.counts[b, n:].any()
+                assert not got.ids[b, n:].any()
+                assert not routes.valid[b, n:].any()
 
 
 def test_layouts_agree(client: Client, namespace: str) -> None:

@@ -169,7 +169,41 @@ def compact_dtype(spec: RouteSpec) -> torch.dtype:
 
 
 def _buffer(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    return torch.zeros(shape, dtype=dtype, pin_memory=pin and torch.cuda.is_available())
+    """A buffer not yet written: the caller writes (or zeroes) every element."""
+    return torch.empty(shape, dtype=dtype, pin_memory=pin and torch.cuda.is_available())
+
+
+def _fill(
+    ids: np.ndarray,
+    counts: np.ndarray,
+    where: tuple[int, slice],
+    major: Major,
+    source: np.ndarray | int,
+    count: np.ndarray | int,
+) -> None:
+    """Write ids `source` (`[L, n, K]`, or one value) and `count` (`[L, n]`, or one value)
+    at the tokens `where` (a row, a slice of its tokens) of buffers of `major` order."""
+    row, at = where
+    if major == "layer":
+        np.copyto(ids[row, :, at], source, casting="unsafe")
+        counts[row, :, at] = count
+        return
+    np.copyto(
+        ids[row, at],
+        source.transpose(1, 0, 2) if isinstance(source, np.ndarray) else source,
+        casting="unsafe",
+    )
+    counts[row, at] = count.T if isinstance(count, np.ndarray) else count
+
+
+def _gaps(spans: list[tuple[int, int]], end: int) -> list[slice]:
+    """The parts of `[0, end)` none of `spans` (`(first, past)` each) covers."""
+    gaps, at = [], 0
+    for first, past in sorted(spans):
+        if first > at:
+            gaps.append(slice(at, first))
+        at = max(at, past)
+    return [*gaps, slice(at, end)] if at < end else gaps
 
 
 def compact(
@@ -208,21 +242,21 @@ def compact(
 
     def place(b: int) -> None:
         read, row = reads[b], (b if layout == "padded" else 0)
+        written = []
         for begin, routes, stored in _segment_routes(read, spec):
             n = routes.layers.shape[1]
+            written.append((begin, begin + n))
             at = slice(offsets[b] + begin, offsets[b] + begin + n)
-            source, count = routes.layers, routes.layer_counts
-            if major == "layer":
-                np.copyto(ids_np[row, :, at], source, casting="unsafe")
-                counts_np[row, :, at] = k if count is None else count
-            else:
-                np.copyto(ids_np[row, at], source.transpose(1, 0, 2), casting="unsafe")
-                counts_np[row, at] = k if count is None else count.T
+            count = routes.layer_counts
+            _fill(ids_np, counts_np, (row, at), major, routes.layers, k if count is None else count)
             if stored is None or tokens_np is None:
                 complete[b] = False
             else:
                 tokens_np[row, at] = stored
                 complete[b] = complete[b] and not bool((stored < 0).any())
+        for gap in _gaps(written, width if layout == "padded" else lengths[b]):
+            at = slice(offsets[b] + gap.start, offsets[b] + gap.stop)  # padding: no route
+            _fill(ids_np, counts_np, (row, at), major, 0, 0)
 
     if executor is not None and len(reads) > 1:
         list(executor.map(place, range(len(reads))))
