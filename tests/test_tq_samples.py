@@ -44,6 +44,15 @@ def test_a_sample_is_written_with_its_tokens_and_zero_rows_as_no_route() -> None
     ids = np.asarray(write.topk)
     assert ids[0].tolist() == [[1, 5], [7, 0]]  # a zero among chosen experts stays
     assert (ids[-1] == -1).all()  # K zeros: no route
+    for dtype in (torch.uint8, torch.int32, torch.int64):  # any integer width, unchanged
+        given = routes(3).to(dtype)
+        kept = given.clone()
+        made = np.asarray(sample_write("t", given, SPEC).topk)
+        assert torch.equal(given, kept)  # the caller's tensor is not written
+        assert made[:2].tolist() == [[[1, 5], [7, 0]]] * 2
+        assert (made[-1] == -1).all()
+    unrouted = np.asarray(sample_write("t", routes(3)[:2], SPEC).topk)
+    assert (unrouted >= 0).all()  # no row of K zeros: the routes as given
     # token ids of another length are not the sample's: left out; a prompt past the end too
     other = sample_write("t", routes(4), SPEC, token_ids=torch.arange(5), prompt_len=9)
     assert other.token_ids is None

@@ -131,6 +131,19 @@ def turn_writes(whole: TrajectoryWrite, turns: TurnsMeta | None) -> list[Traject
     return out
 
 
+def _zero_rows(ids: np.ndarray) -> np.ndarray:
+    """`[T, L]`: which token-layers of `ids` `[T, L, K]` hold K zeros, each row's bytes
+    read as a few wide words (a reduction along K is slow in numpy)."""
+    row = ids.shape[-1] * ids.itemsize
+    width = next(w for w in (8, 4, 2, 1) if row % w == 0)
+    words = np.ascontiguousarray(ids).view(f"u{width}")
+    held = words[..., 0].copy()
+    for j in range(1, words.shape[-1]):
+        held |= words[..., j]
+    zero: np.ndarray = held == 0
+    return zero
+
+
 def sample_write(
     trajectory_id: str,
     routes: torch.Tensor,
@@ -150,9 +163,11 @@ def sample_write(
             f"{trajectory_id}: routes of {layers} layers and top-{k} in a namespace of "
             f"{spec.num_layers} layers and top-{spec.top_k}"
         )
-    ids = routes.detach().cpu().numpy().astype(np.int32)
-    if k > 1:
-        ids[(ids == 0).all(axis=-1)] = -1
+    ids = routes.detach().cpu().numpy()
+    empty = _zero_rows(ids) if k > 1 else None
+    if empty is not None and empty.any():  # a copy: the caller's tensor stays as it is
+        ids = ids.astype(np.int32 if ids.dtype.kind == "u" else ids.dtype)
+        ids[empty] = -1
     tokens_np = None
     if token_ids is not None and tuple(token_ids.shape) == (tokens,):
         tokens_np = token_ids.detach().cpu().numpy().astype(np.int32)
