@@ -24,7 +24,7 @@ from http_helpers import KEYS, ServerProcess, replicas
 from r3store.engine import Engine
 from r3store.engine.direct import WritePlan
 from r3store.engine.rebuild import rebuild_catalog
-from r3store.errors import Conflict, DirectUnavailable, PlanGone, R3StoreError
+from r3store.errors import Conflict, DirectUnavailable, PlanGone, R3StoreError, StoreError
 from r3store.logic.writes import encode_write
 from r3store.protocol.direct import MAX_BLOB_BYTES, DirectSegment, pack
 from r3store.protocol.fields import SpanModel
@@ -598,6 +598,73 @@ def test_commits_that_arrive_together_share_one_transaction(
             }
         finally:
             fresh.close()
+    finally:
+        engine.close()
+        store.close()
+
+
+def test_a_group_whose_index_cannot_be_written_leaves_no_index(
+    tmp_path: Path, seaweed: SeaweedFS
+) -> None:
+    """Commits grouped behind a slow one, the store refusing the group's second index:
+    nothing of the group is committed, each commit says so, none of its indexes stays
+    (a rebuild would bring back rows never acknowledged), and each commits when sent
+    again."""
+    store = seaweed.new_store(prefix=f"t-{uuid.uuid4().hex[:16]}")
+    catalog = Catalog(f"sqlite:///{tmp_path / 'catalog.db'}")
+    engine = Engine(store, catalog)
+    try:
+        engine.namespaces.create("ns", SPEC)
+        staged = []
+        for i in range(4):
+            blob, segments = _encoded([make_write(f"i{i}")])
+            plan = engine.direct.plan("ns", "w", 600)
+            assert _put_planned(engine, plan, blob) in (200, 201)
+            staged.append((plan, blob, segments))
+        real_commit, real_put = catalog.shards.commit_many, store.put_if_absent
+        groups: list[int] = []
+        indexes: list[str] = []
+
+        def slow(stored: Any) -> None:
+            groups.append(len(stored))
+            time.sleep(0.3 if len(groups) == 1 else 0)  # the others arrive meanwhile
+            real_commit(stored)
+
+        def failing(key: str, data: bytes | memoryview) -> None:
+            if key.startswith(INDEX_PREFIX):
+                indexes.append(key)
+                if len(indexes) == 3:  # the grouped commit's second index
+                    raise StoreError("the store refused the write")
+            real_put(key, data)
+
+        catalog.shards.commit_many = slow  # type: ignore[method-assign]
+        store.put_if_absent = failing  # type: ignore[method-assign]
+        answers: dict[int, Any] = {}
+
+        def commit(i: int) -> None:
+            plan, blob, segments = staged[i]
+            try:
+                answers[i] = engine.direct.commit("ns", plan.plan, len(blob), segments, "w")
+            except R3StoreError as exc:
+                answers[i] = exc
+
+        first = threading.Thread(target=commit, args=(0,))
+        first.start()
+        time.sleep(0.1)
+        others = [threading.Thread(target=commit, args=(i,)) for i in range(1, 4)]
+        for thread in others:
+            thread.start()
+        for thread in [first, *others]:
+            thread.join()
+        assert groups == [1], groups  # the group never reached the catalog
+        assert answers[0][0].created
+        assert all(isinstance(answers[i], StoreError) for i in (1, 2, 3)), answers
+        left = _listed(store, INDEX_PREFIX)
+        assert left == {indexes[0]}, "the group's indexes name rows never committed"
+        assert engine.get_batch("ns", ["i1", "i2", "i3"]).missing == ["i1", "i2", "i3"]
+        for i in (1, 2, 3):
+            plan, blob, segments = staged[i]
+            assert engine.direct.commit("ns", plan.plan, len(blob), segments, "w")[0].created
     finally:
         engine.close()
         store.close()

@@ -401,21 +401,25 @@ class GroupCommitter:
             ) from None
 
     def _commit_blobs(self, fresh: list[tuple[_Stored, list[ShardRow], list[PutResult]]]) -> None:
-        """Write each blob's index, then commit all their rows in one transaction; the
-        indexes are deleted again when the catalog refuses it (`Conflict`)."""
+        """Write each blob's index, then commit all their rows in one transaction. The
+        indexes are deleted again when nothing can have been committed: an index not
+        written, or the catalog refusing the transaction (`Conflict`)."""
         now = self._clock()
         stored, written = [], []
+        committing = False
         try:
             for unit, rows, _results in fresh:
                 at = [unit.where[row_key(r)] for r in rows]
                 shard, entries = blob_records(unit.namespace, unit.key, unit.size, now, rows, at)
                 stored.append((shard, entries, load_records(unit.namespace, unit.key, rows)))
                 written.append(unit.index(rows, at))
+            committing = True
             self._catalog.shards.commit_many(stored)
-        except Conflict:  # refused: certainly not committed
-            for key in written:
-                with contextlib.suppress(R3StoreError):
-                    self._store.delete(key)
+        except BaseException as exc:
+            if not committing or isinstance(exc, Conflict):  # certainly not committed
+                for key in written:
+                    with contextlib.suppress(R3StoreError):
+                        self._store.delete(key)
             raise
         with self._cond:
             self.stats.shards_written += len(fresh)
