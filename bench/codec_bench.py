@@ -11,8 +11,10 @@ import numpy as np
 import zstandard
 
 from bench.figures import Figure, median_of, timed
-from r3store.logic import codec
+from r3store.logic import codec, streams
 from r3store.logic.routes import from_topk, to_mask
+from r3store.logic.writes import encode_write
+from r3store.records import TrajectoryWrite
 from r3store.spec import RouteSpec
 from r3store.testing.synthetic import drifting_topk, skewed_topk, uniform_topk
 
@@ -82,7 +84,29 @@ def _case(label: str, ids: np.ndarray, tokens: int, ordered: bool, speed: bool) 
         out.append(
             Figure(f"{name}: decode, one core", n / median_of(3, lambda: timed(dec)) / 1e6, RATE)
         )
+        out += _write_path(name, ids, spec, tokens)
     return out
+
+
+def _write_path(name: str, ids: np.ndarray, spec: RouteSpec, tokens: int) -> list[Figure]:
+    """A direct write's CPU per token-layer: the client encoding int32 engine output as
+    `Client.put` does (`encode_write`), and the server checking what it sent
+    (`streams.accept`: decode, every rule, digest, expert load)."""
+    write = TrajectoryWrite("t", tokens, topk=ids.astype(np.int32))
+    sent = encode_write(write, spec)
+    encoded = sent.encoded
+    assert encoded is not None
+    n = tokens * LAYERS
+
+    def check() -> object:
+        return streams.accept(encoded, spec, tokens, b"", sent.tokens(), "t")
+
+    client = median_of(3, lambda: timed(lambda: encode_write(write, spec)))
+    server = median_of(3, lambda: timed(check))
+    return [
+        Figure(f"{name}: client encode of int32 engine output, one core", client / n * 1e9, "ns"),
+        Figure(f"{name}: server check of client-encoded streams, one core", server / n * 1e9, "ns"),
+    ]
 
 
 def run(tokens: int = 4096) -> list[Figure]:
