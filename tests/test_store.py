@@ -123,3 +123,14 @@ def test_s3_errors_are_translated(seaweed: SeaweedFS) -> None:
         nowhere.ping()
     with pytest.raises(StoreError):
         nowhere.get("k")
+    missing = S3Store(
+        S3Config(
+            bucket="r3store-no-such-bucket",
+            endpoint_url=seaweed.endpoint_url,
+            access_key_id=seaweed.access_key_id,
+            secret_access_key=seaweed.secret_access_key,
+            max_attempts=1,
+        )
+    )
+    with pytest.raises(StoreError, match="the bucket does not exist"):  # not a missing key
+        missing.get("k")  # (SeaweedFS makes a bucket on a PUT: only reads can show it)

@@ -178,9 +178,7 @@ class S3Store(ObjectStore):
         return url, {"If-None-Match": "*"}
 
     def get(self, key: str, byte_range: ByteRange | None = None) -> bytes:
-        if byte_range is None:
-            return self._requests.get(self._key(key), key)
-        return self._requests.get(self._key(key), key, byte_range.start, byte_range.end)
+        return self._requests.get(self._key(key), key, byte_range)
 
     def put(self, key: str, data: bytes | memoryview) -> None:
         self._upload(key, data, conditional=False)

@@ -22,6 +22,7 @@ from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 
 from r3store.errors import InvalidInput, ObjectExists, ObjectNotFound, R3StoreError, StoreError
+from r3store.spans import ByteRange
 
 _RETRIED = {500, 502, 503, 504}
 _CODE = re.compile(rb"<Code>([^<]{1,64})</Code>")
@@ -52,10 +53,12 @@ class SignedRequests:
             timeout=urllib3.Timeout(connect=connect_timeout, read=read_timeout),
         )
 
-    def get(self, key: str, shown: str, first: int | None = None, end: int | None = None) -> bytes:
-        """The object under the full key `key` (`shown` in errors), or bytes
-        `[first, end)` of it."""
-        headers = {} if first is None else {"Range": f"bytes={first}-{(end or 0) - 1}"}
+    def get(self, key: str, shown: str, byte_range: ByteRange | None = None) -> bytes:
+        """The object under the full key `key` (`shown` in errors), or the bytes of it
+        in `byte_range`."""
+        headers = {}
+        if byte_range is not None:
+            headers["Range"] = f"bytes={byte_range.start}-{byte_range.end - 1}"
         return self._send("GET", key, shown, headers, None)
 
     def put(self, key: str, shown: str, data: bytes | memoryview, conditional: bool) -> None:
