@@ -530,6 +530,55 @@ def test_a_commit_that_loses_a_race_leaves_no_index(tmp_path: Path, seaweed: Sea
         theirs_store.close()
 
 
+Staged = tuple[WritePlan, bytes, list[DirectSegment]]
+
+
+def _staged(engine: Engine, writes: list[TrajectoryWrite]) -> list[Staged]:
+    """Each write uploaded in a blob of its own, with a plan of its own, not committed."""
+    staged = []
+    for write in writes:
+        blob, segments = _encoded([write])
+        plan = engine.direct.plan("ns", "w", 600)
+        assert _put_planned(engine, plan, blob) in (200, 201)
+        staged.append((plan, blob, segments))
+    return staged
+
+
+def _commit_behind_a_slow_one(
+    engine: Engine, catalog: Catalog, staged: list[Staged]
+) -> tuple[dict[int, Any], list[int]]:
+    """Commit `staged[0]`, then all the others at once while its transaction is slowed,
+    so that they arrive together: each commit's answer (or error), and the number of
+    blobs of each transaction the catalog was asked for."""
+    real = catalog.shards.commit_many
+    groups: list[int] = []
+
+    def slow(stored: Any) -> None:
+        groups.append(len(stored))
+        time.sleep(0.3 if len(groups) == 1 else 0)  # the others arrive meanwhile
+        real(stored)
+
+    catalog.shards.commit_many = slow  # type: ignore[method-assign]
+    answers: dict[int, Any] = {}
+
+    def commit(i: int) -> None:
+        plan, blob, segments = staged[i]
+        try:
+            answers[i] = engine.direct.commit("ns", plan.plan, len(blob), segments, "w")
+        except R3StoreError as exc:
+            answers[i] = exc
+
+    first = threading.Thread(target=commit, args=(0,))
+    first.start()
+    time.sleep(0.1)  # the first commit is under way
+    others = [threading.Thread(target=commit, args=(i,)) for i in range(1, len(staged))]
+    for thread in others:
+        thread.start()
+    for thread in [first, *others]:
+        thread.join()
+    return answers, groups
+
+
 def test_commits_that_arrive_together_share_one_transaction(
     tmp_path: Path, seaweed: SeaweedFS
 ) -> None:
@@ -543,40 +592,10 @@ def test_commits_that_arrive_together_share_one_transaction(
     try:
         engine.namespaces.create("ns", SPEC)
         writes = [make_write(f"g{i}") for i in range(8)]
-        staged = []
-        for write in writes:
-            blob, segments = _encoded([write])
-            plan = engine.direct.plan("ns", "w", 600)
-            assert _put_planned(engine, plan, blob) in (200, 201)
-            staged.append((plan, blob, segments))
+        staged = _staged(engine, writes)
         gone = engine.direct.check_plan("ns", staged[5][0].plan, "w")
         assert catalog.ledger.claim_orphan(gone, time.time() + 3600)  # planned to expiry
-        real = catalog.shards.commit_many
-        groups: list[int] = []
-
-        def slow(stored: Any) -> None:
-            groups.append(len(stored))
-            time.sleep(0.3 if len(groups) == 1 else 0)  # the others arrive meanwhile
-            real(stored)
-
-        catalog.shards.commit_many = slow  # type: ignore[method-assign]
-        answers: dict[int, Any] = {}
-
-        def commit(i: int) -> None:
-            plan, blob, segments = staged[i]
-            try:
-                answers[i] = engine.direct.commit("ns", plan.plan, len(blob), segments, "w")
-            except R3StoreError as exc:
-                answers[i] = exc
-
-        first = threading.Thread(target=commit, args=(0,))
-        first.start()
-        time.sleep(0.1)  # the first commit is under way
-        others = [threading.Thread(target=commit, args=(i,)) for i in range(1, 8)]
-        for thread in others:
-            thread.start()
-        for thread in [first, *others]:
-            thread.join()
+        answers, groups = _commit_behind_a_slow_one(engine, catalog, staged)
         assert isinstance(answers[5], PlanGone)
         for i in set(range(8)) - {5}:
             assert [(r.trajectory_id, r.created) for r in answers[i]] == [(f"g{i}", True)]
@@ -615,20 +634,9 @@ def test_a_group_whose_index_cannot_be_written_leaves_no_index(
     engine = Engine(store, catalog)
     try:
         engine.namespaces.create("ns", SPEC)
-        staged = []
-        for i in range(4):
-            blob, segments = _encoded([make_write(f"i{i}")])
-            plan = engine.direct.plan("ns", "w", 600)
-            assert _put_planned(engine, plan, blob) in (200, 201)
-            staged.append((plan, blob, segments))
-        real_commit, real_put = catalog.shards.commit_many, store.put_if_absent
-        groups: list[int] = []
+        staged = _staged(engine, [make_write(f"i{i}") for i in range(4)])
+        real_put = store.put_if_absent
         indexes: list[str] = []
-
-        def slow(stored: Any) -> None:
-            groups.append(len(stored))
-            time.sleep(0.3 if len(groups) == 1 else 0)  # the others arrive meanwhile
-            real_commit(stored)
 
         def failing(key: str, data: bytes | memoryview) -> None:
             if key.startswith(INDEX_PREFIX):
@@ -637,25 +645,8 @@ def test_a_group_whose_index_cannot_be_written_leaves_no_index(
                     raise StoreError("the store refused the write")
             real_put(key, data)
 
-        catalog.shards.commit_many = slow  # type: ignore[method-assign]
         store.put_if_absent = failing  # type: ignore[method-assign]
-        answers: dict[int, Any] = {}
-
-        def commit(i: int) -> None:
-            plan, blob, segments = staged[i]
-            try:
-                answers[i] = engine.direct.commit("ns", plan.plan, len(blob), segments, "w")
-            except R3StoreError as exc:
-                answers[i] = exc
-
-        first = threading.Thread(target=commit, args=(0,))
-        first.start()
-        time.sleep(0.1)
-        others = [threading.Thread(target=commit, args=(i,)) for i in range(1, 4)]
-        for thread in others:
-            thread.start()
-        for thread in [first, *others]:
-            thread.join()
+        answers, groups = _commit_behind_a_slow_one(engine, catalog, staged)
         assert groups == [1], groups  # the group never reached the catalog
         assert answers[0][0].created
         assert all(isinstance(answers[i], StoreError) for i in (1, 2, 3)), answers
