@@ -328,11 +328,13 @@ class GroupCommitter:
         batch: list[_Stored] = []
         held = set(self._inflight)
         for unit in list(self._stored):
+            if unit.namespace != namespace:
+                continue
             ids = {(namespace, row.trajectory_id) for row in unit.rows}
-            if unit.namespace == namespace and not ids & held:
+            if not ids & held:
                 batch.append(unit)
                 self._stored.remove(unit)
-            held |= ids if unit.namespace == namespace else set()
+            held |= ids
         return batch
 
     def _lead(self, namespace: str, batch: list[_Stored]) -> None:
