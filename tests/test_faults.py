@@ -202,7 +202,10 @@ def test_memory_budget_admits_uploads_or_answers_429(tmp_path: Path) -> None:
 def test_a_stalled_store_loses_nothing_and_answers_in_bounded_time(tmp_path: Path) -> None:
     """SeaweedFS stopped (SIGSTOP) for longer than the S3 read timeout while writers
     upload: every request answers within the deadline, every upload is acknowledged
-    in the end and readable, and the service recovers without a restart."""
+    in the end and readable, and the service recovers without a restart. The writers
+    upload through the server: a direct write's PUT goes to the store itself, where
+    the client's own timeout bounds it, so a stall that found every writer there would
+    show the server nothing to answer."""
     weed = seaweedfs.start()
     deadline = 4.0
     server = ServerProcess(
@@ -231,6 +234,7 @@ def test_a_stalled_store_loses_nothing_and_answers_in_bounded_time(tmp_path: Pat
 
     acked: dict[str, Any] = {}
     stop = threading.Event()
+    threads: list[threading.Thread] = []
 
     def writer(w: int) -> None:
         http = httpx.Client(
@@ -241,6 +245,7 @@ def test_a_stalled_store_loses_nothing_and_answers_in_bounded_time(tmp_path: Pat
             KEYS["writer"],
             http=http,
             retry=Retry(attempts=100, backoff=0.2, max_backoff=1.0),
+            direct_writes=False,
         )
         i = 0
         while not stop.is_set():
@@ -258,7 +263,7 @@ def test_a_stalled_store_loses_nothing_and_answers_in_bounded_time(tmp_path: Pat
                 http.post("/v1/namespaces", json={"name": "ns", "spec": SPEC_JSON}).status_code
                 == 201
             )
-            threads = [threading.Thread(target=writer, args=(w,)) for w in range(3)]
+            threads += [threading.Thread(target=writer, args=(w,)) for w in range(3)]
             for t in threads:
                 t.start()
             eventually(lambda: len(acked) >= 6, "writes acknowledged before the stall")
@@ -293,8 +298,10 @@ def test_a_stalled_store_loses_nothing_and_answers_in_bounded_time(tmp_path: Pat
             assert batch.missing == []
             for tid, item in zip(ids, batch.items, strict=True):
                 assert np.array_equal(item.routes.to_topk(), expected_ids(acked[tid]))
-    finally:
-        stop.set()
-        server.stop()
+    finally:  # the writers end their put against a live store and server, then stop
         weed.process.send_signal(signal.SIGCONT)
+        stop.set()
+        for t in threads:
+            t.join(120)
+        server.stop()
         weed.stop()
