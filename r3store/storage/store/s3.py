@@ -12,7 +12,6 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from r3store.errors import (
-    InvalidInput,
     ObjectExists,
     ObjectNotFound,
     R3StoreError,
@@ -20,13 +19,11 @@ from r3store.errors import (
 )
 from r3store.spans import ByteRange
 from r3store.storage.store.base import ObjectInfo, ObjectStore, check_key
-from r3store.storage.store.s3_requests import NO_BUCKET, SignedRequests
+from r3store.storage.store.s3_requests import NO_BUCKET, SignedRequests, meaning
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
 
-_NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
-_EXISTS = {"PreconditionFailed", "412", "ConditionalRequestConflict"}
 MiB = 1024 * 1024
 
 
@@ -54,19 +51,11 @@ class S3Config:
 
 
 def translate(exc: Exception, key: str) -> R3StoreError:
-    """What a boto error means, as the project's error."""
+    """What a boto error means, as the project's error (`s3_requests.meaning`)."""
     if isinstance(exc, ClientError):
         code = str(exc.response.get("Error", {}).get("Code", ""))
         status = str(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
-        if code == "NoSuchBucket":
-            return StoreError(f"{NO_BUCKET}: {exc}")
-        if code in _NOT_FOUND or status == "404":
-            return ObjectNotFound(f"no object {key!r}")
-        if code in _EXISTS or status == "412":
-            return ObjectExists(f"object {key!r} already exists")
-        if code == "InvalidRange" or status == "416":
-            return InvalidInput(f"the range asked lies past the end of object {key!r}")
-        return StoreError(f"S3 {code or status} on {key!r}: {exc}")
+        return meaning(code, status, key, str(exc))
     return StoreError(f"S3 unreachable on {key!r}: {exc}")
 
 

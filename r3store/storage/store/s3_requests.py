@@ -25,6 +25,8 @@ from r3store.errors import InvalidInput, ObjectExists, ObjectNotFound, R3StoreEr
 from r3store.spans import ByteRange
 
 _RETRIED = {500, 502, 503, 504}
+_NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
+_EXISTS = {"PreconditionFailed", "412", "ConditionalRequestConflict"}
 _CODE = re.compile(rb"<Code>([^<]{1,64})</Code>")
 NO_BUCKET = "the bucket does not exist: create it before r3store starts (docs/operations.md)"
 
@@ -114,16 +116,22 @@ class SignedRequests:
 
 
 def _error(status: int, body: bytes, shown: str) -> R3StoreError:
-    """What an S3 error answer means, as the project's error (as `s3.translate` reads
-    boto3's)."""
+    """What an S3 error answer means: its code read from the body, then `meaning`."""
     found = _CODE.search(body or b"")
-    code = found.group(1).decode("ascii", "replace") if found else ""
+    return meaning(found.group(1).decode("ascii", "replace") if found else "", status, shown)
+
+
+def meaning(code: str, status: int | str, key: str, detail: str = "") -> R3StoreError:
+    """What an S3 error (its `code` and HTTP `status`) means, as the project's error:
+    the one reading of S3's errors, for these requests' answers and boto3's."""
+    status = str(status)
+    shown = f": {detail}" if detail else ""
     if code == "NoSuchBucket":
-        return StoreError(f"{NO_BUCKET}: S3 {code} on {shown!r}")
-    if status == 404:
-        return ObjectNotFound(f"no object {shown!r}")
-    if status == 412 or code == "ConditionalRequestConflict":
-        return ObjectExists(f"object {shown!r} already exists")
-    if status == 416:
-        return InvalidInput(f"the range asked lies past the end of object {shown!r}")
-    return StoreError(f"S3 {code or status} on {shown!r}")
+        return StoreError(f"{NO_BUCKET}: S3 {code} on {key!r}{shown}")
+    if code in _NOT_FOUND or status == "404":
+        return ObjectNotFound(f"no object {key!r}")
+    if code in _EXISTS or status == "412":
+        return ObjectExists(f"object {key!r} already exists")
+    if code == "InvalidRange" or status == "416":
+        return InvalidInput(f"the range asked lies past the end of object {key!r}")
+    return StoreError(f"S3 {code or status} on {key!r}{shown}")
