@@ -4,7 +4,9 @@ baseline (one `.npy` of uint8 ids per trajectory, boto3, 8 threads) in the same 
 - HTTP ingest of int32 engine output (what SGLang emits) from 8 client threads, the
   client encoding: written directly to the object store (the default on S3: the server
   only checks and commits) and through the server, one trajectory a put and a group of
-  4, with the server's CPU time per token-layer of each; and ids sent as they are;
+  4, with the server's CPU time per token-layer of each; direct puts of one trajectory
+  each sent alone (`put_lanes=None`) beside the client's lanes (the default); and ids
+  sent as they are;
 - `TrainerReader` into compact tensors ready for replay, through the server and
   directly from the object store (batches of 32, two micro-batches ahead), with the
   server's CPU time per token-layer of each and the reader's peak memory;
@@ -83,6 +85,7 @@ def run(seaweed: SeaweedFS, count: int = 256, tokens: int = 4096) -> list[Figure
             Client(url, api_key=KEY) as client,
             Client(url, KEY, direct_writes=False) as proxy,
             Client(url, KEY, encode=False) as plain,
+            Client(url, KEY, put_lanes=None) as alone,
         ):
 
             def ingest(
@@ -108,6 +111,7 @@ def run(seaweed: SeaweedFS, count: int = 256, tokens: int = 4096) -> list[Figure
                 return seconds, _server_cpu(process.pid) - cpu
 
             direct_in, direct_cpu_in = ingest(client, "bench-direct")
+            alone_in, alone_cpu_in = ingest(alone, "bench-direct-alone")
             proxied_in, proxied_cpu_in = ingest(proxy, "bench-proxied")
             ids_in, _ = ingest(plain, "bench-ids")
             grouped_direct, grouped_direct_cpu = ingest(client, "bench-direct-4", per_request=4)
@@ -157,6 +161,13 @@ def run(seaweed: SeaweedFS, count: int = 256, tokens: int = 4096) -> list[Figure
             ">= 1.0x",
         ),
         Figure(
+            "direct writes of int32 engine output, 8 threads, each put alone",
+            n / alone_in / 1e6,
+            RATE,
+            naive_in,
+            "naive uint8 write",
+        ),
+        Figure(
             "direct writes of int32 engine output, 8 threads x 4 a put",
             n / grouped_direct / 1e6,
             RATE,
@@ -191,6 +202,13 @@ def run(seaweed: SeaweedFS, count: int = 256, tokens: int = 4096) -> list[Figure
             proxied_cpu_in / n * 1e9,
             "through the server",
             "<= 0.2x",
+        ),
+        Figure(
+            "server CPU per token-layer written, direct, each put alone",
+            alone_cpu_in / n * 1e9,
+            "ns",
+            proxied_cpu_in / n * 1e9,
+            "through the server",
         ),
         Figure(
             "server CPU per token-layer written, direct, 4 a put",

@@ -30,7 +30,7 @@ from r3store.records import TrajectoryWrite
 from r3store.refs import RouteRef
 from r3store_client.call_base import Retry, Transport, awaiting
 from r3store_client.calls import Calls
-from r3store_client.steps import Call, Send, Sleep, Step, Stepper, T
+from r3store_client.steps import Call, Send, Sleep, Step, Stepper, T, Wait
 from r3store_client.writer import (
     Pause,
     Pending,
@@ -57,8 +57,11 @@ class AsyncClient(Calls, Transport[httpx.AsyncClient]):
         store_http: urllib3.PoolManager | None = None,
         workers: int = 2,
         direct_writes: bool | None = None,
+        put_lanes: int | None = 2,
     ) -> None:
-        super().__init__(base_url, api_key, timeout, retry, encode, store_http, direct_writes)
+        super().__init__(
+            base_url, api_key, timeout, retry, encode, store_http, direct_writes, put_lanes
+        )
         self._connect(http)
         self.workers = workers
         self._cpu: ThreadPoolExecutor | None = None
@@ -112,6 +115,10 @@ class AsyncClient(Calls, Transport[httpx.AsyncClient]):
             return await self.http.request(step.method, step.path, **step.kwargs)
         if isinstance(step, Sleep):
             await asyncio.sleep(step.seconds)
+            return None
+        if isinstance(step, Wait):
+            waits = [asyncio.wrap_future(f) for f in step.futures]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             return None
         return await asyncio.get_running_loop().run_in_executor(self.cpu, step.fn, *step.args)
 

@@ -33,6 +33,7 @@ from r3store.errors import R3StoreError, StoreError, error_class
 from r3store.logic.codec import Dictionaries
 from r3store.protocol.direct import WritePlanModel
 from r3store.spec import RouteSpec
+from r3store_client.put_lanes import Lanes
 from r3store_client.steps import Call, Send, Sleep, T
 
 P = ParamSpec("P")
@@ -130,9 +131,12 @@ class CallBase:
         encode: bool,
         store_http: urllib3.PoolManager | None = None,
         direct_writes: bool | None = None,
+        put_lanes: int | None = 2,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.direct_writes = direct_writes
+        self.put_lanes = put_lanes
+        self._lanes = None if put_lanes is None else Lanes(put_lanes)  # `put_lanes`
         self._writes_direct: bool | None = None  # what direct writes chose (None: not yet)
         # unused write plans commits answered, per namespace (`direct_writes`)
         self._plans: dict[str, list[WritePlanModel]] = {}
@@ -186,6 +190,7 @@ class CallBase:
         self.__dict__.update(state)
         self._made = threading.Lock()
         self._plans_lock = threading.Lock()
+        self._lanes = None if self.put_lanes is None else Lanes(self.put_lanes)
 
     def _unpicklable(self) -> tuple[str, ...]:
         return ("_decoders", "_store_http", "_fetchers")
@@ -196,7 +201,7 @@ class CallBase:
             state[name] = None  # connections and threads do not cross processes
         state["_own_store_http"] = True
         state["_plans"] = {}  # a plan is used once: never by two processes
-        del state["_made"], state["_plans_lock"]
+        del state["_made"], state["_plans_lock"], state["_lanes"]
         return state
 
     def _headers(self) -> dict[str, str]:

@@ -19,6 +19,7 @@ workers) drops its connection and opens a new one on first use.
 from __future__ import annotations
 
 import time
+from concurrent import futures
 from typing import Any
 
 import httpx
@@ -26,7 +27,7 @@ import urllib3
 
 from r3store_client.call_base import Retry, Transport, blocking
 from r3store_client.calls import Calls
-from r3store_client.steps import Call, Send, Sleep, Step, Stepper, T
+from r3store_client.steps import Call, Send, Sleep, Step, Stepper, T, Wait
 from r3store_client.write_calls import check_shape
 
 __all__ = ["Client", "Retry", "check_shape"]
@@ -44,8 +45,11 @@ class Client(Calls, Transport[httpx.Client]):
         encode: bool = True,
         store_http: urllib3.PoolManager | None = None,
         direct_writes: bool | None = None,
+        put_lanes: int | None = 2,
     ) -> None:
-        super().__init__(base_url, api_key, timeout, retry, encode, store_http, direct_writes)
+        super().__init__(
+            base_url, api_key, timeout, retry, encode, store_http, direct_writes, put_lanes
+        )
         self._connect(http)
 
     # connection
@@ -85,6 +89,9 @@ class Client(Calls, Transport[httpx.Client]):
             return self.http.request(step.method, step.path, **step.kwargs)
         if isinstance(step, Sleep):
             time.sleep(step.seconds)
+            return None
+        if isinstance(step, Wait):
+            futures.wait(step.futures, return_when=futures.FIRST_COMPLETED)
             return None
         return step.fn(*step.args)
 

@@ -1,15 +1,17 @@
 """The steps a client call yields (`r3store_client.calls`), and the type of a call.
 
 A call is a generator of steps: `Send` one HTTP request (answered with its
-`httpx.Response`), `Sleep` before a retry, `Work` on the CPU (answered with what it
-returns). `Client` and `AsyncClient` are the two runners of these steps; the calls
-(`calls` and the mixins it gathers) only yield them. A runner goes through a call's steps
-with `Stepper`; the rollout writers go through a delivery's (`writer.Delivery`) alike.
+`httpx.Response`), `Sleep` before a retry, `Wait` for another call (`put_lanes`),
+`Work` on the CPU (answered with what it returns). `Client` and `AsyncClient` are the
+two runners of these steps; the calls (`calls` and the mixins it gathers) only yield
+them. A runner goes through a call's steps with `Stepper`; the rollout writers go
+through a delivery's (`writer.Delivery`) alike.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -32,6 +34,13 @@ class Sleep:
 
 
 @dataclass(frozen=True)
+class Wait:
+    """Wait until one of `futures` is done (answered with None)."""
+
+    futures: tuple[Future[Any], ...]
+
+
+@dataclass(frozen=True)
 class Work:
     """CPU work (or the object store's blocking reads): answered with `fn(*args)`."""
 
@@ -39,7 +48,7 @@ class Work:
     args: tuple[Any, ...] = ()
 
 
-Step = Send | Sleep | Work
+Step = Send | Sleep | Wait | Work
 Call = Generator[Step, Any, T]
 
 

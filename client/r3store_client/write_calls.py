@@ -103,7 +103,7 @@ class WriteCalls(NamespaceCalls, DirectWrites):
         ):
             for w in writes:
                 check_write(w, spec)
-            items = yield from self._put_direct(namespace, spec, writes, encoded_writes)
+            items = yield from self._put_together(namespace, spec, writes, encoded_writes)
         if items is None:
             body = yield Work(upload_body, (list(writes), spec, self.encode))
             answer = yield from self._json(

@@ -1,0 +1,171 @@
+"""Direct puts of one client that go together (`Client(put_lanes=...)`).
+
+At most `lanes` direct puts of a namespace are under way at once. A put that finds every
+lane taken waits; the first waiting put to find a lane free carries the others that wait
+with it, encoded with the same dictionary, in one blob and one commit (`Lanes.join`).
+Each put still returns after the commit that made its writes durable, with its own
+results. A put whose carrier failed goes again alone, so that its answer, or its
+refusal, is its own.
+
+Nothing here blocks: a put waits by yielding `Wait` on futures, which `Client` waits on
+in its thread and `AsyncClient` awaits. Waking is broadcast (every waiting put looks
+again when a lane frees), so a waiting put that is cancelled loses no other put's turn.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Generator, Sequence
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from typing import Any
+
+from r3store.protocol.models import PutItem
+from r3store.records import TrajectoryWrite
+from r3store_client.steps import Wait
+
+CARRY_WRITES = 32  # writes one put carries at most, its own included
+
+
+class CarrierFailed(Exception):
+    """The put that carried this one's writes failed: send them again alone."""
+
+
+def encoded_size(writes: Sequence[TrajectoryWrite]) -> int:
+    """The bytes encoded writes put in a blob."""
+    total = 0
+    for w in writes:
+        sent = w.encoded
+        if sent is not None:
+            total += sum(len(b) for b in (sent.ids, sent.counts, sent.order, sent.tokens) if b)
+    return total
+
+
+@dataclass(eq=False)
+class Waiting:
+    """A put that waits for a lane: its writes as given and as encoded, the digest of the
+    dictionary they were encoded with, and what its carrier answers (its results, or
+    `CarrierFailed`)."""
+
+    writes: list[TrajectoryWrite]
+    encoded: list[TrajectoryWrite]
+    digest: bytes | None
+    size: int
+    answer: Future[list[PutItem]] = field(default_factory=Future)
+    taken: bool = False  # by a put that carries it
+
+
+@dataclass(frozen=True)
+class Lead:
+    """A lane is this put's: send `group`'s writes (its own first) in one put, then
+    `Lanes.carried` and `Lanes.release`."""
+
+    group: list[Waiting]
+
+
+@dataclass(frozen=True)
+class Carried:
+    """Another put sent these writes: their results."""
+
+    items: list[PutItem]
+
+
+@dataclass(frozen=True)
+class Alone:
+    """The carrier failed: send the writes alone (without a lane)."""
+
+
+Turn = Lead | Carried | Alone
+
+
+@dataclass(eq=False)
+class _Namespace:
+    busy: int = 0
+    waiting: list[Waiting] = field(default_factory=list)
+    freed: Future[None] = field(default_factory=Future)  # set when a lane frees
+
+
+class Lanes:
+    """The lanes of one client's direct puts, per namespace."""
+
+    def __init__(self, lanes: int) -> None:
+        if lanes < 1:
+            raise ValueError("put_lanes must be at least 1 (or None: each put goes alone)")
+        self.lanes = lanes
+        self._lock = threading.Lock()
+        self._namespaces: dict[str, _Namespace] = {}
+
+    def join(self, namespace: str, entry: Waiting, carry_bytes: int) -> Generator[Wait, Any, Turn]:
+        """Wait for a lane, or for another put to carry `entry`; a put that gets a lane
+        after waiting carries others up to `carry_bytes` of encoded routes."""
+        with self._lock:
+            state = self._namespaces.setdefault(namespace, _Namespace())
+            if state.busy < self.lanes and not state.waiting:
+                state.busy += 1
+                return Lead([entry])
+            state.waiting.append(entry)
+        try:
+            while True:
+                with self._lock:
+                    if entry.answer.done():
+                        break
+                    if entry.taken:  # carried: only its answer is awaited
+                        waits: tuple[Future[Any], ...] = (entry.answer,)
+                    elif state.busy < self.lanes:
+                        state.busy += 1
+                        return Lead(self._group(state, entry, carry_bytes))
+                    else:
+                        waits = (entry.answer, state.freed)
+                yield Wait(waits)
+        finally:
+            with self._lock:
+                if entry in state.waiting:  # cancelled while waiting: carried by nobody
+                    state.waiting.remove(entry)
+        try:
+            return Carried(entry.answer.result())
+        except CarrierFailed:
+            return Alone()
+
+    @staticmethod
+    def _group(state: _Namespace, entry: Waiting, carry_bytes: int) -> list[Waiting]:
+        """`entry` and the puts waiting longest that fit with it (the same dictionary,
+        at most `CARRY_WRITES` writes and `carry_bytes`), taken off the queue."""
+        state.waiting.remove(entry)
+        group, count, size = [entry], len(entry.writes), entry.size
+        for other in list(state.waiting):
+            if count + len(other.writes) > CARRY_WRITES:
+                break
+            if other.digest != entry.digest or size + other.size > carry_bytes:
+                continue
+            state.waiting.remove(other)
+            other.taken = True
+            group.append(other)
+            count, size = count + len(other.writes), size + other.size
+        return group
+
+    @staticmethod
+    def carried(group: Sequence[Waiting], items: Sequence[PutItem] | None) -> list[PutItem]:
+        """Hand each carried put its results (`items`, in the group's order), or
+        `CarrierFailed` (`items` None); returns the leader's own."""
+        at = len(group[0].writes)
+        for other in group[1:]:
+            end = at + len(other.writes)
+            try:
+                if items is None:
+                    other.answer.set_exception(CarrierFailed())
+                else:
+                    other.answer.set_result(list(items[at:end]))
+            except InvalidStateError:
+                pass  # answered already
+            at = end
+        return [] if items is None else list(items[: len(group[0].writes)])
+
+    def release(self, namespace: str) -> None:
+        """A lane is free again: every waiting put looks."""
+        with self._lock:
+            state = self._namespaces[namespace]
+            state.busy -= 1
+            freed, state.freed = state.freed, Future()
+            if not state.busy and not state.waiting:
+                del self._namespaces[namespace]
+        freed.set_result(None)
