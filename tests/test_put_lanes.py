@@ -151,14 +151,15 @@ def _namespace(server: ServerProcess) -> str:
 
 
 class _Commits:
-    """Counts the direct commits an HTTP client sends."""
+    """Counts the commits an HTTP client sends: direct commits, or uploads."""
 
-    def __init__(self) -> None:
+    def __init__(self, ending: str = "/writes/commit") -> None:
+        self.ending = ending
         self.count = 0
         self._lock = threading.Lock()
 
     def __call__(self, request: httpx.Request) -> None:
-        if request.url.path.endswith("/writes/commit"):
+        if request.url.path.endswith(self.ending):
             with self._lock:
                 self.count += 1
 
@@ -176,14 +177,17 @@ def _check_stored(server: ServerProcess, ns: str, names: list[str]) -> None:
 
 
 @pytest.mark.s3
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "through-the-server"])
 def test_concurrent_puts_share_commits_and_each_gets_its_own_results(
-    server: ServerProcess,
+    server: ServerProcess, direct: bool
 ) -> None:
     ns = _namespace(server)
     names = [f"t{i}" for i in range(32)]
-    commits = _Commits()
+    commits = _Commits("/writes/commit" if direct else "/trajectories")
     http = httpx.Client(base_url=server.url, timeout=60, event_hooks={"request": [commits]})
-    with Client(server.url, api_key=KEYS["writer"], http=http, put_lanes=1) as client:
+    with Client(
+        server.url, api_key=KEYS["writer"], http=http, put_lanes=1, direct_writes=direct
+    ) as client:
 
         def put(name: str) -> tuple[str, Any]:
             (result,) = client.put(ns, [make_write(name)])

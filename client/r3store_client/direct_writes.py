@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any
 
 import urllib3
@@ -25,7 +24,6 @@ from r3store.protocol.models import PutItem
 from r3store.records import TrajectoryWrite
 from r3store.spec import RouteSpec
 from r3store_client.direct_reads import DirectReads, Replan
-from r3store_client.put_lanes import Alone, Carried, Waiting, encoded_size
 from r3store_client.steps import Call, Work
 
 log = logging.getLogger("r3store_client")
@@ -34,21 +32,6 @@ log = logging.getLogger("r3store_client")
 PLAN_MARGIN = 60.0  # seconds a pooled plan must still work to be used
 MAX_POOLED = 64  # plans kept per namespace
 PLAN_BATCH = 8  # plans a commit asks for when fewer than a quarter of that are left
-
-
-def _encoded_once(
-    encode: Callable[..., list[TrajectoryWrite]],
-    digest: bytes | None,
-    encoded: list[TrajectoryWrite],
-    writes: list[TrajectoryWrite],
-    spec: RouteSpec,
-    dictionary: Dictionary | None,
-) -> list[TrajectoryWrite]:
-    """`encoded`, the writes as their puts encoded them with the dictionary `digest`
-    names, where the plan names that one; else encoded again (`encode`)."""
-    if (None if dictionary is None else dictionary.digest) == digest:
-        return encoded
-    return encode(writes, spec, dictionary)
 
 
 class _Refused(Exception):
@@ -178,51 +161,6 @@ class DirectWrites(DirectReads):
                 self._keep_plan(namespace, following)
             return answer.results
         raise StoreError("unreachable")
-
-    def _put_together(
-        self,
-        namespace: str,
-        spec: RouteSpec,
-        writes: Sequence[TrajectoryWrite],
-        encoded_writes: Callable[..., list[TrajectoryWrite]],
-    ) -> Call[list[PutItem] | None]:
-        """`_put_direct` in one of the client's lanes (`put_lanes`): the writes are
-        encoded first, with the dictionary a plan names, then wait for a lane; a put
-        that gets one after waiting sends the others waiting with it, and hands each
-        its results."""
-        lanes = self._lanes
-        plan = None if lanes is None else (yield from self._write_plan(namespace))
-        if lanes is None:
-            return (yield from self._put_direct(namespace, spec, writes, encoded_writes))
-        if plan is None:
-            return None  # the server takes no direct writes
-        self._keep_plan(namespace, plan)  # the put that goes takes one from the pool
-        dictionary = yield Work(self._plan_dictionary, (plan,))
-        encoded = yield Work(encoded_writes, (list(writes), spec, dictionary))
-        digest = None if dictionary is None else dictionary.digest
-        entry = Waiting(list(writes), encoded, digest, encoded_size(encoded))
-        turn = yield from lanes.join(namespace, entry, plan.max_bytes // 2)
-        if isinstance(turn, Carried):
-            return turn.items
-        if isinstance(turn, Alone):
-            return (yield from self._put_direct(namespace, spec, writes, encoded_writes))
-        group = turn.group
-        items: list[PutItem] | None = None
-        sent = [w for e in group for w in e.encoded]
-        reuse = partial(_encoded_once, encoded_writes, digest, sent)
-        try:
-            items = yield from self._put_direct(
-                namespace, spec, [w for e in group for w in e.writes], reuse
-            )
-        except R3StoreError:
-            if len(group) == 1:
-                raise
-        finally:
-            mine = lanes.carried(group, items)  # None: the others go again alone
-            lanes.release(namespace)
-        if items is None and len(group) > 1:  # its own answer, or refusal
-            return (yield from self._put_direct(namespace, spec, writes, encoded_writes))
-        return None if items is None else mine
 
     def _store_put(self, url: str, headers: dict[str, str], blob: bytes) -> None:
         """PUT a blob to a plan's URL, retried on a failed connection; 403 (expired) and

@@ -1,11 +1,12 @@
-"""Direct puts of one client that go together (`Client(put_lanes=...)`).
+"""Encoded puts of one client that go together (`Client(put_lanes=...)`).
 
-At most `lanes` direct puts of a namespace are under way at once. A put that finds every
-lane taken waits; the first waiting put to find a lane free carries the others that wait
-with it, encoded with the same dictionary, in one blob and one commit (`Lanes.join`).
-Each put still returns after the commit that made its writes durable, with its own
-results. A put whose carrier failed goes again alone, so that its answer, or its
-refusal, is its own.
+At most `lanes` encoded puts of a namespace are under way at once. A put that finds
+every lane taken waits; the first waiting put to find a lane free carries the others
+that wait with it, encoded with the same dictionary, in one put: one blob and one
+commit for direct writes, one upload through the server otherwise (`Lanes.join`). Each
+put still returns after the commit that made its writes durable, with its own results.
+A put whose carrier failed goes again alone, so that its answer, or its refusal, is its
+own.
 
 Nothing here blocks: a put waits by yielding `Wait` on futures, which `Client` waits on
 in its thread and `AsyncClient` awaits. Waking is broadcast (every waiting put looks
@@ -25,6 +26,7 @@ from r3store.records import TrajectoryWrite
 from r3store_client.steps import Wait
 
 CARRY_WRITES = 32  # writes one put carries at most, its own included
+CARRY_BYTES = 16 << 20  # encoded bytes one put carries at most (half a plan's at most)
 
 
 class CarrierFailed(Exception):
@@ -86,7 +88,7 @@ class _Namespace:
 
 
 class Lanes:
-    """The lanes of one client's direct puts, per namespace."""
+    """The lanes of one client's encoded puts, per namespace."""
 
     def __init__(self, lanes: int) -> None:
         if lanes < 1:

@@ -8,11 +8,12 @@ the server.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import numpy as np
 
-from r3store.errors import InvalidRoutes
+from r3store.errors import InvalidRoutes, R3StoreError
 from r3store.logic.codec import Dictionary
 from r3store.logic.streams import fits
 from r3store.logic.writes import check_slot_order, encode_write
@@ -23,6 +24,7 @@ from r3store.refs import RouteRef
 from r3store.spec import RouteSpec
 from r3store_client.direct_writes import DirectWrites
 from r3store_client.namespace_calls import NamespaceCalls
+from r3store_client.put_lanes import CARRY_BYTES, Alone, Carried, Waiting, encoded_size
 from r3store_client.steps import Call, Work
 
 
@@ -83,6 +85,30 @@ def upload_body(writes: Sequence[TrajectoryWrite], spec: RouteSpec, encode: bool
     return encode_writes(writes)
 
 
+def _sent_body(
+    encode: Callable[..., list[TrajectoryWrite]],
+    writes: list[TrajectoryWrite],
+    spec: RouteSpec,
+) -> bytes:
+    """An upload's body of writes encoded by `encode` (no dictionary: the server
+    compresses at rest)."""
+    return encode_writes(encode(writes, spec, None))
+
+
+def _encoded_once(
+    digest: bytes | None,
+    encoded: list[TrajectoryWrite],
+    writes: list[TrajectoryWrite],
+    spec: RouteSpec,
+    dictionary: Dictionary | None,
+) -> list[TrajectoryWrite]:
+    """`encoded`, the writes as their puts encoded them with the dictionary `digest`
+    names, where the same dictionary is asked for; else encoded again."""
+    if (None if dictionary is None else dictionary.digest) == digest:
+        return encoded
+    return encoded_writes(writes, spec, dictionary)
+
+
 class WriteCalls(NamespaceCalls, DirectWrites):
     """Uploads, direct or through the server; mixed into `Calls`."""
 
@@ -90,28 +116,88 @@ class WriteCalls(NamespaceCalls, DirectWrites):
         """Upload trajectories (or appended segments); returns after the durable commit,
         a result per write with its route ref (`PutResult.ref`). Each write's slot order
         and array shape are checked against the namespace's spec (`check_write`), and
-        routes are validated and encoded here
-        (unless `encode=False`): bad ones raise `InvalidRoutes` before anything is
-        sent. Encoded puts go straight to the object store where the server allows it
+        routes are validated and encoded here (unless `encode=False`): bad ones raise
+        `InvalidRoutes` before anything is sent. Encoded puts go in the client's lanes
+        (`put_lanes`), straight to the object store where the server allows it
         (`direct_writes`; `r3store_client.direct_writes`)."""
         spec = yield from self._spec(namespace)
-        items: list[PutItem] | None = None
-        if (
-            self.encode
-            and self._chooses_direct()
-            and all(isinstance(w.num_tokens, int) and fits(spec, w.num_tokens) for w in writes)
+        if self.encode and all(
+            isinstance(w.num_tokens, int) and fits(spec, w.num_tokens) for w in writes
         ):
             for w in writes:
                 check_write(w, spec)
-            items = yield from self._put_together(namespace, spec, writes, encoded_writes)
-        if items is None:
+            items = yield from self._put_together(namespace, spec, writes)
+        else:
             body = yield Work(upload_body, (list(writes), spec, self.encode))
-            answer = yield from self._json(
-                "POST",
-                f"/v1/namespaces/{namespace}/trajectories",
-                content=body,
-                headers={"Content-Type": CONTENT_TYPE},
-            )
-            items = [PutItem.model_validate(item) for item in answer["results"]]
+            items = yield from self._upload(namespace, body)
         results = [item.result() for item in items]
         return [dataclasses.replace(r, ref=RouteRef.of(namespace, r)) for r in results]
+
+    def _put_together(
+        self, namespace: str, spec: RouteSpec, writes: Sequence[TrajectoryWrite]
+    ) -> Call[list[PutItem]]:
+        """An encoded put in one of the client's lanes (`put_lanes`): the writes are
+        encoded first (with the dictionary a write plan names, for a direct write),
+        then wait for a lane; a put that gets one after waiting sends the others
+        waiting with it, and hands each its results (`r3store_client.put_lanes`)."""
+        lanes = self._lanes
+        if lanes is None:
+            return (yield from self._put_alone(namespace, spec, writes, encoded_writes))
+        plan = (yield from self._write_plan(namespace)) if self._chooses_direct() else None
+        dictionary, carry = None, CARRY_BYTES
+        if plan is not None:
+            self._keep_plan(namespace, plan)  # the put that goes takes one from the pool
+            dictionary = yield Work(self._plan_dictionary, (plan,))
+            carry = min(carry, plan.max_bytes // 2)
+        encoded = yield Work(encoded_writes, (list(writes), spec, dictionary))
+        digest = None if dictionary is None else dictionary.digest
+        turn = yield from lanes.join(
+            namespace, Waiting(list(writes), encoded, digest, encoded_size(encoded)), carry
+        )
+        if isinstance(turn, Carried):
+            return turn.items
+        if isinstance(turn, Alone):
+            return (yield from self._put_alone(namespace, spec, writes, encoded_writes))
+        group = turn.group
+        items: list[PutItem] | None = None
+        reuse = partial(_encoded_once, digest, [w for e in group for w in e.encoded])
+        try:
+            items = yield from self._put_alone(
+                namespace, spec, [w for e in group for w in e.writes], reuse
+            )
+        except R3StoreError:
+            if len(group) == 1:
+                raise
+        finally:
+            mine = lanes.carried(group, items)  # None: the others go again alone
+            lanes.release(namespace)
+        if items is None:  # a group failed: its own answer, or refusal
+            return (yield from self._put_alone(namespace, spec, writes, encoded_writes))
+        return mine
+
+    def _put_alone(
+        self,
+        namespace: str,
+        spec: RouteSpec,
+        writes: Sequence[TrajectoryWrite],
+        encode: Callable[..., list[TrajectoryWrite]],
+    ) -> Call[list[PutItem]]:
+        """One encoded put (`encode`: `encoded_writes`, or what reuses their encoding):
+        direct where the server allows it, else through the server."""
+        items = None
+        if self._chooses_direct():
+            items = yield from self._put_direct(namespace, spec, writes, encode)
+        if items is None:
+            body = yield Work(_sent_body, (encode, list(writes), spec))
+            items = yield from self._upload(namespace, body)
+        return items
+
+    def _upload(self, namespace: str, body: bytes) -> Call[list[PutItem]]:
+        """An upload through the server; its answer's items."""
+        answer = yield from self._json(
+            "POST",
+            f"/v1/namespaces/{namespace}/trajectories",
+            content=body,
+            headers={"Content-Type": CONTENT_TYPE},
+        )
+        return [PutItem.model_validate(item) for item in answer["results"]]
