@@ -1,7 +1,8 @@
 """What a request costs the server, apart from the routes it carries: its CPU time per
 request of the small routes (`/healthz`, an authenticated namespace read, a blob's
 upload URL), one client after another, and per direct put of a 64-token trajectory
-from 8 writers (about the fixed cost of one trajectory a put), on SeaweedFS.
+from 8 writers sharing a client (about the fixed cost of one trajectory a put), in the
+client's lanes beside each put sent alone, on SeaweedFS.
 """
 
 from __future__ import annotations
@@ -64,20 +65,29 @@ def run(seaweed: SeaweedFS, requests: int = 400, puts: int = 256) -> list[Figure
                 figures.append(Figure(f"server CPU per request: {name}", spent * 1e3, "ms"))
         work = Workload(puts, 64)
         routes = [a.astype(np.int32) for a in work.arrays]
-        with Client(url, api_key=KEY) as client:
-            client.create_namespace("puts", SPEC)
-            client.put("puts", [TrajectoryWrite("warm", work.tokens, topk=routes[0])])
+        spent = {}
+        for lanes in (None, 2):  # each put alone, then in the client's lanes (the default)
+            namespace = f"puts-{lanes}"
+            with Client(url, api_key=KEY, put_lanes=lanes) as client:
+                client.create_namespace(namespace, SPEC)
+                client.put(namespace, [TrajectoryWrite("warm", work.tokens, topk=routes[0])])
 
-            def put(i: int) -> None:
-                write = TrajectoryWrite(work.ids[i], work.tokens, topk=routes[i % len(routes)])
-                client.put("puts", [write])
+                def put(i: int, client: Client = client, namespace: str = namespace) -> None:
+                    write = TrajectoryWrite(work.ids[i], work.tokens, topk=routes[i % len(routes)])
+                    client.put(namespace, [write])
 
-            before = _cpu(process.pid)
-            with ThreadPoolExecutor(THREADS) as pool:
-                list(pool.map(put, range(puts)))
-            spent = (_cpu(process.pid) - before) / puts
+                before = _cpu(process.pid)
+                with ThreadPoolExecutor(THREADS) as pool:
+                    list(pool.map(put, range(puts)))
+                spent[lanes] = (_cpu(process.pid) - before) / puts * 1e3
         figures.append(
-            Figure("server CPU per direct put of 64 tokens, 8 writers", spent * 1e3, "ms")
+            Figure(
+                "server CPU per direct put of 64 tokens, 8 writers",
+                spent[2],
+                "ms",
+                spent[None],
+                "each put alone",
+            )
         )
     finally:
         stop_server(process)
