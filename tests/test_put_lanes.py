@@ -6,7 +6,7 @@ the store refuses refused alone."""
 from __future__ import annotations
 
 import asyncio
-import threading
+import json
 import uuid
 from collections.abc import Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
-from helpers import SPEC, expected_ids, make_write
+from helpers import SPEC, eventually, expected_ids, make_write
 from http_helpers import KEYS, ServerProcess
 from r3store.errors import Conflict
 from r3store.protocol.models import PutItem
@@ -64,6 +64,7 @@ def test_a_put_that_waits_is_carried_by_the_first_to_get_a_lane() -> None:
     assert lead == Lead([b, c])  # b waited longest: it carries c
     assert [f.done() for f in _step(joins["c/0"]).futures] == [False]  # c awaits its answer
     mine = lanes.carried(lead.group, _items([b, c]))
+    assert mine is not None
     assert [i.trajectory_id for i in mine] == ["b/0", "b/1"]
     carried = _step(joins["c/0"])
     assert isinstance(carried, Carried)
@@ -84,7 +85,30 @@ def test_puts_carried_by_a_put_that_failed_go_again_alone() -> None:
     lead = _step(b_join)
     assert lead == Lead([b, c])
     assert isinstance(_step(c_join), Wait)
-    assert lanes.carried(lead.group, None) == []
+    assert lanes.carried(lead.group, None) is None
+    assert _step(c_join) == Alone()
+    # sent again, it takes a lane of its own and carries nobody
+    solo, d = c.again_alone(), _entry("d")
+    solo_join, d_join = lanes.join("ns", solo, 1000), lanes.join("ns", d, 1000)
+    assert isinstance(_step(solo_join), Wait)
+    assert isinstance(_step(d_join), Wait)
+    lanes.release("ns")
+    assert _step(solo_join) == Lead([solo])
+    lanes.release("ns")
+    assert _step(d_join) == Lead([d])
+
+
+def test_a_carrier_answered_with_other_than_one_result_a_write_failed() -> None:
+    lanes = Lanes(1)
+    a, b, c = _entry("a"), _entry("b"), _entry("c")
+    assert _step(lanes.join("ns", a, 1000)) == Lead([a])
+    b_join, c_join = lanes.join("ns", b, 1000), lanes.join("ns", c, 1000)
+    assert isinstance(_step(b_join), Wait)
+    assert isinstance(_step(c_join), Wait)
+    lanes.release("ns")
+    lead = _step(b_join)
+    assert lead == Lead([b, c])
+    assert lanes.carried(lead.group, _items([b])) is None  # one result for two writes
     assert _step(c_join) == Alone()
 
 
@@ -121,6 +145,22 @@ def test_a_put_given_up_while_waiting_is_carried_by_nobody() -> None:
     assert _step(c_join) == Lead([c])
     lanes.release("ns")
     assert "ns" not in lanes._namespaces  # nothing kept of a namespace at rest
+    d, e = _entry("d"), _entry("e")
+    assert _step(lanes.join("ns", d, 1000)) == Lead([d])
+    e_join = lanes.join("ns", e, 1000)
+    assert isinstance(_step(e_join), Wait)
+    lanes.release("ns")  # e is woken, then given up before it looks
+    e_join.close()
+    assert "ns" not in lanes._namespaces
+
+
+def test_a_forked_process_starts_with_free_lanes(monkeypatch: pytest.MonkeyPatch) -> None:
+    lanes = Lanes(1)
+    assert isinstance(_step(lanes.join("ns", _entry("a"), 1000)), Lead)
+    assert isinstance(_step(lanes.join("ns", _entry("b"), 1000)), Wait)
+    monkeypatch.setattr("os.getpid", lambda: -1)  # as in a child forked meanwhile
+    c = _entry("c")
+    assert _step(lanes.join("ns", c, 1000)) == Lead([c])
 
 
 def test_puts_go_at_once_while_lanes_are_free() -> None:
@@ -151,20 +191,21 @@ def _namespace(server: ServerProcess) -> str:
 
 
 class _Commits:
-    """Counts the commits an HTTP client sends: direct commits, or uploads."""
+    """The commits an HTTP client sent (direct commits, or uploads through the server):
+    how many writes each carried, and the status it was answered with."""
 
-    def __init__(self, ending: str = "/writes/commit") -> None:
-        self.ending = ending
-        self.count = 0
-        self._lock = threading.Lock()
+    def __init__(self, direct: bool) -> None:
+        self.ending = "/writes/commit" if direct else "/trajectories"
+        self.sent: list[tuple[int, int]] = []
 
-    def __call__(self, request: httpx.Request) -> None:
+    def __call__(self, response: httpx.Response) -> None:
+        request = response.request
         if request.url.path.endswith(self.ending):
-            with self._lock:
-                self.count += 1
+            writes = len(json.loads(request.content)["segments"]) if "commit" in self.ending else 0
+            self.sent.append((writes, response.status_code))
 
-    async def seen(self, request: httpx.Request) -> None:
-        self(request)
+    async def seen(self, response: httpx.Response) -> None:
+        self(response)
 
 
 def _check_stored(server: ServerProcess, ns: str, names: list[str]) -> None:
@@ -176,44 +217,67 @@ def _check_stored(server: ServerProcess, ns: str, names: list[str]) -> None:
         assert np.array_equal(item.routes.to_topk(), expected_ids(make_write(name)))
 
 
+def _held(client: Client | AsyncClient, ns: str) -> Lanes:
+    """The client's lanes, its only lane of `ns` taken as a put under way takes it."""
+    lanes = client._lanes
+    assert lanes is not None
+    held = _entry("held")
+    assert _step(lanes.join(ns, held, 1000)) == Lead([held])
+    return lanes
+
+
+def _when_waiting(lanes: Lanes, ns: str, count: int) -> None:
+    eventually(lambda: len(lanes._namespaces[ns].waiting) == count, f"{count} puts waiting")
+
+
 @pytest.mark.s3
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "through-the-server"])
-def test_concurrent_puts_share_commits_and_each_gets_its_own_results(
+def test_puts_that_wait_go_in_one_commit_and_each_gets_its_own_results(
     server: ServerProcess, direct: bool
 ) -> None:
     ns = _namespace(server)
-    names = [f"t{i}" for i in range(32)]
-    commits = _Commits("/writes/commit" if direct else "/trajectories")
-    http = httpx.Client(base_url=server.url, timeout=60, event_hooks={"request": [commits]})
+    names = [f"t{i}" for i in range(16)]
+    commits = _Commits(direct)
+    http = httpx.Client(base_url=server.url, timeout=60, event_hooks={"response": [commits]})
     with Client(
         server.url, api_key=KEYS["writer"], http=http, put_lanes=1, direct_writes=direct
     ) as client:
+        client.put(ns, [make_write("first")])  # alone: nothing waits
+        lanes = _held(client, ns)
 
         def put(name: str) -> tuple[str, Any]:
             (result,) = client.put(ns, [make_write(name)])
             return name, result
 
-        with ThreadPoolExecutor(8) as pool:
-            answered = list(pool.map(put, names))
+        with ThreadPoolExecutor(len(names)) as pool:
+            answers = pool.map(put, names)
+            _when_waiting(lanes, ns, len(names))
+            lanes.release(ns)
+            answered = list(answers)
     http.close()
     for name, result in answered:
         assert result.trajectory_id == name
         assert result.created
         assert result.ref is not None
         assert result.ref.trajectory_id == name
-    assert commits.count < len(names)  # puts that waited went in others' commits
-    _check_stored(server, ns, names)
+    assert len(commits.sent) == 2  # the first put's, then one for the sixteen
+    if direct:
+        assert commits.sent == [(1, 200), (16, 200)]
+    _check_stored(server, ns, ["first", *names])
 
 
 @pytest.mark.s3
 def test_a_carried_put_the_server_refuses_is_refused_alone(server: ServerProcess) -> None:
     ns = _namespace(server)
-    with Client(server.url, api_key=KEYS["writer"], put_lanes=1) as client:
+    commits = _Commits(direct=True)
+    http = httpx.Client(base_url=server.url, timeout=60, event_hooks={"response": [commits]})
+    with Client(server.url, api_key=KEYS["writer"], http=http, put_lanes=1) as client:
         client.put(ns, [make_write("taken")])
         other = make_write("taken")
         clash = type(other)("taken", other.num_tokens, topk=np.asarray(other.topk)[::-1].copy())
         names = [f"u{i}" for i in range(15)]
         order = [*names[:7], "taken", *names[7:]]
+        lanes = _held(client, ns)
 
         def put(name: str) -> object:
             try:
@@ -221,29 +285,42 @@ def test_a_carried_put_the_server_refuses_is_refused_alone(server: ServerProcess
             except Conflict as exc:
                 return exc
 
-        with ThreadPoolExecutor(8) as pool:
-            answered = dict(zip(order, pool.map(put, order), strict=True))
+        with ThreadPoolExecutor(len(order)) as pool:
+            answers = pool.map(put, order)
+            _when_waiting(lanes, ns, len(order))
+            lanes.release(ns)
+            answered = dict(zip(order, answers, strict=True))
+    http.close()
     assert isinstance(answered.pop("taken"), Conflict)
     assert all(r.created for r in answered.values())  # type: ignore[attr-defined]
+    # the group of sixteen refused whole, then each sent alone: only the clash refused
+    assert commits.sent[:2] == [(1, 200), (16, 409)]
+    assert sorted(commits.sent[2:]) == [(1, 200)] * 15 + [(1, 409)]
     _check_stored(server, ns, names)
 
 
 @pytest.mark.s3
-def test_concurrent_async_puts_share_commits(server: ServerProcess) -> None:
+def test_async_puts_that_wait_go_in_one_commit(server: ServerProcess) -> None:
     ns = _namespace(server)
-    names = [f"a{i}" for i in range(24)]
-    commits = _Commits()
+    names = [f"a{i}" for i in range(12)]
+    commits = _Commits(direct=True)
 
     async def main() -> list[Any]:
         http = httpx.AsyncClient(
-            base_url=server.url, timeout=60, event_hooks={"request": [commits.seen]}
+            base_url=server.url, timeout=60, event_hooks={"response": [commits.seen]}
         )
         async with AsyncClient(server.url, api_key=KEYS["writer"], http=http, put_lanes=1) as c:
-            answered = await asyncio.gather(*(c.put(ns, [make_write(n)]) for n in names))
+            await c.put(ns, [make_write("first")])
+            lanes = _held(c, ns)
+            puts = asyncio.gather(*(c.put(ns, [make_write(n)]) for n in names))
+            while len(lanes._namespaces[ns].waiting) < len(names):
+                await asyncio.sleep(0.05)
+            lanes.release(ns)
+            answered = await puts
         await http.aclose()
         return [r for (r,) in answered]
 
     results = asyncio.run(main())
     assert [r.trajectory_id for r in results] == names
-    assert commits.count < len(names)
-    _check_stored(server, ns, names)
+    assert commits.sent == [(1, 200), (12, 200)]
+    _check_stored(server, ns, ["first", *names])

@@ -140,6 +140,7 @@ class CallBase:
         self._writes_direct: bool | None = None  # what direct writes chose (None: not yet)
         # unused write plans commits answered, per namespace (`direct_writes`)
         self._plans: dict[str, list[WritePlanModel]] = {}
+        self._seen_plans: dict[str, WritePlanModel] = {}  # the last used, per namespace
         self._plans_lock = threading.Lock()
         self.api_key = api_key
         self.timeout = timeout
@@ -200,7 +201,7 @@ class CallBase:
         for name in self._unpicklable():
             state[name] = None  # connections and threads do not cross processes
         state["_own_store_http"] = True
-        state["_plans"] = {}  # a plan is used once: never by two processes
+        state["_plans"] = state["_seen_plans"] = {}  # a plan is used once, in one process
         del state["_made"], state["_plans_lock"], state["_lanes"]
         return state
 

@@ -93,16 +93,31 @@ class DirectWrites(DirectReads):
         """A pooled plan of `namespace`, else a new one from the server; None when the
         server takes no direct writes (chosen then, unless `direct_writes` insists)."""
         plan = self._next_plan(namespace)
+        if plan is None:
+            try:
+                answer = yield from self._json(
+                    "POST", f"/v1/namespaces/{namespace}/writes", json={}
+                )
+            except DirectUnavailable as exc:
+                if self.direct_writes:
+                    raise
+                self._chose(False, f"writes go through the server ({exc})")
+                return None
+            plan = WritePlanModel.model_validate(answer)
+        self._seen_plans[namespace] = plan
+        return plan
+
+    def _last_plan(self, namespace: str) -> Call[WritePlanModel | None]:
+        """The last write plan of `namespace` this client used, for the dictionary it
+        names and its `max_bytes` (not for its URL); else a new one, kept in the pool
+        for the put that goes. None when the server takes no direct writes."""
+        seen = self._seen_plans.get(namespace)
+        if seen is not None:
+            return seen
+        plan = yield from self._write_plan(namespace)
         if plan is not None:
-            return plan
-        try:
-            answer = yield from self._json("POST", f"/v1/namespaces/{namespace}/writes", json={})
-        except DirectUnavailable as exc:
-            if self.direct_writes:
-                raise
-            self._chose(False, f"writes go through the server ({exc})")
-            return None
-        return WritePlanModel.model_validate(answer)
+            self._keep_plan(namespace, plan)
+        return plan
 
     def _put_direct(
         self,

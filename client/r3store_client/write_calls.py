@@ -24,7 +24,7 @@ from r3store.refs import RouteRef
 from r3store.spec import RouteSpec
 from r3store_client.direct_writes import DirectWrites
 from r3store_client.namespace_calls import NamespaceCalls
-from r3store_client.put_lanes import CARRY_BYTES, Alone, Carried, Waiting, encoded_size
+from r3store_client.put_lanes import CARRY_BYTES, Carried, Lead, Waiting, encoded_size
 from r3store_client.steps import Call, Work
 
 
@@ -137,42 +137,47 @@ class WriteCalls(NamespaceCalls, DirectWrites):
         self, namespace: str, spec: RouteSpec, writes: Sequence[TrajectoryWrite]
     ) -> Call[list[PutItem]]:
         """An encoded put in one of the client's lanes (`put_lanes`): the writes are
-        encoded first (with the dictionary a write plan names, for a direct write),
-        then wait for a lane; a put that gets one after waiting sends the others
-        waiting with it, and hands each its results (`r3store_client.put_lanes`)."""
+        encoded first (for a direct write, with the dictionary the namespace's last
+        write plan named), then wait for a lane; a put that gets one after waiting
+        sends the others waiting with it, and hands each its results
+        (`r3store_client.put_lanes`)."""
         lanes = self._lanes
         if lanes is None:
             return (yield from self._put_alone(namespace, spec, writes, encoded_writes))
-        plan = (yield from self._write_plan(namespace)) if self._chooses_direct() else None
+        plan = (yield from self._last_plan(namespace)) if self._chooses_direct() else None
         dictionary, carry = None, CARRY_BYTES
         if plan is not None:
-            self._keep_plan(namespace, plan)  # the put that goes takes one from the pool
             dictionary = yield Work(self._plan_dictionary, (plan,))
             carry = min(carry, plan.max_bytes // 2)
         encoded = yield Work(encoded_writes, (list(writes), spec, dictionary))
         digest = None if dictionary is None else dictionary.digest
-        turn = yield from lanes.join(
-            namespace, Waiting(list(writes), encoded, digest, encoded_size(encoded)), carry
-        )
-        if isinstance(turn, Carried):
-            return turn.items
-        if isinstance(turn, Alone):
-            return (yield from self._put_alone(namespace, spec, writes, encoded_writes))
+        entry = Waiting(list(writes), encoded, digest, encoded_size(encoded))
+        while True:
+            turn = yield from lanes.join(namespace, entry, carry)
+            if isinstance(turn, Carried):
+                return turn.items
+            if isinstance(turn, Lead):
+                break
+            entry = entry.again_alone()  # its carrier failed
         group = turn.group
-        items: list[PutItem] | None = None
         reuse = partial(_encoded_once, digest, [w for e in group for w in e.encoded])
         try:
-            items = yield from self._put_alone(
-                namespace, spec, [w for e in group for w in e.writes], reuse
-            )
-        except R3StoreError:
-            if len(group) == 1:
-                raise
+            try:
+                items = yield from self._put_alone(
+                    namespace, spec, [w for e in group for w in e.writes], reuse
+                )
+            except R3StoreError:
+                if len(group) == 1:
+                    raise
+                items = None
+            mine = lanes.carried(group, items)
+            if mine is None:  # the group failed: its own answer, or refusal, in its lane
+                mine = yield from self._put_alone(namespace, spec, writes, encoded_writes)
         finally:
-            mine = lanes.carried(group, items)  # None: the others go again alone
-            lanes.release(namespace)
-        if items is None:  # a group failed: its own answer, or refusal
-            return (yield from self._put_alone(namespace, spec, writes, encoded_writes))
+            try:
+                lanes.carried(group, None)  # whoever is not answered goes again alone
+            finally:
+                lanes.release(namespace)
         return mine
 
     def _put_alone(
