@@ -74,16 +74,33 @@ def test_a_put_that_waits_is_carried_by_the_first_to_get_a_lane() -> None:
     assert _step(lanes.join("ns", d, 1000)) == Lead([d])
 
 
-def test_puts_carried_by_a_put_that_failed_go_again_alone() -> None:
+Join = Generator[Wait, Any, Any]
+
+
+def _two_waiting() -> tuple[Lanes, Waiting, Join, Waiting, Join]:
+    """One lane, taken by a put a; b and c waiting: the lanes, b and its join, c and
+    its join."""
     lanes = Lanes(1)
     a, b, c = _entry("a"), _entry("b"), _entry("c")
     assert _step(lanes.join("ns", a, 1000)) == Lead([a])
     b_join, c_join = lanes.join("ns", b, 1000), lanes.join("ns", c, 1000)
     assert isinstance(_step(b_join), Wait)
     assert isinstance(_step(c_join), Wait)
+    return lanes, b, b_join, c, c_join
+
+
+def _carrying() -> tuple[Lanes, Lead, Waiting, Join]:
+    """`_two_waiting`, then a done: b got the lane and carries c. The lanes, b's turn,
+    c and c's join (waiting for its answer)."""
+    lanes, b, b_join, c, c_join = _two_waiting()
     lanes.release("ns")
     lead = _step(b_join)
     assert lead == Lead([b, c])
+    return lanes, lead, c, c_join
+
+
+def test_puts_carried_by_a_put_that_failed_go_again_alone() -> None:
+    lanes, lead, c, c_join = _carrying()
     assert isinstance(_step(c_join), Wait)
     assert lanes.carried(lead.group, None) is None
     assert _step(c_join) == Alone()
@@ -99,16 +116,8 @@ def test_puts_carried_by_a_put_that_failed_go_again_alone() -> None:
 
 
 def test_a_carrier_answered_with_other_than_one_result_a_write_failed() -> None:
-    lanes = Lanes(1)
-    a, b, c = _entry("a"), _entry("b"), _entry("c")
-    assert _step(lanes.join("ns", a, 1000)) == Lead([a])
-    b_join, c_join = lanes.join("ns", b, 1000), lanes.join("ns", c, 1000)
-    assert isinstance(_step(b_join), Wait)
-    assert isinstance(_step(c_join), Wait)
-    lanes.release("ns")
-    lead = _step(b_join)
-    assert lead == Lead([b, c])
-    assert lanes.carried(lead.group, _items([b])) is None  # one result for two writes
+    lanes, lead, _c, c_join = _carrying()
+    assert lanes.carried(lead.group, _items(lead.group[:1])) is None  # one for two writes
     assert _step(c_join) == Alone()
 
 
@@ -134,12 +143,7 @@ def _waiting(lanes: Lanes) -> list[Waiting]:
 
 
 def test_a_put_given_up_while_waiting_is_carried_by_nobody() -> None:
-    lanes = Lanes(1)
-    a, b, c = _entry("a"), _entry("b"), _entry("c")
-    assert _step(lanes.join("ns", a, 1000)) == Lead([a])
-    b_join, c_join = lanes.join("ns", b, 1000), lanes.join("ns", c, 1000)
-    assert isinstance(_step(b_join), Wait)
-    assert isinstance(_step(c_join), Wait)
+    lanes, _b, b_join, c, c_join = _two_waiting()
     b_join.close()  # its caller was cancelled
     lanes.release("ns")
     assert _step(c_join) == Lead([c])
