@@ -75,24 +75,20 @@ def encoded_writes(
     return [encode_write(w, spec, dictionary) if fits(spec, w.num_tokens) else w for w in writes]
 
 
-def upload_body(writes: Sequence[TrajectoryWrite], spec: RouteSpec, encode: bool) -> bytes:
-    """An upload's body: each write checked against the spec (`check_write`), and
-    (`encode`) the routes encoded (`encoded_writes`)."""
-    if encode:
-        return encode_writes(encoded_writes(writes, spec))
+def upload_body(
+    writes: Sequence[TrajectoryWrite],
+    spec: RouteSpec,
+    encode: Callable[..., list[TrajectoryWrite]] | None = encoded_writes,
+) -> bytes:
+    """An upload's body: the writes encoded by `encode` (`encoded_writes`, which checks
+    each against the spec, or what reuses a put's encoding; no dictionary: the server
+    compresses at rest), or (`encode` None) each checked (`check_write`) and sent as
+    ids."""
+    if encode is not None:
+        return encode_writes(encode(writes, spec, None))
     for w in writes:
         check_write(w, spec)
     return encode_writes(writes)
-
-
-def _sent_body(
-    encode: Callable[..., list[TrajectoryWrite]],
-    writes: list[TrajectoryWrite],
-    spec: RouteSpec,
-) -> bytes:
-    """An upload's body of writes encoded by `encode` (no dictionary: the server
-    compresses at rest)."""
-    return encode_writes(encode(writes, spec, None))
 
 
 def _encoded_once(
@@ -128,7 +124,8 @@ class WriteCalls(NamespaceCalls, DirectWrites):
                 check_write(w, spec)
             items = yield from self._put_together(namespace, spec, writes)
         else:
-            body = yield Work(upload_body, (list(writes), spec, self.encode))
+            encode = encoded_writes if self.encode else None
+            body = yield Work(upload_body, (list(writes), spec, encode))
             items = yield from self._upload(namespace, body)
         results = [item.result() for item in items]
         return [dataclasses.replace(r, ref=RouteRef.of(namespace, r)) for r in results]
@@ -172,7 +169,8 @@ class WriteCalls(NamespaceCalls, DirectWrites):
                 items = None
             mine = lanes.carried(group, items)
             if mine is None:  # the group failed: its own answer, or refusal, in its lane
-                mine = yield from self._put_alone(namespace, spec, writes, encoded_writes)
+                own = partial(_encoded_once, digest, encoded)
+                mine = yield from self._put_alone(namespace, spec, writes, own)
         finally:
             try:
                 lanes.carried(group, None)  # whoever is not answered goes again alone
@@ -193,7 +191,7 @@ class WriteCalls(NamespaceCalls, DirectWrites):
         if self._chooses_direct():
             items = yield from self._put_direct(namespace, spec, writes, encode)
         if items is None:
-            body = yield Work(_sent_body, (encode, list(writes), spec))
+            body = yield Work(upload_body, (list(writes), spec, encode))
             items = yield from self._upload(namespace, body)
         return items
 
