@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pickle
 import uuid
 from collections.abc import Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -165,6 +166,19 @@ def test_a_forked_process_starts_with_free_lanes(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr("os.getpid", lambda: -1)  # as in a child forked meanwhile
     c = _entry("c")
     assert _step(lanes.join("ns", c, 1000)) == Lead([c])
+
+
+def test_a_pickled_copy_starts_with_free_lanes() -> None:
+    lanes = Lanes(1)
+    assert isinstance(_step(lanes.join("ns", _entry("a"), 1000)), Lead)
+    client = Client("http://127.0.0.1:9", put_lanes=1)
+    client._lanes = lanes
+    copy = pickle.loads(pickle.dumps(client))._lanes  # as a DataLoader worker gets it
+    assert copy is not None
+    assert copy.lanes == 1
+    b = _entry("b")
+    assert _step(copy.join("ns", b, 1000)) == Lead([b])
+    assert isinstance(_step(lanes.join("ns", _entry("c"), 1000)), Wait)  # the original's
 
 
 def test_puts_go_at_once_while_lanes_are_free() -> None:

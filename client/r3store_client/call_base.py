@@ -135,7 +135,6 @@ class CallBase:
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.direct_writes = direct_writes
-        self.put_lanes = put_lanes
         self._lanes = None if put_lanes is None else Lanes(put_lanes)  # `put_lanes`
         self._writes_direct: bool | None = None  # what direct writes chose (None: not yet)
         # unused write plans commits answered, per namespace (`direct_writes`)
@@ -191,7 +190,6 @@ class CallBase:
         self.__dict__.update(state)
         self._made = threading.Lock()
         self._plans_lock = threading.Lock()
-        self._lanes = None if self.put_lanes is None else Lanes(self.put_lanes)
 
     def _unpicklable(self) -> tuple[str, ...]:
         return ("_decoders", "_store_http", "_fetchers")
@@ -202,7 +200,7 @@ class CallBase:
             state[name] = None  # connections and threads do not cross processes
         state["_own_store_http"] = True
         state["_plans"] = state["_seen_plans"] = {}  # a plan is used once, in one process
-        del state["_made"], state["_plans_lock"], state["_lanes"]
+        del state["_made"], state["_plans_lock"]
         return state
 
     def _headers(self) -> dict[str, str]:

@@ -101,13 +101,16 @@ class _Namespace:
 
 class Lanes:
     """The lanes of one client's encoded puts, per namespace. A process forked with
-    puts under way starts with free lanes."""
+    puts under way starts with free lanes, and so does a pickled copy."""
 
     def __init__(self, lanes: int) -> None:
         if lanes < 1:
             raise ValueError("put_lanes must be at least 1 (or None: each put goes alone)")
         self.lanes = lanes
         self._reset()
+
+    def __reduce__(self) -> tuple[type[Lanes], tuple[int]]:
+        return Lanes, (self.lanes,)
 
     def _reset(self) -> None:
         self._pid = os.getpid()
