@@ -438,16 +438,22 @@ def _unsort(
     if order_z is None:
         raise CorruptShard("an ordered spec's row has no order stream")
     layers, k = spec.num_layers, spec.top_k
-    n_ids = layers * num_tokens * k
+    cells = layers * num_tokens
     if k <= LEHMER_MAX_K:
-        ranks_raw = _unzstd(order_z, layers * num_tokens * 2, "order")
-        ranks = np.frombuffer(ranks_raw, dtype=np.uint16).reshape(layers, num_tokens)
-        if k > 1 and int(ranks.max(initial=0)) >= math.factorial(k):
+        ranks_raw = _unzstd(order_z, cells * 2, "order")
+        order = np.frombuffer(ranks_raw, dtype=np.uint16)
+        if k > 1 and int(order.max(initial=0)) >= math.factorial(k):
             raise CorruptShard("order stream holds a rank past k!")
-        perm = lehmer_table(k)[ranks]
     else:
-        perm_raw = _unzstd(order_z, n_ids, "order")
-        perm = np.frombuffer(perm_raw, dtype=np.uint8).reshape(layers, num_tokens, k)
-    base = np.arange(0, n_ids, k, dtype=np.intp).reshape(layers, num_tokens, 1)
-    unsorted: npt.NDArray[Any] = ids[perm + base]
-    return unsorted
+        order = np.frombuffer(_unzstd(order_z, cells * k, "order"), dtype=np.uint8)
+        order = order.reshape(cells, k)
+    rows = ids.reshape(cells, k)
+    out = np.empty_like(rows)
+    step = max(1, CHUNK_VALUES // k)  # the index temporaries stay in cache
+    base = np.arange(0, min(step, cells) * k, k, dtype=np.intp)[:, None]
+    for begin in range(0, cells, step):
+        end = min(cells, begin + step)
+        part = order[begin:end]
+        perm = lehmer_table(k)[part] if k <= LEHMER_MAX_K else part
+        out[begin:end] = rows[begin:end].reshape(-1)[perm + base[: end - begin]]
+    return out.reshape(-1)

@@ -109,9 +109,11 @@ def layer_planes(ids: npt.NDArray[Any], dtype: npt.DTypeLike) -> list[npt.NDArra
     return list(np.ascontiguousarray(ids.astype(dtype, copy=False).transpose(2, 1, 0)))
 
 
-# values validated and converted at a time: temporaries stay a few MiB however long
-# the trajectory (a 200 MB upload must not cost gigabytes on the server)
-CHUNK_VALUES = 1 << 22
+# values validated, converted or encoded at a time: temporaries stay a few hundred KiB
+# however long the trajectory (a 200 MB upload must not cost gigabytes on the server),
+# small enough to stay in a core's cache between the passes over them (measured:
+# `bench/codec_bench.py`)
+CHUNK_VALUES = 1 << 18
 
 _Convert = Callable[[int, npt.NDArray[Any], npt.NDArray[np.uint8]], None]
 
