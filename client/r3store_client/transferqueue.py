@@ -50,7 +50,7 @@ from r3store.records import TrajectoryWrite
 from r3store.refs import RouteRef
 from r3store.spec import RouteSpec
 from r3store_client.aio import AsyncClient
-from r3store_client.tensors import compact
+from r3store_client.tensors import CompactRoutes, compact
 from r3store_client.tq_samples import (
     SampleMeta,
     describe,
@@ -250,11 +250,16 @@ class R3StoreManager(StorageManager):  # type: ignore[misc]
         routes = [f for f in metadata.field_names if f in self.settings.fields]
         rest = [f for f in metadata.field_names if f not in routes]
         values: dict[str, Any] = {}
-        if rest:
+
+        async def inner() -> None:
             got = await self.inner.get_data(metadata.select_fields(rest))
             values.update({f: got[f] for f in rest})
-        for field in routes:
+
+        async def resolve(field: str) -> None:
             values[field] = await self._resolve(metadata, field)
+
+        # at once: the inner backend's read while the routes are fetched and decoded
+        await asyncio.gather(*([inner()] if rest else []), *map(resolve, routes))
         return TensorDict({f: values[f] for f in metadata.field_names}, batch_size=len(metadata))
 
     async def _resolve(self, metadata: BatchMeta, field: str) -> Any:
@@ -265,12 +270,23 @@ class R3StoreManager(StorageManager):  # type: ignore[misc]
             for m in metadata._custom_backend_meta
         ]
         refs = [ref for ref in (m.route_ref() for m in metas) if ref is not None]
-        routes = None
-        if refs:
-            client = self._client()
-            spec, batch = await client.resolve(refs, direct=self.settings.direct_reads)
-            routes = compact(batch, spec, "padded", major="token", namespace=refs[0].namespace)
-        return AsyncSimpleStorageManager._pack_field_values(sample_tensors(metas, routes, field))
+        if not refs:
+            return _packed(metas, None, field)
+        client = self._client()
+        spec, batch = await client.resolve(refs, direct=self.settings.direct_reads)
+
+        def unpack() -> Any:  # off the event loop, the trajectories decoded in parallel
+            routes = compact(
+                batch,
+                spec,
+                "padded",
+                major="token",
+                executor=client.decoders,
+                namespace=refs[0].namespace,
+            )
+            return _packed(metas, routes, field)
+
+        return await asyncio.to_thread(unpack)
 
     async def clear_data(self, metadata: BatchMeta) -> None:
         """The samples are consumed: their trajectories leased by name and committed
@@ -369,6 +385,11 @@ def _chunks(samples: list[list[TrajectoryWrite]]) -> list[list[TrajectoryWrite]]
             out.append([])
         out[-1].extend(writes)
     return out
+
+
+def _packed(metas: list[SampleMeta], routes: CompactRoutes | None, field: str) -> Any:
+    """The samples' tensors of `field`, packed as SimpleStorage packs a field."""
+    return AsyncSimpleStorageManager._pack_field_values(sample_tensors(metas, routes, field))
 
 
 def _column(data: TensorDict, name: str) -> list[Any] | None:

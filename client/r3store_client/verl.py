@@ -322,7 +322,11 @@ def _fetch(
         if ref.start != 0:
             raise InvalidInput(f"{ref} starts at token {ref.start}: name whole trajectories")
     spec, batch = client.resolve(refs, direct=direct)
-    return spec, compact(batch, spec, "padded", major="token", namespace=refs[0].namespace)
+    namespace = refs[0].namespace
+    routes = compact(
+        batch, spec, "padded", major="token", executor=client.decoders, namespace=namespace
+    )
+    return spec, routes
 
 
 def _check_tokens(
