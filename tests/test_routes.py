@@ -282,3 +282,30 @@ def test_corrupt_streams_raise() -> None:
     unknown = dataclasses.replace(encoded, transform=9)  # type: ignore[arg-type]
     with pytest.raises(CorruptShard, match="unknown route transform"):
         codec.decode(unknown, SPEC, 5)
+
+
+@pytest.mark.parametrize("k", [2, 3, 8, 12])
+def test_ordered_routes_come_back_in_their_slot_order_across_chunks(k: int) -> None:
+    """The producer's slot order survives encode and decode for every K (Lehmer ranks up
+    to 8, positions past it), rows of fewer experts included, over more token-layers
+    than decoding puts back in order at a time."""
+    from r3store.errors import CorruptShard
+
+    layers, tokens = 4, 2 * codec.UNSORT_CELLS // 4 + 7
+    spec = RouteSpec(layers, 300, k, ordered=True, allow_fewer=True)
+    rng = np.random.default_rng(k)
+    ids = np.argsort(rng.random((tokens, layers, 300)), axis=-1)[..., :k].astype(np.int32)
+    held = rng.integers(0, k + 1, (tokens, layers))
+    ids[np.arange(k) >= held[..., None]] = EMPTY  # fewer chosen: empty slots last
+    routes = from_topk(ids, spec, tokens)
+    encoded = codec.encode(routes, spec)
+    back = codec.decode(encoded, spec, tokens)
+    assert np.array_equal(back.to_topk(dtype=np.int32), ids)
+
+    import zstandard
+
+    width = 2 if k <= codec.LEHMER_MAX_K else k
+    past = np.full(tokens * layers * width, 255, np.uint8)  # a rank or a position too big
+    bad = dataclasses.replace(encoded, order=zstandard.ZstdCompressor().compress(past.tobytes()))
+    with pytest.raises(CorruptShard, match="past"):
+        codec.decode(bad, spec, tokens)
