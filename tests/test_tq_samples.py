@@ -79,6 +79,14 @@ def test_routes_of_another_shape_or_kind_are_refused() -> None:
         per_sample([1, 2], "routed_experts")
 
 
+def test_negative_ids_are_refused_a_read_would_give_back_zeros() -> None:
+    for k in (2, 1):  # a row of -1s, or one -1: stored as no route, read back as zeros
+        ids = routes(3)[..., :k].clone()
+        ids[1, 0] = -1
+        with pytest.raises(InvalidInput, match="negative ids"):
+            sample_write("t", ids, RouteSpec(2, 8, k, ordered=True))
+
+
 def test_samples_of_a_put_dense_or_jagged() -> None:
     dense = torch.zeros(3, 4, 2, 2, dtype=torch.int16)
     assert [tuple(t.shape) for t in per_sample(dense, "f")] == [(4, 2, 2)] * 3

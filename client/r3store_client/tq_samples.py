@@ -156,7 +156,7 @@ def sample_write(
 ) -> TrajectoryWrite:
     """One sample's routes `[T, L, K]` as a trajectory write: its token ids with it
     when they are `T` of them, a prompt length past `T` dropped (the write refuses
-    none); K zeros in a row (K > 1) stored as no route."""
+    none); K zeros in a row (K > 1) stored as no route; negative ids refused."""
     tokens, layers, k = (int(n) for n in routes.shape)  # as `describe` checked
     if (layers, k) != (spec.num_layers, spec.top_k):
         raise InvalidInput(
@@ -164,6 +164,11 @@ def sample_write(
             f"{spec.num_layers} layers and top-{spec.top_k}"
         )
     ids = routes.detach().cpu().numpy()
+    if ids.dtype.kind == "i" and ids.size and int(ids.min()) < 0:
+        raise InvalidInput(
+            f"{trajectory_id}: routes hold negative ids, which a read would give back as "
+            "zeros: a token-layer without a route is a row of K zeros"
+        )
     empty = _zero_rows(ids) if k > 1 else None
     if empty is not None and empty.any():  # a copy: the caller's tensor stays as it is
         ids = ids.astype(np.int32 if ids.dtype.kind == "u" else ids.dtype)
