@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import io
 import logging
 import pickle
@@ -376,6 +377,17 @@ def test_layouts_agree(client: Client, namespace: str) -> None:
         chosen = masks[b, : n - 1].nonzero()[:, -1].reshape(n - 1, L, K).numpy()
         assert np.array_equal(chosen, np.sort(np.asarray(w.topk), axis=-1))
         assert not masks[b, n - 1].any()  # the unrecorded last token
+    # the ids in a dtype of the caller's: the same values; refused where ids could wrap
+    narrowest = compact(batch, spec, "packed", "token")
+    wide = compact(batch, spec, "packed", "token", dtype=torch.int16)
+    assert (narrowest.ids.dtype, wide.ids.dtype) == (torch.uint8, torch.int16)
+    assert torch.equal(wide.ids, narrowest.ids.to(torch.int16))
+    assert torch.equal(wide.counts, narrowest.counts)
+    with pytest.raises(InvalidInput, match="cannot hold the ids of 300 experts"):
+        compact(batch, dataclasses.replace(spec, num_experts=300), "packed", dtype=torch.uint8)
+    for dtype in (torch.float32, torch.bool):
+        with pytest.raises(InvalidInput, match="give an integer dtype"):
+            compact(batch, spec, "packed", "token", dtype=dtype)
 
 
 def test_typed_errors_and_pickling(client: Client, namespace: str, server: ServerProcess) -> None:

@@ -19,6 +19,7 @@ from r3store_client.tq_samples import (
     describe,
     new_trajectory_id,
     per_sample,
+    read_dtype,
     sample_tensors,
     sample_write,
     turn_writes,
@@ -125,10 +126,9 @@ def test_a_meta_round_trips() -> None:
 
 
 def test_stored_routes_come_back_as_put_or_are_refused() -> None:
-    ids = torch.zeros(2, 5, 2, 2, dtype=torch.uint8)
-    ids[0, :3] = routes(3).to(torch.uint8)
-    ids[1, :5] = routes(5).to(torch.uint8)
-    resolved = CompactRoutes(ids, torch.zeros(2, 5, 2, dtype=torch.uint8), torch.tensor([3, 5]))
+    ids = torch.cat([routes(3), routes(5)]).to(torch.uint8)  # packed, token-major
+    counts = torch.zeros(8, 2, dtype=torch.uint8)
+    resolved = CompactRoutes(ids, counts, torch.tensor([3, 5]), torch.tensor([0, 3, 8]))
     metas = [
         SampleMeta("ref-a", "int16", (3, 2, 2)),
         SampleMeta(None, "int32", (0, 2, 2)),  # no tokens: stored nowhere
@@ -142,3 +142,11 @@ def test_stored_routes_come_back_as_put_or_are_refused() -> None:
     assert torch.equal(got[2], routes(5))
     with pytest.raises(RefMismatch, match=r"holds routes \[3, 2, 2\], but the sample was put"):
         sample_tensors([SampleMeta("ref-a", "int16", (4, 2, 2))], resolved, "routed_experts")
+
+
+def test_samples_are_read_in_the_dtype_they_were_put_in_where_it_holds_every_id() -> None:
+    a, b = SampleMeta("ref-a", "int16", (3, 2, 2)), SampleMeta("ref-b", "int16", (5, 2, 2))
+    none = SampleMeta(None, "int32", (0, 2, 2))  # stored nowhere: no say in the dtype
+    assert read_dtype([a, none, b], SPEC) == torch.int16
+    assert read_dtype([a, replace(b, dtype="int32")], SPEC) is None  # the narrowest, then cast
+    assert read_dtype([replace(a, dtype="uint8")], RouteSpec(2, 300, 2, ordered=True)) is None

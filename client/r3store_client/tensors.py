@@ -41,7 +41,7 @@ try:
 except ImportError as exc:
     raise missing("torch", __name__, "torch") from exc
 
-from r3store.errors import InvalidRoutes
+from r3store.errors import InvalidInput, InvalidRoutes
 from r3store.logic import codec
 from r3store.logic.routes import Routes
 from r3store.records import Batch, TrajectoryRead
@@ -168,6 +168,18 @@ def compact_dtype(spec: RouteSpec) -> torch.dtype:
     return torch.int16 if spec.num_experts <= 2**15 else torch.int32
 
 
+def _ids_dtype(spec: RouteSpec, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype of `compact`'s ids: `dtype` when it holds every expert id, else refused
+    (a cast would wrap ids silently); the narrowest when None."""
+    if dtype is None:
+        return compact_dtype(spec)
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise InvalidInput(f"route ids cannot be of dtype {dtype}: give an integer dtype")
+    if torch.iinfo(dtype).max < spec.num_experts - 1:
+        raise InvalidInput(f"{dtype} cannot hold the ids of {spec.num_experts} experts")
+    return dtype
+
+
 def _buffer(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """A buffer not yet written: the caller writes (or zeroes) every element."""
     return torch.empty(shape, dtype=dtype, pin_memory=pin and torch.cuda.is_available())
@@ -215,11 +227,14 @@ def compact(
     pin: bool = False,
     executor: Executor | None = None,
     namespace: str | None = None,
+    dtype: torch.dtype | None = None,
 ) -> CompactRoutes:
     """The batch's routes as `CompactRoutes`: each trajectory's segments decoded (from
     their stored streams, or taken as decoded) straight into their place in buffers
     allocated once, in parallel on `executor`; with the token ids stored beside them
-    when any were, and their origin (`namespace`, the trajectories' ids)."""
+    when any were, and their origin (`namespace`, the trajectories' ids). The ids are
+    of `dtype` when given (an integer dtype that holds every expert id; a caller's
+    own), else the narrowest."""
     reads = _reads(batch)
     lengths = [r.num_tokens for r in reads]
     layers, k = spec.num_layers, spec.top_k
@@ -230,7 +245,7 @@ def compact(
         rows, width = 1, sum(lengths)
         offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(int).tolist()
     inner = (layers, width) if major == "layer" else (width, layers)
-    ids = _buffer((rows, *inner, k), compact_dtype(spec), pin)
+    ids = _buffer((rows, *inner, k), _ids_dtype(spec, dtype), pin)
     counts = _buffer((rows, *inner), torch.uint8, pin)
     ids_np, counts_np = ids.numpy(), counts.numpy()
     tokens = None

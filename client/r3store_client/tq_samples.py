@@ -193,8 +193,9 @@ def sample_tensors(
     metas: Sequence[SampleMeta], routes: CompactRoutes | None, field: str
 ) -> list[torch.Tensor]:
     """Each sample's tensor as it was put, from the routes its refs resolved to (token
-    -major, padded, in the order of the samples that have a ref); `RefMismatch` when
-    what is stored is not the shape the sample was put with."""
+    -major, packed, in the order of the samples that have a ref; a view of them where
+    they are of the sample's dtype); `RefMismatch` when what is stored is not the shape
+    the sample was put with."""
     out = []
     b = 0
     for meta in metas:
@@ -203,8 +204,9 @@ def sample_tensors(
             out.append(torch.zeros(meta.shape, dtype=dtype))
             continue
         assert routes is not None
-        n = int(routes.lengths[b])
-        got = routes.ids[b, :n]
+        assert routes.cu_seqlens is not None
+        at, n = int(routes.cu_seqlens[b]), int(routes.lengths[b])
+        got = routes.ids[at : at + n]
         if (n, *got.shape[1:]) != meta.shape:
             raise RefMismatch(
                 f"{field}: {meta.ref} holds routes {[n, *got.shape[1:]]}, but the sample was "
@@ -213,3 +215,15 @@ def sample_tensors(
         out.append(got.to(dtype))
         b += 1
     return out
+
+
+def read_dtype(metas: Sequence[SampleMeta], spec: RouteSpec) -> torch.dtype | None:
+    """The dtype to read samples' routes in (`tensors.compact`): the one they were put
+    in, when they share it and it holds every expert id of `spec` (their tensors are
+    then views of the read); else None, the narrowest (each sample is then cast to its
+    own dtype, which held its ids when it was put)."""
+    dtypes = {meta.dtype for meta in metas if meta.ref is not None}
+    if len(dtypes) != 1:
+        return None
+    dtype = INTEGER_DTYPES[dtypes.pop()]
+    return dtype if torch.iinfo(dtype).max >= spec.num_experts - 1 else None

@@ -56,6 +56,7 @@ from r3store_client.tq_samples import (
     describe,
     new_trajectory_id,
     per_sample,
+    read_dtype,
     sample_tensors,
     sample_write,
     turn_writes,
@@ -274,15 +275,17 @@ class R3StoreManager(StorageManager):  # type: ignore[misc]
             return _packed(metas, None, field)
         client = self._client()
         spec, batch = await client.resolve(refs, direct=self.settings.direct_reads)
+        dtype = read_dtype(metas, spec)
 
         def unpack() -> Any:  # off the event loop, the trajectories decoded in parallel
             routes = compact(
                 batch,
                 spec,
-                "padded",
+                "packed",
                 major="token",
                 executor=client.decoders,
                 namespace=refs[0].namespace,
+                dtype=dtype,
             )
             return _packed(metas, routes, field)
 
