@@ -202,10 +202,21 @@ def _fill(
         return
     np.copyto(
         ids[row, at],
-        source.transpose(1, 0, 2) if isinstance(source, np.ndarray) else source,
+        _token_major(source) if isinstance(source, np.ndarray) else source,
         casting="unsafe",
     )
     counts[row, at] = count.T if isinstance(count, np.ndarray) else count
+
+
+def _token_major(layers: np.ndarray) -> np.ndarray:
+    """`[L, n, K]` ids as `[n, L, K]`: a token-layer's K ids moved as one word where they
+    fit one (a copy of that many words, not of K times as many ids), else a view."""
+    width = layers.shape[2] * layers.itemsize
+    if width not in (1, 2, 4, 8) or not layers.flags.c_contiguous:
+        return layers.transpose(1, 0, 2)
+    words = layers.view(f"u{width}").reshape(layers.shape[:2])
+    moved: np.ndarray = np.ascontiguousarray(words.T).view(layers.dtype)
+    return moved.reshape(layers.shape[1], layers.shape[0], layers.shape[2])
 
 
 def _gaps(spans: list[tuple[int, int]], end: int) -> list[slice]:
