@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from math import factorial
 from typing import Any
 
 import numpy as np
@@ -309,3 +310,12 @@ def test_ordered_routes_come_back_in_their_slot_order_across_chunks(k: int) -> N
     bad = dataclasses.replace(encoded, order=zstandard.ZstdCompressor().compress(past.tobytes()))
     with pytest.raises(CorruptShard, match="past"):
         codec.decode(bad, spec, tokens)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
+def test_the_lehmer_table_lists_each_rank_s_permutation(k: int) -> None:
+    """Row r of the table decoding ranks is the slot order that encodes to rank r."""
+    table = codec.lehmer_table(k)
+    assert table.shape == (factorial(k), k)
+    ranks = codec._lehmer_rank([np.ascontiguousarray(table[:, i]) for i in range(k)])
+    assert np.array_equal(ranks, np.arange(factorial(k)))

@@ -39,6 +39,7 @@ import dataclasses
 import functools
 import hashlib
 import io
+import itertools
 import math
 import threading
 from collections.abc import Sequence
@@ -104,15 +105,10 @@ def _zdict(dictionary: Dictionary) -> zstandard.ZstdCompressionDict:
 
 @functools.lru_cache(maxsize=LEHMER_MAX_K)
 def lehmer_table(k: int) -> npt.NDArray[np.uint8]:
-    """`[k!, k]`: row r is the permutation whose Lehmer rank is r (slot i <- sorted p[i])."""
-    table = np.empty((math.factorial(k), k), dtype=np.uint8)
-    for rank in range(table.shape[0]):
-        remaining = list(range(k))
-        rest = rank
-        for i in range(k):
-            digit, rest = divmod(rest, math.factorial(k - 1 - i))
-            table[rank, i] = remaining.pop(digit)
-    return table
+    """`[k!, k]`: row r is the permutation whose Lehmer rank is r (slot i <- sorted p[i]):
+    the r-th in lexicographic order, as `itertools.permutations` lists them."""
+    table = np.array(list(itertools.permutations(range(k))), dtype=np.uint8)
+    return table.reshape(math.factorial(k), k)
 
 
 def _lehmer_rank(planes: list[npt.NDArray[Any]]) -> npt.NDArray[np.uint16]:
