@@ -305,11 +305,18 @@ def test_ordered_routes_come_back_in_their_slot_order_across_chunks(k: int) -> N
 
     import zstandard
 
-    width = 2 if k <= codec.LEHMER_MAX_K else k
-    past = np.full(tokens * layers * width, 255, np.uint8)  # a rank or a position too big
-    bad = dataclasses.replace(encoded, order=zstandard.ZstdCompressor().compress(past.tobytes()))
-    with pytest.raises(CorruptShard, match="past"):
-        codec.decode(bad, spec, tokens)
+    cells = tokens * layers
+    if k <= codec.LEHMER_MAX_K:  # ranks past k!
+        wrong = [("rank past k!", np.full(cells, 0xFFFF, np.uint16))]
+    else:  # positions past K, or one position twice
+        wrong = [
+            ("not a permutation", np.full(cells * k, 255, np.uint8)),
+            ("not a permutation", np.zeros(cells * k, np.uint8)),
+        ]
+    for says, order in wrong:
+        bad = zstandard.ZstdCompressor().compress(order.tobytes())
+        with pytest.raises(CorruptShard, match=says):
+            codec.decode(dataclasses.replace(encoded, order=bad), spec, tokens)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5, 8])

@@ -108,6 +108,7 @@ def lehmer_table(k: int) -> npt.NDArray[np.uint8]:
     """`[k!, k]`: row r is the permutation whose Lehmer rank is r (slot i <- sorted p[i]):
     the r-th in lexicographic order, as `itertools.permutations` lists them."""
     table = np.array(list(itertools.permutations(range(k))), dtype=np.uint8)
+    table.flags.writeable = False  # one table, shared by every decoding thread
     return table.reshape(math.factorial(k), k)
 
 
@@ -395,14 +396,14 @@ def decode(
         None if encoded.dictionary is None else dictionary,
     )
     ids = transform.inverse(np.frombuffer(raw, dtype=spec.id_dtype), shape)
-    if not ids.flags.writeable:  # still the decompressed bytes
-        ids = ids.copy()
     counts = None
     if encoded.counts is not None:
         counts_raw = _unzstd(encoded.counts, layers * num_tokens, "counts")
         counts = np.frombuffer(counts_raw, dtype=np.uint8).reshape(layers, num_tokens)
     if spec.ordered:
-        ids = _unsort(ids, encoded.order, spec, num_tokens)
+        ids = _unsort(ids, encoded.order, spec, num_tokens)  # a new array
+    elif not ids.flags.writeable:  # still the decompressed bytes
+        ids = ids.copy()
     return Routes(ids.reshape(shape), counts)
 
 
@@ -439,13 +440,11 @@ def _unsort(
     if k <= LEHMER_MAX_K:
         ranks_raw = _unzstd(order_z, cells * 2, "order")
         order = np.frombuffer(ranks_raw, dtype=np.uint16)
-        if k > 1 and int(order.max(initial=0)) >= math.factorial(k):
+        if int(order.max(initial=0)) >= math.factorial(k):
             raise CorruptShard("order stream holds a rank past k!")
     else:
         order = np.frombuffer(_unzstd(order_z, cells * k, "order"), dtype=np.uint8)
         order = order.reshape(cells, k)
-        if int(order.max(initial=0)) >= k:
-            raise CorruptShard("order stream holds a position past K")
     table = _rows_of(lehmer_table(k)) if k <= LEHMER_MAX_K else None
     sets = ids.reshape(cells * k)
     out = np.empty_like(sets)
@@ -455,10 +454,14 @@ def _unsort(
     for begin in range(0, cells, step):
         n = min(cells, begin + step) - begin
         part = order[begin : begin + n]
+        if table is None and (np.sort(part, axis=1) != np.arange(k, dtype=np.uint8)).any():
+            raise CorruptShard("order stream holds positions that are not a permutation")
         perm = part if table is None else np.take(table, part).view(np.uint8).reshape(n, k)
         np.add(perm, base[:n], out=index[:n])
         flat = slice(begin * k, (begin + n) * k)
-        np.take(sets[flat], index[:n].reshape(-1), out=out[flat])
+        # in range by construction (each row of `perm` a permutation of 0..K-1): "clip"
+        # spares numpy's bounds check, which would buffer `out`
+        np.take(sets[flat], index[:n].reshape(-1), out=out[flat], mode="clip")
     return out
 
 
