@@ -334,7 +334,7 @@ def test_writer_to_server_to_reader(client: Client, namespace: str) -> None:
     assert pack.ids.shape == (sum(w.num_tokens for w in writes[:3]), L, K)
 
 
-LAYOUTS = [("padded", "layer"), ("padded", "token"), ("packed", "layer")]
+LAYOUTS = [("padded", "layer"), ("padded", "token"), ("packed", "layer"), ("packed", "token")]
 
 
 @pytest.mark.parametrize(("layout", "major"), LAYOUTS)
@@ -385,8 +385,8 @@ def test_layouts_agree(client: Client, namespace: str) -> None:
     assert torch.equal(wide.counts, narrowest.counts)
     with pytest.raises(InvalidInput, match="cannot hold the ids of 300 experts"):
         compact(batch, dataclasses.replace(spec, num_experts=300), "packed", dtype=torch.uint8)
-    for dtype in (torch.float32, torch.bool):
-        with pytest.raises(InvalidInput, match="give an integer dtype"):
+    for dtype in (torch.float32, torch.bool, torch.quint8):
+        with pytest.raises(InvalidInput, match="route ids cannot be of dtype"):
             compact(batch, spec, "packed", "token", dtype=dtype)
 
 

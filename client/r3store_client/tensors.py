@@ -1,7 +1,8 @@
 """Routes as torch tensors, in the layouts trainers use (torch required).
 
 - `compact`: what travels from host to device: `CompactRoutes`, ids in the narrowest
-  dtype (uint8 up to 256 experts, else int16 or int32) and chosen-slot counts (uint8),
+  dtype (uint8 up to 256 experts, else int16 or int32; or one the caller gives that
+  holds every id) and chosen-slot counts (uint8),
   decoded in parallel threads straight into preallocated (optionally pinned) buffers,
   layer-major (`[B, L, T, K]` storage, seen as `[B, T, L, K]`) or token-major. 1 byte
   per slot instead of 5; `.to(device).widen()` makes the int32 ids and the validity
@@ -106,9 +107,9 @@ class RouteTensors:
 @dataclass
 class CompactRoutes:
     """A micro-batch's routes as they travel: `ids` `[B, T, L, K]` (or `[N, L, K]`
-    packed) in the narrowest dtype, `counts` `[B, T, L]` (or `[N, L]`) uint8 chosen
-    slots (0: no route, and padding), `tokens` as in `RouteTensors`. Move it, then
-    `widen()` where it will be used."""
+    packed) in the narrowest dtype (or the one `compact` was given), `counts`
+    `[B, T, L]` (or `[N, L]`) uint8 chosen slots (0: no route, and padding), `tokens` as
+    in `RouteTensors`. Move it, then `widen()` where it will be used."""
 
     ids: torch.Tensor
     counts: torch.Tensor
@@ -162,6 +163,9 @@ def as_wide(routes: RouteTensors | CompactRoutes) -> RouteTensors:
     return routes.widen() if isinstance(routes, CompactRoutes) else routes
 
 
+ID_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)  # of `compact`
+
+
 def compact_dtype(spec: RouteSpec) -> torch.dtype:
     if spec.num_experts <= 256:
         return torch.uint8
@@ -169,12 +173,13 @@ def compact_dtype(spec: RouteSpec) -> torch.dtype:
 
 
 def _ids_dtype(spec: RouteSpec, dtype: torch.dtype | None) -> torch.dtype:
-    """The dtype of `compact`'s ids: `dtype` when it holds every expert id, else refused
-    (a cast would wrap ids silently); the narrowest when None."""
+    """The dtype of `compact`'s ids: `dtype` when it is one of `ID_DTYPES` and holds
+    every expert id, else refused (a cast would wrap ids silently); the narrowest when
+    None."""
     if dtype is None:
         return compact_dtype(spec)
-    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-        raise InvalidInput(f"route ids cannot be of dtype {dtype}: give an integer dtype")
+    if dtype not in ID_DTYPES:
+        raise InvalidInput(f"route ids cannot be of dtype {dtype}: give one of {ID_DTYPES}")
     if torch.iinfo(dtype).max < spec.num_experts - 1:
         raise InvalidInput(f"{dtype} cannot hold the ids of {spec.num_experts} experts")
     return dtype
@@ -244,8 +249,8 @@ def compact(
     their stored streams, or taken as decoded) straight into their place in buffers
     allocated once, in parallel on `executor`; with the token ids stored beside them
     when any were, and their origin (`namespace`, the trajectories' ids). The ids are
-    of `dtype` when given (an integer dtype that holds every expert id; a caller's
-    own), else the narrowest."""
+    of `dtype` when given (one of `ID_DTYPES` that holds every expert id, else
+    `InvalidInput`), else the narrowest."""
     reads = _reads(batch)
     lengths = [r.num_tokens for r in reads]
     layers, k = spec.num_layers, spec.top_k

@@ -259,7 +259,8 @@ class R3StoreManager(StorageManager):  # type: ignore[misc]
         async def resolve(field: str) -> None:
             values[field] = await self._resolve(metadata, field)
 
-        # at once: the inner backend's read while the routes are fetched and decoded
+        # at once: the inner backend's read while the routes are fetched and decoded (a
+        # failure raises as itself; what runs beside it finishes, its answer dropped)
         await asyncio.gather(*([inner()] if rest else []), *map(resolve, routes))
         return TensorDict({f: values[f] for f in metadata.field_names}, batch_size=len(metadata))
 
@@ -276,6 +277,7 @@ class R3StoreManager(StorageManager):  # type: ignore[misc]
         client = self._client()
         spec, batch = await client.resolve(refs, direct=self.settings.direct_reads)
         dtype = read_dtype(metas, spec)
+        decoders = client.decoders  # taken here, on the loop, not by the thread below
 
         def unpack() -> Any:  # off the event loop, the trajectories decoded in parallel
             routes = compact(
@@ -283,7 +285,7 @@ class R3StoreManager(StorageManager):  # type: ignore[misc]
                 spec,
                 "packed",
                 major="token",
-                executor=client.decoders,
+                executor=decoders,
                 namespace=refs[0].namespace,
                 dtype=dtype,
             )

@@ -316,15 +316,23 @@ def refs_of(data: Any) -> list[RouteRef]:
 
 
 def _fetch(
-    client: Client, refs: Sequence[RouteRef], direct: bool
+    client: Client, refs: Sequence[RouteRef], direct: bool, dtype: torch.dtype
 ) -> tuple[RouteSpec, CompactRoutes]:
+    """The refs' routes, padded and token-major, their ids in `dtype` (`InvalidInput`
+    when it cannot hold every expert id of the namespace)."""
     for ref in refs:
         if ref.start != 0:
             raise InvalidInput(f"{ref} starts at token {ref.start}: name whole trajectories")
     spec, batch = client.resolve(refs, direct=direct)
     namespace = refs[0].namespace
     routes = compact(
-        batch, spec, "padded", major="token", executor=client.decoders, namespace=namespace
+        batch,
+        spec,
+        "padded",
+        major="token",
+        executor=client.decoders,
+        namespace=namespace,
+        dtype=dtype,
     )
     return spec, routes
 
@@ -363,14 +371,15 @@ def resolve_routes(
     `routed_experts` `(bs, seq, L, K)` as verl's agent loop builds it (int16, each
     sample's routes at its tokens, zeros elsewhere), set it in the batch and return it.
     `check_tokens`: the batch's `input_ids` must be the tokens stored with the routes
-    (`TokenMismatch`); a ref that no longer names its routes raises `RefMismatch`."""
+    (`TokenMismatch`); a ref that no longer names its routes raises `RefMismatch`, a
+    `dtype` that cannot hold every expert id of the namespace `InvalidInput`."""
     refs = refs_of(data)
     tensors = _tensors(data)
     input_ids: torch.Tensor = tensors["input_ids"]
     placed = placement(tensors["attention_mask"], int(tensors["prompts"].shape[1]))
     if len(refs) != len(placed):
         raise ValueError(f"{len(refs)} refs for {len(placed)} samples")
-    spec, routes = _fetch(client, refs, direct)
+    spec, routes = _fetch(client, refs, direct, dtype)
     bs, seq = input_ids.shape[:2]
     out = torch.zeros((bs, seq, spec.num_layers, spec.top_k), dtype=dtype)
     for p, ref in zip(placed, refs, strict=True):
@@ -381,7 +390,7 @@ def resolve_routes(
             )
         elif int(routes.lengths[p.index]) != p.num_tokens:
             raise TokenMismatch(f"{ref} holds another number of tokens than sample {p.index}")
-        out[p.index, inside] = routes.ids[p.index, : p.num_tokens].to(dtype)
+        out[p.index, inside] = routes.ids[p.index, : p.num_tokens]
     tensors[ROUTES_KEY] = out
     return out
 
@@ -408,7 +417,7 @@ def resolve_nested(
     lengths = offsets.diff().tolist()
     if len(refs) != len(lengths):
         raise ValueError(f"{len(refs)} refs for {len(lengths)} samples")
-    spec, routes = _fetch(client, refs, direct)
+    spec, routes = _fetch(client, refs, direct, dtype)
     values = input_ids.values()
     parts = []
     for b, (ref, n) in enumerate(zip(refs, lengths, strict=True)):
@@ -419,9 +428,7 @@ def resolve_nested(
             raise TokenMismatch(f"{ref} holds another number of tokens than sample {b}")
         parts.append(routes.ids[b, :n])
     joined = (
-        torch.cat(parts).to(dtype)
-        if parts
-        else torch.zeros((0, spec.num_layers, spec.top_k), dtype=dtype)
+        torch.cat(parts) if parts else torch.zeros((0, spec.num_layers, spec.top_k), dtype=dtype)
     )
     out = torch.nested.nested_tensor_from_jagged(joined, offsets=offsets)
     data[ROUTES_KEY] = out
