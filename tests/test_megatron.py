@@ -37,14 +37,8 @@ from r3store_client.megatron import (
     router_tokens,
 )
 from r3store_client.reader import TrainerReader
-from r3store_client.tensors import (
-    CompactRoutes,
-    GateNotChecked,
-    Origin,
-    RouteTensors,
-    TokenMismatch,
-    TokensNotChecked,
-)
+from r3store_client.tensors import CompactRoutes, Origin, RouteTensors
+from r3store_client.token_check import GateNotChecked, TokenMismatch, TokensNotChecked
 
 quiet()
 SPEC = RouteSpec(num_layers=2, num_experts=8, top_k=2)  # the tiny model's two MoE layers

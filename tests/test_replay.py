@@ -29,14 +29,8 @@ from r3store_client.convert import from_hf_router
 from r3store_client.hf_routers import FAMILIES
 from r3store_client.reader import TrainerReader
 from r3store_client.replay import RouterReplay
-from r3store_client.tensors import (
-    CompactRoutes,
-    GateNotChecked,
-    Origin,
-    RouteTensors,
-    TokenMismatch,
-    TokensNotChecked,
-)
+from r3store_client.tensors import CompactRoutes, Origin, RouteTensors
+from r3store_client.token_check import GateNotChecked, TokenMismatch, TokensNotChecked
 
 KNOWN = [name for name, (_t, _m, router, _k) in TINY.items() if router in FAMILIES]
 UNKNOWN = [name for name, (_t, _m, router, _k) in TINY.items() if router not in FAMILIES]

@@ -34,7 +34,7 @@ from verl_rollout import (
 
 from r3store.errors import RefMismatch
 from r3store_client import AsyncClient, Client
-from r3store_client.tensors import TokenMismatch
+from r3store_client.token_check import TokenMismatch
 from r3store_client.verl import (
     REFS_KEY,
     ROUTES_KEY,

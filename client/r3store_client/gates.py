@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from r3store_client.hf_routers import FAMILIES, SIGMOID_BIAS_GROUPS
-from r3store_client.tensors import GateNotChecked
+from r3store_client.token_check import GateNotChecked
 
 if TYPE_CHECKING:
     from torch import nn

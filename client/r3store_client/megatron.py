@@ -62,7 +62,8 @@ from r3store_client.megatron_routes import (
     noted,
     replay_data,
 )
-from r3store_client.tensors import CompactRoutes, RouteTensors, TokenCheck, as_wide, warn_untokened
+from r3store_client.tensors import CompactRoutes, RouteTensors, as_wide
+from r3store_client.token_check import TokenCheck, warn_untokened
 
 __all__ = [
     "MegatronReplay",

@@ -30,7 +30,8 @@ except ImportError as exc:
 from r3store.errors import InvalidRoutes
 from r3store.spec import RouteSpec
 from r3store_client.megatron_layout import TokenLayout, check_parallel, seen_by_routers
-from r3store_client.tensors import CompactRoutes, Origin, RouteTensors, TokenCheck, as_wide
+from r3store_client.tensors import CompactRoutes, Origin, RouteTensors, as_wide
+from r3store_client.token_check import TokenCheck
 
 _LIVE = "_r3_live"  # the note on a layer's tensor: whether it has rows for the live router
 

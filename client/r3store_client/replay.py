@@ -53,14 +53,8 @@ from r3store.spec import RouteSpec
 from r3store_client.gates import MODEL_GATES as MODEL_GATES
 from r3store_client.gates import check_gate, hf_gate
 from r3store_client.hf_routers import FAMILIES, Family, supported
-from r3store_client.tensors import (
-    CompactRoutes,
-    RouteTensors,
-    TokenCheck,
-    as_wide,
-    warn_once,
-    warn_untokened,
-)
+from r3store_client.tensors import CompactRoutes, RouteTensors, as_wide
+from r3store_client.token_check import TokenCheck, warn_once, warn_untokened
 
 
 def router_family(module: nn.Module) -> Family | None:

@@ -61,7 +61,8 @@ from r3store.policy import ENGINE, Source
 from r3store.records import VERBATIM, PutResult, TrajectoryWrite
 from r3store.refs import RouteRef
 from r3store.spec import RouteSpec
-from r3store_client.tensors import CompactRoutes, TokenMismatch, compact
+from r3store_client.tensors import CompactRoutes, compact
+from r3store_client.token_check import TokenMismatch
 
 if TYPE_CHECKING:
     from r3store_client.aio import AsyncClient
