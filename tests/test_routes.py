@@ -326,3 +326,19 @@ def test_the_lehmer_table_lists_each_rank_s_permutation(k: int) -> None:
     assert table.shape == (factorial(k), k)
     ranks = codec._lehmer_rank([np.ascontiguousarray(table[:, i]) for i in range(k)])
     assert np.array_equal(ranks, np.arange(factorial(k)))
+
+
+def test_a_row_is_one_word_where_its_bytes_make_one() -> None:
+    from r3store.logic.routes import row_words
+
+    ids = np.arange(2 * 3 * 8, dtype=np.uint8).reshape(2, 3, 8)
+    words = row_words(ids)
+    assert words is not None
+    assert words.shape == (2, 3)
+    assert words.dtype == np.uint64
+    assert np.array_equal(words.view(np.uint8).reshape(ids.shape), ids)  # the same bytes
+    pairs = row_words(np.ascontiguousarray(ids[..., :2], dtype=np.uint16))
+    assert pairs is not None
+    assert pairs.dtype == np.uint32  # two uint16 ids
+    assert row_words(ids[..., :3]) is None  # 3 bytes: no word
+    assert row_words(ids.transpose(1, 0, 2)) is None  # not C-contiguous

@@ -42,7 +42,7 @@ except ImportError as exc:
 
 from r3store.errors import InvalidInput
 from r3store.logic import codec
-from r3store.logic.routes import Routes
+from r3store.logic.routes import Routes, row_words
 from r3store.records import Batch, TrajectoryRead
 from r3store.spec import RouteSpec
 
@@ -178,9 +178,14 @@ def _ids_dtype(spec: RouteSpec, dtype: torch.dtype | None) -> torch.dtype:
         return compact_dtype(spec)
     if dtype not in ID_DTYPES:
         raise InvalidInput(f"route ids cannot be of dtype {dtype}: give one of {ID_DTYPES}")
-    if torch.iinfo(dtype).max < spec.num_experts - 1:
+    if not holds_ids(dtype, spec):
         raise InvalidInput(f"{dtype} cannot hold the ids of {spec.num_experts} experts")
     return dtype
+
+
+def holds_ids(dtype: torch.dtype, spec: RouteSpec) -> bool:
+    """Whether integer `dtype` holds every expert id of `spec`."""
+    return torch.iinfo(dtype).max >= spec.num_experts - 1
 
 
 def _buffer(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -214,10 +219,9 @@ def _fill(
 def _token_major(layers: np.ndarray) -> np.ndarray:
     """`[L, n, K]` ids as `[n, L, K]`: a token-layer's K ids moved as one word where they
     fit one (a copy of that many words, not of K times as many ids), else a view."""
-    width = layers.shape[2] * layers.itemsize
-    if width not in (1, 2, 4, 8) or not layers.flags.c_contiguous:
+    words = row_words(layers)
+    if words is None:
         return layers.transpose(1, 0, 2)
-    words = layers.view(f"u{width}").reshape(layers.shape[:2])
     moved: np.ndarray = np.ascontiguousarray(words.T).view(layers.dtype)
     return moved.reshape(layers.shape[1], layers.shape[0], layers.shape[2])
 

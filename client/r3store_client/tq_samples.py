@@ -33,7 +33,7 @@ from r3store.errors import InvalidInput, RefMismatch
 from r3store.records import VERBATIM, TrajectoryWrite
 from r3store.refs import RouteRef
 from r3store.spec import RouteSpec
-from r3store_client.tensors import CompactRoutes
+from r3store_client.tensors import CompactRoutes, holds_ids
 from r3store_client.turn_routes import TurnsMeta
 
 INTEGER_DTYPES = {
@@ -226,4 +226,4 @@ def read_dtype(metas: Sequence[SampleMeta], spec: RouteSpec) -> torch.dtype | No
     if len(dtypes) != 1:
         return None
     dtype = INTEGER_DTYPES[dtypes.pop()]
-    return dtype if torch.iinfo(dtype).max >= spec.num_experts - 1 else None
+    return dtype if holds_ids(dtype, spec) else None

@@ -50,7 +50,7 @@ import numpy.typing as npt
 import zstandard
 
 from r3store.errors import CorruptShard
-from r3store.logic.routes import CHUNK_VALUES, SENTINEL, sort_planes
+from r3store.logic.routes import CHUNK_VALUES, SENTINEL, row_words, sort_planes
 from r3store.route_types import Dictionaries as Dictionaries
 from r3store.route_types import Dictionary as Dictionary
 from r3store.route_types import EncodedRoutes as EncodedRoutes
@@ -467,6 +467,7 @@ def _unsort(
 
 def _rows_of(table: npt.NDArray[np.uint8]) -> npt.NDArray[Any]:
     """A `[n, k]` uint8 table as `n` values of k bytes each: one gather takes a row."""
-    k = table.shape[1]
-    width = np.dtype(f"u{k}") if k in (1, 2, 4, 8) else np.dtype((np.void, k))
-    return np.ascontiguousarray(table).view(width).reshape(-1)
+    words = row_words(table)
+    if words is not None:
+        return words
+    return np.ascontiguousarray(table).view(np.dtype((np.void, table.shape[1]))).reshape(-1)

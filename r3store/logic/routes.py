@@ -109,6 +109,17 @@ def layer_planes(ids: npt.NDArray[Any], dtype: npt.DTypeLike) -> list[npt.NDArra
     return list(np.ascontiguousarray(ids.astype(dtype, copy=False).transpose(2, 1, 0)))
 
 
+def row_words(a: npt.NDArray[Any]) -> npt.NDArray[Any] | None:
+    """A C-contiguous `[..., k]` array as `[...]` words: each row's k values one word of
+    1, 2, 4 or 8 bytes, which a gather or a transpose moves as one value; None where a
+    row is no such word or the array is not C-contiguous."""
+    width = a.shape[-1] * a.itemsize
+    if width not in (1, 2, 4, 8) or not a.flags.c_contiguous:
+        return None
+    words: npt.NDArray[Any] = a.view(f"u{width}").reshape(a.shape[:-1])
+    return words
+
+
 # values validated, converted or encoded at a time: temporaries stay a few hundred KiB
 # however long the trajectory (a 200 MB upload must not cost gigabytes on the server),
 # small enough to stay in a core's cache between the passes over them (measured:
