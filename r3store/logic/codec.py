@@ -454,7 +454,7 @@ def _unsort(
     for begin in range(0, cells, step):
         n = min(cells, begin + step) - begin
         part = order[begin : begin + n]
-        if table is None and (np.sort(part, axis=1) != np.arange(k, dtype=np.uint8)).any():
+        if table is None and not_permutations(part).any():
             raise CorruptShard("order stream holds positions that are not a permutation")
         perm = part if table is None else np.take(table, part).view(np.uint8).reshape(n, k)
         np.add(perm, base[:n], out=index[:n])
@@ -463,6 +463,13 @@ def _unsort(
         # spares numpy's bounds check, which would buffer `out`
         np.take(sets[flat], index[:n].reshape(-1), out=out[flat], mode="clip")
     return out
+
+
+def not_permutations(positions: npt.NDArray[Any]) -> npt.NDArray[np.bool_]:
+    """`[n]`: which rows of slot positions `[n, K]` are not a permutation of 0..K-1."""
+    k = positions.shape[1]
+    wrong: npt.NDArray[np.bool_] = (np.sort(positions, axis=1) != np.arange(k)).any(axis=1)
+    return wrong
 
 
 def _rows_of(table: npt.NDArray[np.uint8]) -> npt.NDArray[Any]:

@@ -29,7 +29,7 @@ import zstandard
 
 from r3store.errors import InvalidInput, InvalidRoutes
 from r3store.logic import codec
-from r3store.logic.codec import LEHMER_MAX_K, lehmer_table
+from r3store.logic.codec import LEHMER_MAX_K, lehmer_table, not_permutations
 from r3store.logic.routes import CHUNK_VALUES
 from r3store.logic.stats import Counts, expert_load
 from r3store.route_types import Dictionary, EncodedRoutes, Routes
@@ -208,9 +208,12 @@ def _check_order(
     if k <= LEHMER_MAX_K:
         _first(order >= math.factorial(k), offset, num_tokens, where, f"an order rank >= {k}!")
     else:
-        not_perm = (np.sort(order, axis=1) != np.arange(k)).any(axis=1)
         _first(
-            not_perm, offset, num_tokens, where, "an order that is not a permutation of the slots"
+            not_permutations(order),
+            offset,
+            num_tokens,
+            where,
+            "an order that is not a permutation of the slots",
         )
     partial = np.flatnonzero(counts < k)
     if not partial.size:
